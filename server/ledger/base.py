@@ -1,0 +1,163 @@
+"""The ledger interface: a small surface every backend implements the same way.
+
+Callers (the commit boundary, the meta tools, the CLI) speak only this; the
+SQLite and PostgreSQL backends live behind it. Each method is one ledger step
+and, in the backends, one round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from ..model import IdempotencyClass, Operation, State, ToolResult
+
+
+class LedgerUnavailable(Exception):
+    """The ledger could not be read or written; keyed tools fail closed."""
+
+
+class ClaimKind(StrEnum):
+    NEW = "new"  # the caller owns a fresh RUNNING attempt and must execute it
+    EXISTING = "existing"  # someone already recorded this operation; read its state
+    CONFLICT = "conflict"  # the key was first used with another tool or other arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    principal: str
+    session: str
+    step: str
+    tool: str
+    idempotency_class: IdempotencyClass
+    fingerprint: str
+    arguments_json: str
+    owner: str
+    lease_seconds: float
+    retention_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    kind: ClaimKind
+    operation: Operation
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    owner: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A compare-and-set on one operation, recorded in the audit trail.
+
+    It applies only while the operation is in one of `expect_states` and, when
+    `expect_fence` is set, still carries that fencing token: a stale owner can
+    never overwrite a newer attempt's outcome.
+    """
+
+    to_state: State
+    expect_states: frozenset[State]
+    event: str
+    expect_fence: int | None = None
+    result: ToolResult | None = None
+    error: dict[str, Any] | None = None
+    reconciliation: dict[str, Any] | None = None
+    lease: Lease | None = None  # set => a new attempt: fence + 1, attempts + 1
+    actor: str | None = None
+    detail: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OperationFilter:
+    principal: str | None  # None only for operators (CLI)
+    session: str | None = None
+    state: State | None = None
+    tool: str | None = None
+    older_than: float | None = None
+    limit: int = 50
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    at: float
+    event: str
+    from_state: str | None
+    to_state: str | None
+    fence: int
+    actor: str | None
+    detail: dict[str, Any] | None = field(default=None)
+
+
+class Ledger(Protocol):
+    """A durable operation ledger; see DESIGN 1.4 and 1.6."""
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
+
+    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
+        """Apply `change`; None when its expectations no longer hold."""
+        ...
+
+    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool: ...
+
+    async def get(self, principal: str, session: str, step: str) -> Operation | None: ...
+
+    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None: ...
+
+    async def find(self, where: OperationFilter) -> list[Operation]: ...
+
+    async def history(self, operation_id: str) -> list[AuditEntry]: ...
+
+    async def expire_leases(self, now: float) -> Sequence[Operation]:
+        """Turn RUNNING operations whose lease ran out into UNKNOWN; return them."""
+        ...
+
+    async def purge(self, now: float) -> int:
+        """Delete completed operations past their retention; UNKNOWN is never purged."""
+        ...
+
+    async def counts(self) -> dict[str, int]:
+        """Operations by state, and audit events by kind (`event:NAME`)."""
+        ...
+
+    async def check_writable(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# --- lease owners --------------------------------------------------------------
+
+_HOST = socket.gethostname()
+_PROCESS_NONCE = uuid.uuid4().hex[:8]
+
+
+def this_owner() -> str:
+    """Identifies this process as a lease owner: host, pid and a nonce against pid reuse."""
+    return f"{_HOST}:{os.getpid()}:{_PROCESS_NONCE}"
+
+
+def owner_known_dead(owner: str | None) -> bool:
+    """True only when the owner ran on this host and its process is gone (DESIGN 1.11)."""
+    if not owner:
+        return False
+    host, _, rest = owner.partition(":")
+    pid_text, _, nonce = rest.partition(":")
+    if host != _HOST or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return nonce != _PROCESS_NONCE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

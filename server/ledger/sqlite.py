@@ -1,0 +1,557 @@
+"""SQLite ledger: WAL, synchronous=FULL, one writer thread with group commit.
+
+Every ledger step is one function run on a dedicated writer thread, so a claim
+or an outcome costs one thread hop, not one per statement. The writer drains
+whatever steps are queued and commits them in one transaction (group commit):
+under concurrency many steps share one fsync. Each step runs in a savepoint,
+so one failing step never takes the others of its batch down. Reads that need
+no write (status, listings) go through a separate aiosqlite connection, which
+WAL lets run beside the writer.
+
+Several processes may share one file: BEGIN IMMEDIATE serialises writers
+across processes, and the unique (principal, session, step) index makes the
+claim exactly-once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from ..model import IdempotencyClass, Operation, State, ToolResult
+from .base import (
+    AuditEntry,
+    Change,
+    Claim,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    LedgerUnavailable,
+    OperationFilter,
+    owner_known_dead,
+)
+
+T = TypeVar("T")
+
+MIGRATIONS: list[str] = [
+    # 1: operations + audit trail
+    """
+    CREATE TABLE operations (
+        operation_id     TEXT PRIMARY KEY,
+        principal        TEXT NOT NULL,
+        session          TEXT NOT NULL,
+        step             TEXT NOT NULL,
+        tool             TEXT NOT NULL,
+        idempotency_class TEXT NOT NULL,
+        fingerprint      TEXT NOT NULL,
+        state            TEXT NOT NULL,
+        attempts         INTEGER NOT NULL,
+        fence            INTEGER NOT NULL,
+        arguments        TEXT NOT NULL,
+        lease_owner      TEXT,
+        lease_expires_at REAL,
+        result           TEXT,
+        error            TEXT,
+        reconciliation   TEXT,
+        downstream_ref   TEXT,
+        retention        REAL NOT NULL,
+        created_at       REAL NOT NULL,
+        updated_at       REAL NOT NULL,
+        completed_at     REAL,
+        expires_at       REAL
+    );
+    CREATE UNIQUE INDEX operations_key ON operations (principal, session, step);
+    CREATE INDEX operations_state ON operations (state, lease_expires_at);
+    CREATE INDEX operations_expiry ON operations (expires_at) WHERE expires_at IS NOT NULL;
+    CREATE INDEX operations_recent ON operations (principal, created_at);
+    CREATE TABLE audit (
+        id           INTEGER PRIMARY KEY,
+        operation_id TEXT NOT NULL,
+        at           REAL NOT NULL,
+        event        TEXT NOT NULL,
+        from_state   TEXT,
+        to_state     TEXT,
+        fence        INTEGER NOT NULL,
+        actor        TEXT,
+        detail       TEXT
+    );
+    CREATE INDEX audit_operation ON audit (operation_id, id);
+    """,
+]
+
+_COLUMNS = (
+    "operation_id, principal, session, step, tool, idempotency_class, fingerprint, state, attempts, fence, "
+    "arguments, lease_owner, lease_expires_at, result, error, reconciliation, downstream_ref, created_at, "
+    "updated_at, completed_at, expires_at, retention"
+)
+_SELECT = f"SELECT {_COLUMNS} FROM operations"
+
+
+def _decode(row: Sequence[Any]) -> Operation:
+    return Operation(
+        operation_id=row[0],
+        principal=row[1],
+        session=row[2],
+        step=row[3],
+        tool=row[4],
+        idempotency_class=IdempotencyClass(row[5]),
+        fingerprint=row[6],
+        state=State(row[7]),
+        attempts=row[8],
+        fence=row[9],
+        arguments=json.loads(row[10]),
+        lease_owner=row[11],
+        lease_expires_at=row[12],
+        result=ToolResult.from_json(row[13]) if row[13] else None,
+        error=json.loads(row[14]) if row[14] else None,
+        reconciliation=json.loads(row[15]) if row[15] else None,
+        downstream_ref=row[16],
+        created_at=row[17],
+        updated_at=row[18],
+        completed_at=row[19],
+        expires_at=row[20],
+        retention=row[21],
+    )
+
+
+def _dump(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def path_from_url(url: str) -> Path:
+    """`sqlite:///relative.db` and `sqlite:////absolute.db` (the SQLAlchemy convention)."""
+    if not url.startswith("sqlite:///"):
+        raise ValueError(
+            f"not a sqlite URL: {url!r} (expected sqlite:///relative.db or sqlite:////abs/path.db)"
+        )
+    return Path(url[len("sqlite:///") :])
+
+
+def _create_private(path: Path) -> None:
+    """The ledger holds arguments and results: owner-only, from the first byte."""
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+
+
+class _Writer(threading.Thread):
+    """Runs ledger steps on one connection, committing everything queued in one transaction."""
+
+    _STOP = object()
+
+    def __init__(self, path: Path, synchronous: str, busy_timeout_ms: int) -> None:
+        super().__init__(name="commitgate-ledger-writer", daemon=True)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        self._conn.execute("PRAGMA journal_mode = WAL")
+        self._conn.execute(f"PRAGMA synchronous = {synchronous}")
+        self.batches = 0
+        self.steps = 0
+
+    def submit(self, step: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((step, future, loop))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(self._STOP)
+
+    def run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if any(item is self._STOP for item in batch):
+                stopping = True
+                batch = [item for item in batch if item is not self._STOP]
+            if batch:
+                self._run_batch(batch)
+        self._conn.close()
+
+    def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Any, Any]]) -> None:
+        conn = self._conn
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for step, _, _ in batch:
+                conn.execute("SAVEPOINT step")
+                try:
+                    outcomes.append((True, step(conn)))
+                    conn.execute("RELEASE step")
+                except Exception as exc:
+                    conn.execute("ROLLBACK TO step")
+                    conn.execute("RELEASE step")
+                    outcomes.append((False, exc))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            failure = LedgerUnavailable(f"ledger write failed: {exc}")
+            outcomes = [(False, failure)] * len(batch)
+        self.batches += 1
+        self.steps += len(batch)
+        for (_, future, loop), (ok, value) in zip(batch, outcomes, strict=True):
+            loop.call_soon_threadsafe(_settle, future, ok, value)
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the caller was cancelled; the step still happened
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _audit(
+    conn: sqlite3.Connection,
+    operation_id: str,
+    now: float,
+    event: str,
+    from_state: str | None,
+    to_state: str | None,
+    fence: int,
+    actor: str | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    conn.execute(
+        "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (operation_id, now, event, from_state, to_state, fence, actor, _dump(detail)),
+    )
+
+
+def _expired_lease(op: Operation, now: float) -> bool:
+    return op.state is State.RUNNING and (
+        (op.lease_expires_at is not None and op.lease_expires_at <= now) or owner_known_dead(op.lease_owner)
+    )
+
+
+def _to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
+    conn.execute(
+        "UPDATE operations SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?,"
+        " error = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+        (now, _dump(_LEASE_LOST), op.operation_id, op.fence),
+    )
+    _audit(conn, op.operation_id, now, "lease_expired", "RUNNING", "UNKNOWN", op.fence, detail=None)
+    op.state, op.lease_owner, op.lease_expires_at, op.updated_at = State.UNKNOWN, None, None, now
+    op.error = dict(_LEASE_LOST)
+
+
+_LEASE_LOST = {
+    "code": "lease_expired",
+    "message": "the process running this operation stopped before recording its outcome",
+}
+
+
+def _claim_step(request: ClaimRequest, now: float) -> Callable[[sqlite3.Connection], Claim]:
+    def step(conn: sqlite3.Connection) -> Claim:
+        row = conn.execute(
+            f"{_SELECT} WHERE principal = ? AND session = ? AND step = ?",
+            (request.principal, request.session, request.step),
+        ).fetchone()
+        if row is not None and row[20] is not None and row[20] <= now:  # past retention: gone
+            conn.execute("DELETE FROM audit WHERE operation_id = ?", (row[0],))
+            conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
+            row = None
+        if row is None:
+            return Claim(ClaimKind.NEW, _insert(conn, request, now))
+        op = _decode(row)
+        if op.tool != request.tool or op.fingerprint != request.fingerprint:
+            return Claim(ClaimKind.CONFLICT, op)
+        if _expired_lease(op, now):
+            _to_unknown(conn, op, now)
+        if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
+            lease = Lease(request.owner, now + request.lease_seconds)
+            taken = _apply(conn, op.operation_id, _retake(lease), now)
+            if taken is not None:
+                return Claim(ClaimKind.NEW, taken)
+        return Claim(ClaimKind.EXISTING, op)
+
+    return step
+
+
+def _retake(lease: Lease) -> Change:
+    return Change(
+        to_state=State.RUNNING,
+        expect_states=frozenset({State.FAILED_RETRYABLE}),
+        event="retry_claimed",
+        lease=lease,
+    )
+
+
+def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation:
+    op_id = "op_" + uuid.uuid4().hex
+    lease_until = now + request.lease_seconds
+    conn.execute(
+        "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+        " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)",
+        (
+            op_id,
+            request.principal,
+            request.session,
+            request.step,
+            request.tool,
+            request.idempotency_class.value,
+            request.fingerprint,
+            request.arguments_json,
+            request.owner,
+            lease_until,
+            request.retention_seconds,
+            now,
+            now,
+        ),
+    )
+    _audit(conn, op_id, now, "claimed", None, "RUNNING", 1, actor=request.owner)
+    return Operation(
+        operation_id=op_id,
+        principal=request.principal,
+        session=request.session,
+        step=request.step,
+        tool=request.tool,
+        idempotency_class=request.idempotency_class,
+        fingerprint=request.fingerprint,
+        state=State.RUNNING,
+        attempts=1,
+        fence=1,
+        arguments=json.loads(request.arguments_json),
+        created_at=now,
+        updated_at=now,
+        lease_owner=request.owner,
+        lease_expires_at=lease_until,
+        retention=request.retention_seconds,
+    )
+
+
+def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: float) -> Operation | None:
+    row = conn.execute(f"{_SELECT} WHERE operation_id = ?", (operation_id,)).fetchone()
+    if row is None:
+        return None
+    op = _decode(row)
+    if op.state not in change.expect_states:
+        return None
+    if change.expect_fence is not None and op.fence != change.expect_fence:
+        return None
+    from_state = op.state
+    op.state = change.to_state
+    op.updated_at = now
+    if change.result is not None:
+        op.result = change.result
+    if change.error is not None or change.to_state in (State.SUCCEEDED, State.RUNNING):
+        op.error = change.error
+    if change.reconciliation is not None:
+        op.reconciliation = change.reconciliation
+    if change.lease is not None:
+        op.fence += 1
+        op.attempts += 1
+        op.lease_owner, op.lease_expires_at = change.lease.owner, change.lease.expires_at
+    elif change.to_state is not State.RUNNING:
+        op.lease_owner = op.lease_expires_at = None
+    if change.to_state.terminal:
+        op.completed_at = op.completed_at if from_state is State.SUCCEEDED else now
+        op.expires_at = now + op.retention
+    else:
+        op.completed_at = op.expires_at = None
+    conn.execute(
+        "UPDATE operations SET state = ?, attempts = ?, fence = ?, lease_owner = ?, lease_expires_at = ?,"
+        " result = ?, error = ?, reconciliation = ?, updated_at = ?, completed_at = ?, expires_at = ?"
+        " WHERE operation_id = ?",
+        (
+            op.state.value,
+            op.attempts,
+            op.fence,
+            op.lease_owner,
+            op.lease_expires_at,
+            op.result.to_json() if op.result is not None else None,
+            _dump(op.error),
+            _dump(op.reconciliation),
+            now,
+            op.completed_at,
+            op.expires_at,
+            operation_id,
+        ),
+    )
+    _audit(
+        conn,
+        operation_id,
+        now,
+        change.event,
+        from_state.value,
+        op.state.value,
+        op.fence,
+        change.actor,
+        change.detail,
+    )
+    return op
+
+
+class SQLiteLedger:
+    """A ledger in one SQLite file; see the module docstring for how writes are batched."""
+
+    def __init__(self, path: Path, writer: _Writer, reader: aiosqlite.Connection) -> None:
+        self.path = path
+        self._writer = writer
+        self._reader = reader
+
+    @classmethod
+    async def open(
+        cls, path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000
+    ) -> SQLiteLedger:
+        path = Path(path).expanduser()
+        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA", "OFF"):
+            raise ValueError(f"synchronous must be FULL, NORMAL, EXTRA or OFF, not {synchronous!r}")
+        try:
+            _create_private(path)
+            writer = _Writer(path, synchronous.upper(), busy_timeout_ms)
+        except (OSError, sqlite3.Error) as exc:
+            raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
+        writer.start()
+        ledger = cls(path, writer, await aiosqlite.connect(path))
+        await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        await ledger._write(_migrate)
+        return ledger
+
+    async def _write(self, step: Callable[[sqlite3.Connection], T]) -> T:
+        return await self._writer.submit(step)
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        return await self._write(_claim_step(request, now))
+
+    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
+        return await self._write(lambda conn: _apply(conn, operation_id, change, now))
+
+    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
+        def step(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "UPDATE operations SET lease_owner = ?, lease_expires_at = ?"
+                " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+                (lease.owner, lease.expires_at, operation_id, fence),
+            )
+            return cursor.rowcount == 1
+
+        return await self._write(step)
+
+    async def _read(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        try:
+            return list(await self._reader.execute_fetchall(sql, params))
+        except sqlite3.Error as exc:
+            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+
+    async def get(self, principal: str, session: str, step: str) -> Operation | None:
+        rows = await self._read(
+            f"{_SELECT} WHERE principal = ? AND session = ? AND step = ?", (principal, session, step)
+        )
+        return _decode(rows[0]) if rows else None
+
+    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
+        rows = await self._read(f"{_SELECT} WHERE operation_id = ?", (operation_id,))
+        if not rows:
+            return None
+        op = _decode(rows[0])
+        return op if principal is None or op.principal == principal else None
+
+    async def find(self, where: OperationFilter) -> list[Operation]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column, value in (
+            ("principal", where.principal),
+            ("session", where.session),
+            ("state", where.state.value if where.state else None),
+            ("tool", where.tool),
+        ):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
+        if where.older_than is not None:
+            clauses.append("updated_at <= ?")
+            params.append(where.older_than)
+        sql = _SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        params.append(where.limit)
+        return [_decode(row) for row in await self._read(sql, params)]
+
+    async def history(self, operation_id: str) -> list[AuditEntry]:
+        rows = await self._read(
+            "SELECT at, event, from_state, to_state, fence, actor, detail FROM audit WHERE operation_id = ?"
+            " ORDER BY id",
+            (operation_id,),
+        )
+        return [
+            AuditEntry(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]) if r[6] else None) for r in rows
+        ]
+
+    async def expire_leases(self, now: float) -> list[Operation]:
+        def step(conn: sqlite3.Connection) -> list[Operation]:
+            rows = conn.execute(f"{_SELECT} WHERE state = 'RUNNING'").fetchall()
+            expired = [op for op in map(_decode, rows) if _expired_lease(op, now)]
+            for op in expired:
+                _to_unknown(conn, op, now)
+            return expired
+
+        return await self._write(step)
+
+    async def purge(self, now: float) -> int:
+        def step(conn: sqlite3.Connection) -> int:
+            doomed = "SELECT operation_id FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?"
+            conn.execute(f"DELETE FROM audit WHERE operation_id IN ({doomed})", (now,))
+            return conn.execute(
+                "DELETE FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            ).rowcount
+
+        return await self._write(step)
+
+    async def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for state, n in await self._read("SELECT state, count(*) FROM operations GROUP BY state", ()):
+            counts[state] = n
+        for event, n in await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()):
+            counts[f"event:{event}"] = n
+        return counts
+
+    async def check_writable(self) -> None:
+        await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
+
+    @property
+    def group_commit_stats(self) -> tuple[int, int]:
+        """(batches, steps) committed so far: steps / batches is the mean group size."""
+        return self._writer.batches, self._writer.steps
+
+    async def close(self) -> None:
+        self._writer.stop()
+        await asyncio.to_thread(self._writer.join)
+        await self._reader.close()
+
+
+def _migrate(conn: sqlite3.Connection) -> int:
+    """Apply pending migrations inside the writer's transaction (safe with several processes)."""
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    current = row[0] or 0
+    if current > len(MIGRATIONS):
+        raise LedgerUnavailable(
+            f"ledger schema version {current} is newer than this commitgate ({len(MIGRATIONS)}); upgrade commitgate"
+        )
+    for version in range(current + 1, len(MIGRATIONS) + 1):
+        for statement in MIGRATIONS[version - 1].split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+    return len(MIGRATIONS)

@@ -1,0 +1,150 @@
+"""`python = "package.module:function"`: a typed function, sync or async.
+
+The input schema comes from the signature (pydantic); a parameter annotated
+`OperationContext` is injected, never part of the schema. Sync functions run in
+a worker thread so they cannot stall the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+from commitgate.server.context import OperationContext
+from commitgate.server.model import ToolResult
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from .base import InvalidArguments
+
+
+class SourceLoadError(Exception):
+    """A `module:function` reference that cannot be imported or used."""
+
+
+def load_callable(ref: str) -> Callable[..., Any]:
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise SourceLoadError(f"{ref!r} is not of the form 'package.module:function'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SourceLoadError(f"cannot import module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise SourceLoadError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(target):
+        raise SourceLoadError(f"{ref!r} is not callable")
+    return typing.cast(Callable[..., Any], target)
+
+
+def _is_context(annotation: Any) -> bool:
+    if annotation is OperationContext:
+        return True
+    return OperationContext in typing.get_args(annotation)
+
+
+class _Signature:
+    """The parameters of a function, split into schema fields and the injected context."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        try:
+            hints = typing.get_type_hints(fn)
+        except Exception as exc:
+            raise SourceLoadError(f"cannot resolve the type hints of {fn!r}: {exc}") from exc
+        self.context_param: str | None = None
+        fields: dict[str, Any] = {}
+        for name, param in inspect.signature(fn).parameters.items():
+            annotation = hints.get(name, Any)
+            if _is_context(annotation):
+                self.context_param = name
+                continue
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise SourceLoadError(f"{fn.__qualname__}: *args/**kwargs cannot be described to a model")
+            default = ... if param.default is inspect.Parameter.empty else param.default
+            fields[name] = (annotation, default)
+        self.names = tuple(fields)
+        self.model: type[BaseModel] = create_model(
+            f"{fn.__name__}_arguments", __config__=ConfigDict(extra="forbid"), **fields
+        )
+
+
+def _describe(errors: ValidationError) -> str:
+    parts = []
+    for item in errors.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "(arguments)"
+        message = "unknown argument" if item["type"] == "extra_forbidden" else item["msg"]
+        parts.append(f"{field}: {message}")
+    return "; ".join(parts)
+
+
+class PythonTool:
+    def __init__(self, ref: str, status_ref: str | None = None, description: str | None = None) -> None:
+        self.ref = ref
+        self.fn = load_callable(ref)
+        self.signature = _Signature(self.fn)
+        self.input_schema: dict[str, Any] = self.signature.model.model_json_schema()
+        self.input_schema.pop("title", None)
+        self.output_schema: dict[str, Any] | None = None
+        doc = inspect.getdoc(self.fn) or ""
+        self.description = description or doc.strip().split("\n\n")[0].replace("\n", " ") or ref
+        self.status_fn = load_callable(status_ref) if status_ref else None
+        self.has_status_check = self.status_fn is not None
+        if self.status_fn is not None:
+            self._check_status_signature(status_ref or "")
+
+    def _check_status_signature(self, status_ref: str) -> None:
+        status_signature = _Signature(typing.cast(Callable[..., Any], self.status_fn))
+        if set(status_signature.names) != set(self.signature.names):
+            raise SourceLoadError(
+                f"status check {status_ref} takes ({', '.join(status_signature.names)}) but the tool takes "
+                f"({', '.join(self.signature.names)}); a status check has the same parameters as its tool"
+            )
+        self._status_context = status_signature.context_param
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        try:
+            model = self.signature.model.model_validate(arguments)
+        except ValidationError as exc:
+            raise InvalidArguments(_describe(exc)) from None
+        return model.model_dump(mode="json")
+
+    def _kwargs(
+        self, arguments: dict[str, Any], ctx: OperationContext, context_param: str | None
+    ) -> dict[str, Any]:
+        model = self.signature.model.model_validate(arguments)
+        kwargs = {name: getattr(model, name) for name in self.signature.names}
+        if context_param is not None:
+            kwargs[context_param] = ctx
+        return kwargs
+
+    async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
+        kwargs = self._kwargs(arguments, ctx, self.signature.context_param)
+        return _to_result(await _invoke(self.fn, kwargs))
+
+    async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None:
+        if self.status_fn is None:
+            raise RuntimeError(f"{self.ref} declares no status check")
+        found = await _invoke(self.status_fn, self._kwargs(arguments, ctx, self._status_context))
+        return None if found is None else _to_result(found)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def _invoke(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return await fn(**kwargs)
+    return await anyio.to_thread.run_sync(functools.partial(fn, **kwargs))
+
+
+def _to_result(value: Any) -> ToolResult:
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    return ToolResult.of(value)
