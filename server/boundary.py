@@ -26,7 +26,16 @@ from . import errors
 from .classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from .context import OperationContext
 from .errors import GateError
-from .ledger.base import Change, ClaimKind, ClaimRequest, Lease, Ledger, LedgerUnavailable, this_owner
+from .ledger.base import (
+    Change,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    Ledger,
+    LedgerUnavailable,
+    lease_over,
+    this_owner,
+)
 from .model import IdempotencyClass, Operation, State, ToolResult
 from .outcomes import ToolOutcomeError
 from .policy import ServerPolicy, ToolPolicy
@@ -211,8 +220,8 @@ class CommitBoundary:
             current = await self._reread(op)
             if current.state not in (State.RUNNING, State.PENDING):
                 return current
-            if current.lease_expires_at is not None and current.lease_expires_at <= self.clock():
-                return await self._expire(current)
+            if lease_over(current, self.clock()):
+                return await self.expire(current)
             if self.clock() + delay > deadline:
                 return current
             await asyncio.sleep(delay)
@@ -227,7 +236,7 @@ class CommitBoundary:
             return op
         return current
 
-    async def _expire(self, op: Operation) -> Operation:
+    async def expire(self, op: Operation) -> Operation:
         change = Change(
             State.UNKNOWN,
             frozenset({State.RUNNING}),
@@ -302,15 +311,11 @@ class CommitBoundary:
             await self.ledger.update(op.operation_id, change, self.clock())
 
     async def poll(self, op: Operation) -> Operation:
-        """A poll of a status-check operation that is UNKNOWN (or RUNNING past its lease) reconciles it."""
+        """A poll is a touch: an expired lease turns UNKNOWN; a status-check tool then reconciles it."""
+        if lease_over(op, self.clock()):
+            op = await self.expire(op)
         if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK:
             return op
-        if (
-            op.state is State.RUNNING
-            and op.lease_expires_at is not None
-            and op.lease_expires_at <= self.clock()
-        ):
-            op = await self._expire(op)
         tool = self.tools.get(op.tool)
         if op.state is not State.UNKNOWN or tool is None or not tool.source.has_status_check:
             return op

@@ -161,3 +161,10 @@ def owner_known_dead(owner: str | None) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def lease_over(op: Operation, now: float) -> bool:
+    """A RUNNING operation whose owner can no longer record its outcome."""
+    return op.state is State.RUNNING and (
+        (op.lease_expires_at is not None and op.lease_expires_at <= now) or owner_known_dead(op.lease_owner)
+    )

@@ -38,7 +38,7 @@ from .base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
-    owner_known_dead,
+    lease_over,
 )
 
 T = TypeVar("T")
@@ -238,12 +238,6 @@ def _audit(
     )
 
 
-def _expired_lease(op: Operation, now: float) -> bool:
-    return op.state is State.RUNNING and (
-        (op.lease_expires_at is not None and op.lease_expires_at <= now) or owner_known_dead(op.lease_owner)
-    )
-
-
 def _to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
     conn.execute(
         "UPDATE operations SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?,"
@@ -276,7 +270,7 @@ def _claim_step(request: ClaimRequest, now: float) -> Callable[[sqlite3.Connecti
         op = _decode(row)
         if op.tool != request.tool or op.fingerprint != request.fingerprint:
             return Claim(ClaimKind.CONFLICT, op)
-        if _expired_lease(op, now):
+        if lease_over(op, now):
             _to_unknown(conn, op, now)
         if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
             lease = Lease(request.owner, now + request.lease_seconds)
@@ -501,7 +495,7 @@ class SQLiteLedger:
     async def expire_leases(self, now: float) -> list[Operation]:
         def step(conn: sqlite3.Connection) -> list[Operation]:
             rows = conn.execute(f"{_SELECT} WHERE state = 'RUNNING'").fetchall()
-            expired = [op for op in map(_decode, rows) if _expired_lease(op, now)]
+            expired = [op for op in map(_decode, rows) if lease_over(op, now)]
             for op in expired:
                 _to_unknown(conn, op, now)
             return expired

@@ -1,0 +1,115 @@
+"""`commitgate` commands. Nothing imports this module; it only wires arguments to the parts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+from .policy import Policy, PolicyError, default_policy, load_policy
+
+
+def _load(path: str | None) -> tuple[Policy, Path | None]:
+    if path is None:
+        return default_policy(), None
+    return load_policy(path), Path(path).resolve()
+
+
+def _configure_logging(level: str) -> None:
+    # stdout belongs to the MCP protocol under stdio: logs only ever go to stderr.
+    logging.basicConfig(
+        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway import Gateway
+    from .surface import serve_stdio
+
+    _configure_logging(args.log_level)
+    policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
+    if args.ledger:
+        policy.ledger.url = args.ledger
+
+    async def run() -> None:
+        gateway = await Gateway.open(policy, path)
+        try:
+            if args.transport == "stdio":
+                await serve_stdio(gateway, __version__)
+            else:
+                from .transports import serve_http
+
+                await serve_http(gateway, args.transport, args.host, args.port, __version__)
+        finally:
+            await gateway.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    from .checking import check_policy_file
+
+    problems = check_policy_file(Path(args.file))
+    if not problems:
+        print(f"{args.file}: OK")
+        return 0
+    print(f"{args.file}: {len(problems)} problem(s)")
+    for problem in problems:
+        print(f"  {problem}")
+    return 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return asyncio.run(run_demo(quick=args.quick))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commitgate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"commitgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the policy's tools over MCP")
+    serve.add_argument("--transport", choices=["stdio", "sse", "streamable-http"], default="stdio")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument(
+        "--policy", help="policy file (default: $COMMITGATE_POLICY, else the bundled demo policy)"
+    )
+    serve.add_argument("--ledger", help="ledger URL, overriding [ledger] url")
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    policy = sub.add_parser("policy", help="check or show a policy file").add_subparsers(
+        dest="action", required=True
+    )
+    check = policy.add_parser("check", help="validate a policy file and print every problem")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_policy_check)
+
+    demo = sub.add_parser("demo", help="watch the guard work against a real server process")
+    demo.add_argument("--quick", action="store_true", help="a shorter run")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
