@@ -27,6 +27,7 @@ from .ledger.base import lease_over
 from .model import Operation, State
 from .policy import Policy
 from .registry import ServedTool, build_tools
+from .saga import Saga
 from .views import operation_meta, status_view
 
 log = logging.getLogger("commitgate.gateway")
@@ -52,6 +53,13 @@ class _ListArgs(BaseModel):
     limit: int = Field(50, ge=1)
 
 
+class _CompensateArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session: str | None = Field(None, min_length=1, max_length=255)
+    idempotency_keys: list[str] | None = Field(None, min_length=1)
+    reason: str | None = Field(None, max_length=1000)
+
+
 def _meta_tool(name: str, description: str, model: type[BaseModel], read_only: bool = True) -> types.Tool:
     schema = model.model_json_schema()
     schema.pop("title", None)
@@ -60,7 +68,7 @@ def _meta_tool(name: str, description: str, model: type[BaseModel], read_only: b
         description=description,
         input_schema=schema,
         annotations=types.ToolAnnotations(
-            read_only_hint=read_only, idempotent_hint=True, destructive_hint=False
+            read_only_hint=read_only, idempotent_hint=True, destructive_hint=not read_only
         ),
     )
 
@@ -78,6 +86,15 @@ META_TOOLS: dict[str, types.Tool] = {
         "List the operations you already ran, newest first (optionally of one session, state or tool): "
         "how to find out what was already done after losing track.",
         _ListArgs,
+    ),
+    "compensate_session": _meta_tool(
+        "compensate_session",
+        "Undo what a session did: runs the declared compensating action (cancel, refund, release...) of each "
+        "succeeded compensable operation, newest first, each exactly once (calling this again never undoes "
+        "twice; it finishes what is left). Optionally only the given idempotency_keys. Use it when a later step "
+        "failed and the earlier ones must not stand; do not retry the failed forward calls instead.",
+        _CompensateArgs,
+        read_only=False,
     ),
 }
 
@@ -149,6 +166,8 @@ class Gateway:
                 return _structured(await self._get_operation_status(args, session, principal))
             if name == "list_operations":
                 return _structured(await self._list_operations(args, principal))
+            if name == "compensate_session":
+                return _structured(await self._compensate_session(args, session, principal))
             served = self.served[name]
             request = self._request(served, args, meta, session, principal)
             return render(await self.boundary.call(request))
@@ -225,6 +244,13 @@ class Gateway:
                 op = await self.boundary.expire(op)  # an expired lease turns UNKNOWN at the next touch
             operations.append(status_view(op, self._forwards_key(op), now))
         return {"operations": operations}
+
+    async def _compensate_session(self, args: dict[str, Any], session: str, principal: str) -> dict[str, Any]:
+        parsed = _parse(_CompensateArgs, args)
+        saga = Saga(self.ledger, self.boundary, self.boundary.tools)
+        return await saga.compensate(
+            principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
+        )
 
 
 def served_source(served: ServedTool) -> Any:
