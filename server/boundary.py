@@ -127,6 +127,7 @@ class _Attempt:
     outcome: Outcome
     result: ToolResult | None = None
     error: BaseException | None = None
+    immediate: bool = False  # the status check proved it did not happen: no reason to wait
 
     @property
     def retry_after(self) -> float | None:
@@ -363,7 +364,10 @@ class CommitBoundary:
                     if verdict is Verdict.FOUND:
                         return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
-                        step, attempt = Next.RETRY, _Attempt(Outcome.RETRYABLE, error=attempt.error)
+                        step, attempt = (
+                            Next.RETRY,
+                            _Attempt(Outcome.RETRYABLE, error=attempt.error, immediate=True),
+                        )
                     else:
                         return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error, note)
                 if step is Next.RECORD_SUCCESS:
@@ -393,7 +397,7 @@ class CommitBoundary:
         """Sleep the backoff and take the next attempt in the ledger; None when out of attempts or time."""
         if op.attempts >= max_attempts:
             return None
-        delay = backoff.delay(op.attempts, attempt.retry_after)
+        delay = 0.0 if attempt.immediate else backoff.delay(op.attempts, attempt.retry_after)
         if self.clock() + delay > deadline:
             return None
         await asyncio.sleep(delay)
