@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import sys
@@ -54,27 +55,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_policy_check(args: argparse.Namespace) -> int:
-    from .checking import check_policy_file
-
-    problems = check_policy_file(Path(args.file))
-    if not problems:
-        print(f"{args.file}: OK")
-        return 0
-    print(f"{args.file}: {len(problems)} problem(s)")
-    for problem in problems:
-        print(f"  {problem}")
-    return 1
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return asyncio.run(run_demo(quick=args.quick))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="commitgate", description=__doc__)
+def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commitgate",
+        description="An MCP server that puts a commit boundary between AI agents and the side effects of their tools.",
+    )
     parser.add_argument("--version", action="version", version=f"commitgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -89,21 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
-    policy = sub.add_parser("policy", help="check or show a policy file").add_subparsers(
-        dest="action", required=True
-    )
-    check = policy.add_parser("check", help="validate a policy file and print every problem")
-    check.add_argument("file")
-    check.set_defaults(func=cmd_policy_check)
-
     demo = sub.add_parser("demo", help="watch the guard work against a real server process")
     demo.add_argument("--quick", action="store_true", help="a shorter run")
     demo.set_defaults(func=cmd_demo)
+    if not serving_only:
+        for module in _COMMAND_MODULES:
+            importlib.import_module(module).register(sub)
     return parser
 
 
+# Each of these adds its own subcommands; `serve` skips importing them (start-up time matters to
+# clients such as Claude Desktop that start the server often).
+_COMMAND_MODULES = (
+    "commitgate.server.policycmd",
+    "commitgate.server.opscmd",
+    "commitgate.server.bench",
+    "commitgate.tools.sandbox_api",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(serving_only=argv[:1] == ["serve"]).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except PolicyError as exc:
