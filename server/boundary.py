@@ -195,18 +195,18 @@ class CommitBoundary:
         if action is OnExisting.REPLAY:
             self.observe("replay", tool.name, tool.cls)
             return Answer(op.result, op, True)
-        if action is OnExisting.FAIL:
+        if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
             self.observe("replay", tool.name, tool.cls)
-            raise errors.failed(_message(op), op)
+            return Answer(None, op, True, errors.failed(_message(op), op))
         if action is OnExisting.WAIT:
             if waited:
                 raise errors.in_progress(op)
             return await self._on_existing(request, await self._wait(op), waited=True)
         if action is OnExisting.RECONCILE:
             return await self._reconcile_in_call(request, op)
-        if action is OnExisting.RERUN:
-            return await self._rerun(request, op)
-        raise errors.outcome_unknown(op)
+        if action is OnExisting.RERUN:  # from UNKNOWN (forwards_key) an earlier attempt may have applied
+            return await self._rerun(request, op, maybe_applied=op.state is State.UNKNOWN)
+        return Answer(None, op, True, errors.outcome_unknown(op))
 
     async def _wait(self, op: Operation) -> Operation:
         """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
@@ -250,7 +250,7 @@ class CommitBoundary:
         )
         return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
 
-    async def _rerun(self, request: CallRequest, op: Operation) -> Answer:
+    async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
         """Run again with the same key: the operation certainly did not apply, or the downstream dedups."""
         change = Change(
             State.RUNNING,
@@ -261,7 +261,7 @@ class CommitBoundary:
         taken = await self.ledger.update(op.operation_id, change, self.clock())
         if taken is None:  # someone else moved it first: answer from what they did
             return await self._on_existing(request, await self._reread(op), waited=False)
-        return await self._own(request, taken)
+        return await self._own(request, taken, maybe_applied=maybe_applied)
 
     async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
         verdict, found, note = await self._status_check(request.tool, op)
@@ -337,8 +337,10 @@ class CommitBoundary:
 
     # --- owning an operation: run, retry, record -------------------------------------------
 
-    async def _own(self, request: CallRequest, op: Operation) -> Answer:
-        task = asyncio.create_task(self._execute(request, op), name=f"commitgate:{op.operation_id}")
+    async def _own(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
+        task = asyncio.create_task(
+            self._execute(request, op, maybe_applied), name=f"commitgate:{op.operation_id}"
+        )
         self._inflight[op.operation_id] = task
         task.add_done_callback(lambda _: self._inflight.pop(op.operation_id, None))
         try:
@@ -346,10 +348,11 @@ class CommitBoundary:
         except TimeoutError:
             raise errors.in_progress(op) from None
 
-    async def _execute(self, request: CallRequest, op: Operation) -> Answer:
+    async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
         tool, policy = request.tool, request.tool.policy
         backoff = Backoff(policy.retry, self.rng)
         deadline = self.clock() + policy.retry.deadline
+        last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
         self._leases[op.operation_id] = op.fence
         try:
             while True:
@@ -359,6 +362,7 @@ class CommitBoundary:
                 attempt = await self._attempt(tool, request.arguments, ctx)
                 step = after_attempt(tool.cls, attempt.outcome, policy.forwards_key)
                 self.observe("attempt", tool.name, tool.cls, outcome=attempt.outcome.value)
+                maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and step is Next.RETRY
                 if step is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
@@ -368,6 +372,7 @@ class CommitBoundary:
                             Next.RETRY,
                             _Attempt(Outcome.RETRYABLE, error=attempt.error, immediate=True),
                         )
+                        maybe_applied = False  # the check covers every attempt under this key
                     else:
                         return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error, note)
                 if step is Next.RECORD_SUCCESS:
@@ -376,9 +381,9 @@ class CommitBoundary:
                     return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
                 if step is Next.RECORD_UNKNOWN:
                     return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error)
-                retried = await self._next_attempt(op, attempt, backoff, deadline, policy.retry.attempts)
+                retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
-                    state = exhausted_state(attempt.outcome)
+                    state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
                     return await self._finish(op, state, "retries_exhausted", None, attempt.error)
                 op = retried
         finally:
@@ -392,10 +397,10 @@ class CommitBoundary:
             return _Attempt(classify(exc), error=exc)
 
     async def _next_attempt(
-        self, op: Operation, attempt: _Attempt, backoff: Backoff, deadline: float, max_attempts: int
+        self, op: Operation, attempt: _Attempt, backoff: Backoff, deadline: float, last_attempt: int
     ) -> Operation | None:
         """Sleep the backoff and take the next attempt in the ledger; None when out of attempts or time."""
-        if op.attempts >= max_attempts:
+        if op.attempts >= last_attempt:
             return None
         delay = 0.0 if attempt.immediate else backoff.delay(op.attempts, attempt.retry_after)
         if self.clock() + delay > deadline:

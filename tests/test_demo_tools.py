@@ -278,3 +278,29 @@ def test_spec_grammar_example_parses() -> None:
     assert parsed["charge_card"]["latency"].seconds == 0.2
     assert parsed["refund"]["crash_after_effect"].budget == 1
     assert parsed["send_email"]["fail_before"].budget == 2
+
+
+_WORKER = """
+from commitgate.tools import demo
+from commitgate.server.outcomes import RetryableError
+failed = 0
+for i in range(10):
+    try:
+        demo.create_ticket(f"t{i}")
+    except RetryableError:
+        failed += 1
+print(failed)
+"""
+
+
+def test_processes_share_the_store_and_the_fault_budget(sandbox: Path) -> None:
+    # The children also race to create the fresh database file.
+    env = {**os.environ, "COMMITGATE_SANDBOX_FAULTS": "create_ticket.fail_before=5"}
+    children = [
+        subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    failures = [int(p.communicate(timeout=30)[0]) for p in children]
+    assert all(p.returncode == 0 for p in children)
+    assert sum(failures) == 5
+    assert demo.count("tickets") == 40 - 5

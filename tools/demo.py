@@ -109,13 +109,27 @@ class SandboxStore:
         self._init_schema()
 
     def _init_schema(self) -> None:
-        with self.connect() as conn:
-            conn.execute("PRAGMA journal_mode=WAL")  # persistent in the file; a no-op once set
+        self._enable_wal()
         with self.transaction() as conn:
             for table, cols in SCHEMA.items():
                 conn.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(cols)})")
             for sql in _INDEXES:
                 conn.execute(sql)
+
+    def _enable_wal(self) -> None:
+        # WAL is persistent in the file. Switching a fresh file can fail with "database is locked"
+        # without consulting busy_timeout when several processes create it at once, so retry.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                with self.connect() as conn:
+                    if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                        conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(random.uniform(0.005, 0.03))
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
