@@ -419,8 +419,12 @@ class SQLiteLedger:
             raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
         writer.start()
         ledger = cls(path, writer, await aiosqlite.connect(path))
-        await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        await ledger._write(_migrate)
+        try:
+            await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            await ledger._write(_migrate)
+        except BaseException:  # e.g. a schema newer than this code: never leave threads behind
+            await ledger.close()
+            raise
         return ledger
 
     async def _write(self, step: Callable[[sqlite3.Connection], T]) -> T:

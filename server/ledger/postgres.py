@@ -1,0 +1,589 @@
+"""PostgreSQL ledger: the same semantics as the SQLite one, shared by replicas on many hosts.
+
+The hot path is one round trip per ledger step: `claim` and `update` are
+server-side functions (created by the migrations) that run their lookup,
+compare-and-set and audit row in one implicit transaction. A claim inserts
+with `ON CONFLICT DO NOTHING` and only then reads the row; it takes a row lock
+only through the compare-and-set of a transition (lease over, retryable
+retake, retention over), so a replay costs no write. Outcome writes match the
+fencing token in their WHERE clause, so a stale owner never overwrites a newer
+attempt. Sweeps (`expire_leases`, `purge`) pick rows with `FOR UPDATE SKIP
+LOCKED`: several replicas may sweep at once, each row moves exactly once, and a
+purge never waits on (or blocks) a claim for long, since it deletes in small
+batches.
+
+Timestamps are epoch seconds in `double precision`, like `Operation` carries
+them; JSON stays text so a replay returns the recorded bytes. Migrations are
+versioned in `commitgate_schema_version` and applied under a transaction-level
+advisory lock, so replicas starting together apply each one exactly once. A
+URL may carry server settings as query parameters (asyncpg passes unknown ones
+through), e.g. `postgresql://host/db?search_path=commitgate` to keep the tables
+in their own schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.parse
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import asyncpg
+
+from ..model import IdempotencyClass, Operation, State, ToolResult
+from .base import (
+    AuditEntry,
+    Change,
+    Claim,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    LedgerUnavailable,
+    OperationFilter,
+    owner_known_dead,
+)
+
+T = TypeVar("T")
+
+MIGRATIONS: list[str] = [
+    # 1: operations, audit trail, and the claim / compare-and-set functions of the hot path
+    """
+    CREATE TABLE commitgate_operations (
+        operation_id      text PRIMARY KEY,
+        principal         text NOT NULL,
+        session           text NOT NULL,
+        step              text NOT NULL,
+        tool              text NOT NULL,
+        idempotency_class text NOT NULL,
+        fingerprint       text NOT NULL,
+        state             text NOT NULL,
+        attempts          integer NOT NULL,
+        fence             bigint NOT NULL,
+        arguments         text NOT NULL,
+        lease_owner       text,
+        lease_expires_at  double precision,
+        result            text,
+        error             text,
+        reconciliation    text,
+        downstream_ref    text,
+        retention         double precision NOT NULL,
+        created_at        double precision NOT NULL,
+        updated_at        double precision NOT NULL,
+        completed_at      double precision,
+        expires_at        double precision,
+        seq               bigint GENERATED ALWAYS AS IDENTITY,
+        CONSTRAINT commitgate_operations_key UNIQUE (principal, session, step)
+    );
+    CREATE INDEX commitgate_operations_running ON commitgate_operations (lease_expires_at)
+        WHERE state = 'RUNNING';
+    CREATE INDEX commitgate_operations_expiry ON commitgate_operations (expires_at)
+        WHERE expires_at IS NOT NULL;
+    CREATE INDEX commitgate_operations_recent ON commitgate_operations (principal, created_at);
+    CREATE TABLE commitgate_audit (
+        id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        operation_id text NOT NULL,
+        at           double precision NOT NULL,
+        event        text NOT NULL,
+        from_state   text,
+        to_state     text,
+        fence        bigint NOT NULL,
+        actor        text,
+        detail       text
+    );
+    CREATE INDEX commitgate_audit_operation ON commitgate_audit (operation_id, id);
+
+    -- Lookup-or-insert in one step. Each turn of the loop follows one concurrent
+    -- change (a purge, a sweep, another claim's retake) and decides again.
+    CREATE FUNCTION commitgate_claim(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text
+    ) RETURNS TABLE (kind text, op commitgate_operations)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        r commitgate_operations;
+    BEGIN
+        FOR turn IN 1..16 LOOP
+            INSERT INTO commitgate_operations AS o (
+                operation_id, principal, session, step, tool, idempotency_class, fingerprint, state,
+                attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)
+            VALUES (p_operation_id, p_principal, p_session, p_step, p_tool, p_class, p_fingerprint,
+                'RUNNING', 1, 1, p_arguments, p_owner, p_now + p_lease, p_retention, p_now, p_now)
+            ON CONFLICT ON CONSTRAINT commitgate_operations_key DO NOTHING
+            RETURNING o.* INTO r;
+            IF FOUND THEN
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
+                VALUES (r.operation_id, p_now, 'claimed', NULL, 'RUNNING', 1, p_owner);
+                RETURN QUERY SELECT 'new'::text, r;
+                RETURN;
+            END IF;
+            SELECT o.* INTO r FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step;
+            CONTINUE WHEN NOT FOUND;  -- purged since the insert looked
+            IF r.expires_at IS NOT NULL AND r.expires_at <= p_now THEN  -- past retention: gone
+                DELETE FROM commitgate_operations
+                    WHERE operation_id = r.operation_id AND expires_at <= p_now;
+                IF FOUND THEN
+                    DELETE FROM commitgate_audit WHERE operation_id = r.operation_id;
+                END IF;
+                CONTINUE;
+            END IF;
+            IF r.tool <> p_tool OR r.fingerprint <> p_fingerprint THEN
+                RETURN QUERY SELECT 'conflict'::text, r;
+                RETURN;
+            END IF;
+            IF r.state = 'RUNNING' AND r.lease_expires_at <= p_now THEN
+                UPDATE commitgate_operations AS o SET state = 'UNKNOWN', lease_owner = NULL,
+                        lease_expires_at = NULL, updated_at = p_now, error = p_lease_lost
+                    WHERE o.operation_id = r.operation_id AND o.fence = r.fence AND o.state = 'RUNNING'
+                        AND o.lease_expires_at <= p_now
+                    RETURNING o.* INTO r;
+                CONTINUE WHEN NOT FOUND;  -- renewed or moved meanwhile
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence)
+                VALUES (r.operation_id, p_now, 'lease_expired', 'RUNNING', 'UNKNOWN', r.fence);
+            ELSIF r.state = 'FAILED_RETRYABLE' THEN  -- certainly not applied: this caller runs it again
+                UPDATE commitgate_operations AS o SET state = 'RUNNING', fence = o.fence + 1,
+                        attempts = o.attempts + 1, lease_owner = p_owner, lease_expires_at = p_now + p_lease,
+                        error = NULL, updated_at = p_now, completed_at = NULL, expires_at = NULL
+                    WHERE o.operation_id = r.operation_id AND o.fence = r.fence
+                        AND o.state = 'FAILED_RETRYABLE'
+                    RETURNING o.* INTO r;
+                CONTINUE WHEN NOT FOUND;  -- another caller retook it first
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence)
+                VALUES (r.operation_id, p_now, 'retry_claimed', 'FAILED_RETRYABLE', 'RUNNING', r.fence);
+                RETURN QUERY SELECT 'new'::text, r;
+                RETURN;
+            END IF;
+            RETURN QUERY SELECT 'existing'::text, r;
+            RETURN;
+        END LOOP;
+        RAISE EXCEPTION 'commitgate_claim: operation %/%/% kept changing', p_principal, p_session, p_step;
+    END $$;
+
+    -- Compare-and-set with its audit row (see base.Change).
+    CREATE FUNCTION commitgate_update(
+        p_operation_id text, p_to text, p_expect text[], p_fence bigint, p_event text,
+        p_result text, p_error text, p_reconciliation text, p_new_lease boolean,
+        p_lease_owner text, p_lease_expires_at double precision, p_terminal boolean,
+        p_actor text, p_detail text, p_now double precision
+    ) RETURNS SETOF commitgate_operations
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        r commitgate_operations;
+        v_from text;
+    BEGIN
+        SELECT o.state INTO v_from FROM commitgate_operations o
+            WHERE o.operation_id = p_operation_id AND o.state = ANY (p_expect)
+                AND (p_fence IS NULL OR o.fence = p_fence)
+            FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        UPDATE commitgate_operations AS o SET
+            state = p_to,
+            updated_at = p_now,
+            result = coalesce(p_result, o.result),
+            error = CASE WHEN p_error IS NOT NULL OR p_to IN ('SUCCEEDED', 'RUNNING') THEN p_error
+                         ELSE o.error END,
+            reconciliation = coalesce(p_reconciliation, o.reconciliation),
+            fence = o.fence + CASE WHEN p_new_lease THEN 1 ELSE 0 END,
+            attempts = o.attempts + CASE WHEN p_new_lease THEN 1 ELSE 0 END,
+            lease_owner = CASE WHEN p_new_lease THEN p_lease_owner
+                               WHEN p_to <> 'RUNNING' THEN NULL ELSE o.lease_owner END,
+            lease_expires_at = CASE WHEN p_new_lease THEN p_lease_expires_at
+                                    WHEN p_to <> 'RUNNING' THEN NULL ELSE o.lease_expires_at END,
+            completed_at = CASE WHEN NOT p_terminal THEN NULL
+                                WHEN v_from = 'SUCCEEDED' THEN o.completed_at ELSE p_now END,
+            expires_at = CASE WHEN p_terminal THEN p_now + o.retention END
+        WHERE o.operation_id = p_operation_id
+        RETURNING o.* INTO r;
+        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+        VALUES (p_operation_id, p_now, p_event, v_from, p_to, r.fence, p_actor, p_detail);
+        RETURN NEXT r;
+    END $$;
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_LEASE_LOST = {
+    "code": "lease_expired",
+    "message": "the process running this operation stopped before recording its outcome",
+}
+
+# Connection loss, server errors, pool or statement timeouts: the ledger step did not happen
+# (or cannot be known to have happened), so keyed tools fail closed.
+_FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+_CLAIM = (
+    "SELECT c.kind, (c.op).* FROM commitgate_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) c"
+)
+_UPDATE = "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+
+# RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
+_TO_UNKNOWN = """
+WITH moved AS (
+    UPDATE commitgate_operations AS o SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL,
+        updated_at = $1, error = $2
+    WHERE o.state = 'RUNNING' AND {which}
+    RETURNING o.*
+), audited AS (
+    INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence)
+    SELECT operation_id, $1, 'lease_expired', 'RUNNING', 'UNKNOWN', fence FROM moved
+)
+SELECT * FROM moved
+"""
+_EXPIRE_LEASES = _TO_UNKNOWN.format(
+    which="o.operation_id IN (SELECT operation_id FROM commitgate_operations WHERE state = 'RUNNING'"
+    " AND (lease_expires_at <= $1 OR lease_owner = ANY ($3::text[])) FOR UPDATE SKIP LOCKED)"
+    " AND (o.lease_expires_at <= $1 OR o.lease_owner = ANY ($3::text[]))"
+)
+_EXPIRE_DEAD_OWNER = _TO_UNKNOWN.format(which="o.operation_id = $3 AND o.fence = $4 AND o.lease_owner = $5")
+
+_PURGE_BATCH = """
+WITH doomed AS (
+    SELECT operation_id FROM commitgate_operations
+    WHERE expires_at <= $1 AND state <> 'UNKNOWN'
+    LIMIT $2 FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM commitgate_operations o USING doomed d
+    WHERE o.operation_id = d.operation_id AND o.expires_at <= $1 AND o.state <> 'UNKNOWN'
+    RETURNING o.operation_id
+), gone_audit AS (
+    DELETE FROM commitgate_audit a USING gone g WHERE a.operation_id = g.operation_id
+)
+SELECT count(*) FROM gone
+"""
+
+_SELECT = "SELECT * FROM commitgate_operations"
+
+MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('commitgate.migrate:' || coalesce(current_schema(), ''), 0))"
+_VERSION_TABLE = """
+CREATE TABLE IF NOT EXISTS commitgate_schema_version (
+    version    integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def _decode(row: asyncpg.Record) -> Operation:
+    return Operation(
+        operation_id=row["operation_id"],
+        principal=row["principal"],
+        session=row["session"],
+        step=row["step"],
+        tool=row["tool"],
+        idempotency_class=IdempotencyClass(row["idempotency_class"]),
+        fingerprint=row["fingerprint"],
+        state=State(row["state"]),
+        attempts=row["attempts"],
+        fence=row["fence"],
+        arguments=json.loads(row["arguments"]),
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        result=ToolResult.from_json(row["result"]) if row["result"] else None,
+        error=json.loads(row["error"]) if row["error"] else None,
+        reconciliation=json.loads(row["reconciliation"]) if row["reconciliation"] else None,
+        downstream_ref=row["downstream_ref"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+        retention=row["retention"],
+    )
+
+
+def _dump(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+async def _apply_migrations(conn: asyncpg.Connection) -> int:
+    """Bring the schema up to date in one transaction; returns how many migrations this call applied."""
+    async with conn.transaction():
+        await conn.execute(MIGRATION_LOCK)  # held to commit: concurrent starters queue here
+        await conn.execute(_VERSION_TABLE)
+        current = await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version")
+        if current > SCHEMA_VERSION:
+            raise LedgerUnavailable(
+                f"ledger schema version {current} is newer than this commitgate ({SCHEMA_VERSION}); upgrade commitgate"
+            )
+        for version in range(current + 1, SCHEMA_VERSION + 1):
+            await conn.execute(MIGRATIONS[version - 1])
+            await conn.execute("INSERT INTO commitgate_schema_version (version) VALUES ($1)", version)
+        return int(SCHEMA_VERSION - current)
+
+
+async def _schema_version(conn: asyncpg.Connection) -> int:
+    exists = await conn.fetchval("SELECT to_regclass('commitgate_schema_version') IS NOT NULL")
+    if not exists:
+        return 0
+    return int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version"))
+
+
+async def migrate(url: str, *, timeout: float = 60.0) -> int:
+    """Apply pending migrations at `url`; returns how many this call applied (0: already current).
+
+    Safe to run from several replicas at once: the advisory lock makes all but
+    one wait, and they then find nothing left to do.
+    """
+    try:
+        conn = await asyncpg.connect(url, timeout=timeout)
+    except _FAILURES as exc:
+        raise LedgerUnavailable(f"cannot connect to the ledger {redact(url)}: {exc}") from exc
+    try:
+        async with asyncio.timeout(timeout):
+            return await _apply_migrations(conn)
+    except _FAILURES as exc:
+        raise LedgerUnavailable(f"ledger migration failed on {redact(url)}: {exc}") from exc
+    finally:
+        await conn.close()
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool release hook. The ledger never changes session state (no SET, LISTEN or session locks),
+    so the default reset (`RESET ALL; UNLISTEN *; ...`) would only cost a round trip per step; an
+    open transaction is still rolled back by asyncpg itself."""
+
+
+class PostgresLedger:
+    """A ledger in PostgreSQL behind an asyncpg pool; see the module docstring."""
+
+    def __init__(self, pool: asyncpg.Pool, url: str, timeout: float) -> None:
+        self._pool = pool
+        self.url = redact(url)
+        self._timeout = timeout
+        self._host_prefix = socket.gethostname() + ":"
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 16,
+        timeout: float = 30.0,
+        auto_migrate: bool = True,
+    ) -> PostgresLedger:
+        """Connect a pool and bring the schema up to date (or, with `auto_migrate=False`, require it).
+
+        `timeout` bounds every ledger step, waiting for a pooled connection included.
+        """
+        try:
+            pool = await asyncpg.create_pool(
+                url,
+                min_size=min_size,
+                max_size=max_size,
+                timeout=timeout,
+                reset=_keep_session,
+            )
+        except _FAILURES as exc:
+            raise LedgerUnavailable(f"cannot connect to the ledger {redact(url)}: {exc}") from exc
+        ledger = cls(pool, url, timeout)
+        try:
+            await ledger._run(_apply_migrations if auto_migrate else ledger._require_current)
+        except BaseException:
+            await pool.close()
+            raise
+        return ledger
+
+    async def _require_current(self, conn: asyncpg.Connection) -> int:
+        version = await _schema_version(conn)
+        if version != SCHEMA_VERSION:
+            raise LedgerUnavailable(
+                f"ledger schema is at version {version}, this commitgate needs {SCHEMA_VERSION}:"
+                " run `commitgate ops migrate`"
+            )
+        return 0
+
+    async def _run(self, step: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        """One ledger step on a pooled connection; any database failure becomes LedgerUnavailable."""
+        try:
+            async with asyncio.timeout(self._timeout), self._pool.acquire() as conn:
+                return await step(conn)
+        except _FAILURES as exc:
+            raise LedgerUnavailable(f"ledger {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        rows: list[asyncpg.Record] = await self._run(lambda conn: conn.fetch(sql, *args))
+        return rows
+
+    # --- the hot path ---------------------------------------------------------------------
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        rows = await self._fetch(
+            _CLAIM,
+            "op_" + uuid.uuid4().hex,
+            request.principal,
+            request.session,
+            request.step,
+            request.tool,
+            request.idempotency_class.value,
+            request.fingerprint,
+            request.arguments_json,
+            request.owner,
+            request.lease_seconds,
+            request.retention_seconds,
+            now,
+            _dump(_LEASE_LOST),
+        )
+        kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
+        if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
+            op = await self._expire_dead_owner(op, now)
+        return Claim(kind, op)
+
+    async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
+        rows = await self._fetch(
+            _EXPIRE_DEAD_OWNER, now, _dump(_LEASE_LOST), op.operation_id, op.fence, op.lease_owner
+        )
+        if rows:
+            return _decode(rows[0])
+        return await self.get_by_id(None, op.operation_id) or op
+
+    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
+        lease = change.lease
+        rows = await self._fetch(
+            _UPDATE,
+            operation_id,
+            change.to_state.value,
+            sorted(state.value for state in change.expect_states),
+            change.expect_fence,
+            change.event,
+            change.result.to_json() if change.result is not None else None,
+            _dump(change.error),
+            _dump(change.reconciliation),
+            lease is not None,
+            lease.owner if lease is not None else None,
+            lease.expires_at if lease is not None else None,
+            change.to_state.terminal,
+            change.actor,
+            _dump(change.detail),
+            now,
+        )
+        return _decode(rows[0]) if rows else None
+
+    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
+        status = await self._run(
+            lambda conn: conn.execute(
+                "UPDATE commitgate_operations SET lease_owner = $1, lease_expires_at = $2"
+                " WHERE operation_id = $3 AND fence = $4 AND state = 'RUNNING'",
+                lease.owner,
+                lease.expires_at,
+                operation_id,
+                fence,
+            )
+        )
+        return bool(status == "UPDATE 1")
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def get(self, principal: str, session: str, step: str) -> Operation | None:
+        rows = await self._fetch(
+            f"{_SELECT} WHERE principal = $1 AND session = $2 AND step = $3", principal, session, step
+        )
+        return _decode(rows[0]) if rows else None
+
+    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
+        rows = await self._fetch(f"{_SELECT} WHERE operation_id = $1", operation_id)
+        if not rows:
+            return None
+        op = _decode(rows[0])
+        return op if principal is None or op.principal == principal else None
+
+    async def find(self, where: OperationFilter) -> list[Operation]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column, value in (
+            ("principal", where.principal),
+            ("session", where.session),
+            ("state", where.state.value if where.state else None),
+            ("tool", where.tool),
+        ):
+            if value is not None:
+                params.append(value)
+                clauses.append(f"{column} = ${len(params)}")
+        if where.older_than is not None:
+            params.append(where.older_than)
+            clauses.append(f"updated_at <= ${len(params)}")
+        params.append(where.limit)
+        sql = _SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
+        sql += f" ORDER BY created_at DESC, seq DESC LIMIT ${len(params)}"
+        return [_decode(row) for row in await self._fetch(sql, *params)]
+
+    async def history(self, operation_id: str) -> list[AuditEntry]:
+        rows = await self._fetch(
+            "SELECT at, event, from_state, to_state, fence, actor, detail FROM commitgate_audit"
+            " WHERE operation_id = $1 ORDER BY id",
+            operation_id,
+        )
+        return [
+            AuditEntry(
+                r["at"],
+                r["event"],
+                r["from_state"],
+                r["to_state"],
+                r["fence"],
+                r["actor"],
+                json.loads(r["detail"]) if r["detail"] else None,
+            )
+            for r in rows
+        ]
+
+    # --- sweeps: safe with several replicas --------------------------------------------------
+
+    async def expire_leases(self, now: float) -> list[Operation]:
+        async def step(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+            owners = await conn.fetch(
+                "SELECT DISTINCT lease_owner FROM commitgate_operations"
+                " WHERE state = 'RUNNING' AND lease_expires_at > $1 AND starts_with(lease_owner, $2)",
+                now,
+                self._host_prefix,
+            )
+            dead = [row[0] for row in owners if owner_known_dead(row[0])]
+            return await conn.fetch(_EXPIRE_LEASES, now, _dump(_LEASE_LOST), dead)
+
+        return [_decode(row) for row in await self._run(step)]
+
+    async def purge(self, now: float, *, batch: int = 1000) -> int:
+        """Delete in batches of `batch` rows, each its own short transaction, skipping rows in use."""
+        total = 0
+        while True:
+            gone = await self._run(lambda conn: conn.fetchval(_PURGE_BATCH, now, batch))
+            total += int(gone)
+            if gone < batch:
+                return total
+
+    async def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for state, n in await self._fetch("SELECT state, count(*) FROM commitgate_operations GROUP BY state"):
+            counts[state] = n
+        for event, n in await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"):
+            counts[f"event:{event}"] = n
+        return counts
+
+    async def check_writable(self) -> None:
+        # Rejected on a standby or in a read-only transaction, yet writes nothing.
+        await self._run(
+            lambda conn: conn.execute("UPDATE commitgate_schema_version SET version = version WHERE false")
+        )
+
+    async def schema_version(self) -> int:
+        return await self._run(_schema_version)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self._pool.close(), self._timeout)
+        except TimeoutError:
+            self._pool.terminate()

@@ -1,0 +1,116 @@
+"""PostgreSQL for tests: one throwaway database per test session, one fresh schema per ledger.
+
+`fresh_url()` returns a URL whose `search_path` points at a new, empty schema
+in a database created for this pytest process (`commitgate_test_<pid>_<hex>`),
+dropped when the process exits. Databases left behind by killed runs on this
+host are dropped on the next start.
+
+When PostgreSQL is not reachable the caller is skipped with the reason, except
+under CI (`CI=true`), where it fails: CI must run these tests, not skip them.
+The server is `COMMITGATE_TEST_POSTGRES` (default: trust auth on 127.0.0.1:5432).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import re
+import urllib.parse
+import uuid
+
+import asyncpg
+import pytest
+from commitgate.server.ledger.postgres import PostgresLedger
+
+ADMIN_URL = os.environ.get("COMMITGATE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
+_PREFIX = "commitgate_test_"
+_state: dict[str, str] = {}  # "database" -> name, "unreachable" -> reason
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _with_database(url: str, database: str, **settings: str) -> str:
+    """`url` pointed at `database`, with `settings` as its query (asyncpg sends them as server settings)."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(
+        parts._replace(path="/" + database, query=urllib.parse.urlencode(settings))
+    )
+
+
+async def _admin() -> asyncpg.Connection:
+    return await asyncpg.connect(ADMIN_URL, timeout=5)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _drop_leftovers(conn: asyncpg.Connection) -> None:
+    """Databases of earlier runs whose process is gone (killed before its exit hook ran)."""
+    for (name,) in await conn.fetch("SELECT datname FROM pg_database WHERE datname LIKE $1", _PREFIX + "%"):
+        match = re.fullmatch(_PREFIX + r"(\d+)_[0-9a-f]+", name)
+        if match and not _pid_alive(int(match.group(1))):
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def _create_session_database() -> str:
+    name = f"{_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    conn = await _admin()
+    try:
+        await _drop_leftovers(conn)
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    atexit.register(_drop_session_database, name)
+    return name
+
+
+def _drop_session_database(name: str) -> None:
+    async def drop() -> None:
+        conn = await _admin()
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
+async def require_postgres() -> str:
+    """The session database's name; skips (fails under CI) when PostgreSQL is not reachable."""
+    if "database" not in _state and "unreachable" not in _state:
+        try:
+            _state["database"] = await _create_session_database()
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            _state["unreachable"] = f"PostgreSQL not reachable at {ADMIN_URL}: {type(exc).__name__}: {exc}"
+    if "unreachable" in _state:
+        if in_ci():
+            pytest.fail(f"{_state['unreachable']} (CI=true: PostgreSQL tests must run, not skip)")
+        pytest.skip(_state["unreachable"])
+    return _state["database"]
+
+
+async def fresh_url() -> str:
+    """A ledger URL on a new, empty schema of the session database."""
+    database = await require_postgres()
+    schema = "t_" + uuid.uuid4().hex[:12]
+    conn = await asyncpg.connect(_with_database(ADMIN_URL, database), timeout=5)
+    try:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    finally:
+        await conn.close()
+    return _with_database(ADMIN_URL, database, search_path=schema)
+
+
+async def open_test_ledger(**options: int) -> PostgresLedger:
+    """A fresh, empty PostgreSQL ledger private to one test (its schema dies with the session database)."""
+    return await PostgresLedger.open(await fresh_url(), **options)

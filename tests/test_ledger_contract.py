@@ -1,0 +1,472 @@
+"""The ledger contract: what every backend guarantees, written against the `Ledger` protocol only.
+
+The `ledger` fixture (tests/ledger_backends.py) runs each test on every backend.
+The last section covers what only the SQLite file can show (permissions, pragmas,
+migrations) and a smoke run of the micro-benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sqlite3
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from commitgate.server.benchledger import run_ledger_bench
+from commitgate.server.ledger.base import (
+    Change,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    Ledger,
+    LedgerUnavailable,
+    OperationFilter,
+)
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
+
+pytest_plugins = ["ledger_backends"]
+
+T0 = 1_700_000_000.0
+OWNER = "elsewhere:1:aaaa"  # another host: never presumed dead
+OTHER = "elsewhere:2:bbbb"
+RESULT = ToolResult([{"type": "text", "text": '{"charge":"ch_1"}'}], {"charge": "ch_1"})
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def request(
+    step: str = "k1",
+    *,
+    principal: str = "alice",
+    session: str = "s1",
+    tool: str = "charge",
+    fingerprint: str = "fp-1",
+    owner: str = OWNER,
+    lease: float = 10.0,
+    retention: float = 100.0,
+    cls: IdempotencyClass = IdempotencyClass.KEY_REQUIRED,
+) -> ClaimRequest:
+    return ClaimRequest(
+        principal=principal,
+        session=session,
+        step=step,
+        tool=tool,
+        idempotency_class=cls,
+        fingerprint=fingerprint,
+        arguments_json='{"amount":500,"card":"4242"}',
+        owner=owner,
+        lease_seconds=lease,
+        retention_seconds=retention,
+    )
+
+
+def finish(op: Operation, state: State = State.SUCCEEDED, **fields: object) -> Change:
+    return Change(
+        state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields
+    )  # type: ignore[arg-type]
+
+
+async def new_op(ledger: Ledger, step: str = "k1", now: float = T0, **kw: object) -> Operation:
+    claim = await ledger.claim(request(step, **kw), now)  # type: ignore[arg-type]
+    assert claim.kind is ClaimKind.NEW
+    return claim.operation
+
+
+async def completed(ledger: Ledger, step: str, state: State, now: float = T0, **kw: object) -> Operation:
+    op = await new_op(ledger, step, now, **kw)
+    done = await ledger.update(op.operation_id, finish(op, state, result=RESULT), now)
+    assert done is not None
+    return done
+
+
+def dead_owner() -> str:
+    """A lease owner on this host whose process has certainly exited."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return f"{socket.gethostname()}:{child.pid}:deadbeef"
+
+
+# --- claim ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_claim_of_a_new_key_holds_a_lease(ledger: Ledger) -> None:
+    claim = await ledger.claim(request(lease=7.0), T0)
+    op = claim.operation
+    assert claim.kind is ClaimKind.NEW
+    assert (op.state, op.attempts, op.fence) == (State.RUNNING, 1, 1)
+    assert (op.lease_owner, op.lease_expires_at) == (OWNER, T0 + 7.0)
+    assert (op.principal, op.session, op.step, op.tool) == ("alice", "s1", "k1", "charge")
+    assert op.arguments == {"amount": 500, "card": "4242"}
+    assert op.completed_at is None and op.expires_at is None and op.result is None
+    assert await ledger.get("alice", "s1", "k1") == op
+
+
+@pytest.mark.anyio
+async def test_claim_of_a_known_key_returns_the_existing_operation(ledger: Ledger) -> None:
+    first = await new_op(ledger)
+    again = await ledger.claim(request(owner=OTHER), T0 + 1)
+    assert again.kind is ClaimKind.EXISTING
+    assert again.operation.operation_id == first.operation_id
+    assert (again.operation.state, again.operation.fence, again.operation.lease_owner) == (
+        State.RUNNING,
+        1,
+        OWNER,
+    )
+    assert (await ledger.counts())[State.RUNNING.value] == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("changed", [{"fingerprint": "fp-2"}, {"tool": "refund"}])
+async def test_claim_with_other_arguments_or_tool_conflicts(ledger: Ledger, changed: dict[str, str]) -> None:
+    done = await completed(ledger, "k1", State.SUCCEEDED)
+    claim = await ledger.claim(request(**changed), T0 + 1)  # type: ignore[arg-type]
+    assert claim.kind is ClaimKind.CONFLICT
+    assert claim.operation.operation_id == done.operation_id
+    assert await ledger.get("alice", "s1", "k1") == done  # untouched
+
+
+@pytest.mark.anyio
+async def test_keys_are_scoped_by_principal_and_session(ledger: Ledger) -> None:
+    ids = {(await new_op(ledger, "k1", principal=p, session=s)).operation_id for p in ("alice", "bob") for s in ("s1", "s2")}
+    assert len(ids) == 4
+    assert (await ledger.counts())[State.RUNNING.value] == 4
+
+
+@pytest.mark.anyio
+async def test_concurrent_claims_of_one_key_make_exactly_one_owner(ledger: Ledger) -> None:
+    claims = await asyncio.gather(*(ledger.claim(request(owner=f"h:{i}:n"), T0) for i in range(40)))
+    kinds = [c.kind for c in claims]
+    assert kinds.count(ClaimKind.NEW) == 1 and kinds.count(ClaimKind.EXISTING) == 39
+    assert len({c.operation.operation_id for c in claims}) == 1
+    assert (await ledger.counts())["event:claimed"] == 1
+
+
+@pytest.mark.anyio
+async def test_claim_after_retention_starts_afresh(ledger: Ledger) -> None:
+    old = await completed(ledger, "k1", State.SUCCEEDED, retention=100.0)
+    assert old.expires_at == T0 + 100.0
+    before = await ledger.claim(request(), T0 + 99.0)
+    assert (before.kind, before.operation.operation_id) == (ClaimKind.EXISTING, old.operation_id)
+    after = await ledger.claim(request(fingerprint="fp-other"), T0 + 100.0)
+    assert after.kind is ClaimKind.NEW  # the expired record is gone, so no conflict either
+    assert after.operation.operation_id != old.operation_id
+    assert await ledger.get_by_id(None, old.operation_id) is None
+    assert await ledger.history(old.operation_id) == []
+
+
+@pytest.mark.anyio
+async def test_claim_turns_an_expired_lease_unknown(ledger: Ledger) -> None:
+    op = await new_op(ledger, lease=10.0)
+    live = await ledger.claim(request(), T0 + 9.9)
+    assert live.operation.state is State.RUNNING
+    claim = await ledger.claim(request(owner=OTHER), T0 + 10.0)
+    assert claim.kind is ClaimKind.EXISTING
+    assert claim.operation.state is State.UNKNOWN
+    assert claim.operation.lease_owner is None and claim.operation.lease_expires_at is None
+    assert (claim.operation.error or {}).get("code") == "lease_expired"
+    stored = await ledger.get_by_id("alice", op.operation_id)
+    assert stored is not None and stored.state is State.UNKNOWN
+    last = (await ledger.history(op.operation_id))[-1]
+    assert (last.event, last.from_state, last.to_state, last.fence) == ("lease_expired", "RUNNING", "UNKNOWN", 1)
+
+
+@pytest.mark.anyio
+async def test_claim_treats_a_dead_owner_on_this_host_as_expired_at_once(ledger: Ledger) -> None:
+    await new_op(ledger, "dead", owner=dead_owner(), lease=3600.0)
+    await new_op(ledger, "remote", owner=OTHER, lease=3600.0)
+    assert (await ledger.claim(request("dead"), T0 + 1)).operation.state is State.UNKNOWN
+    assert (await ledger.claim(request("remote"), T0 + 1)).operation.state is State.RUNNING
+
+
+@pytest.mark.anyio
+async def test_claim_of_failed_retryable_takes_over_with_the_next_fence(ledger: Ledger) -> None:
+    failed = await completed(ledger, "k1", State.FAILED_RETRYABLE)
+    assert failed.expires_at is not None
+    claim = await ledger.claim(request(owner=OTHER, lease=5.0), T0 + 1)
+    op = claim.operation
+    assert claim.kind is ClaimKind.NEW and op.operation_id == failed.operation_id
+    assert (op.state, op.fence, op.attempts) == (State.RUNNING, 2, 2)
+    assert (op.lease_owner, op.lease_expires_at) == (OTHER, T0 + 6.0)
+    assert op.completed_at is None and op.expires_at is None  # running again: not purgeable
+    last = (await ledger.history(op.operation_id))[-1]
+    assert (last.event, last.from_state, last.to_state, last.fence) == (
+        "retry_claimed",
+        "FAILED_RETRYABLE",
+        "RUNNING",
+        2,
+    )
+    # the stale first attempt can no longer record anything
+    assert await ledger.update(op.operation_id, finish(failed, State.SUCCEEDED), T0 + 2) is None
+
+
+# --- update ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_update_records_an_outcome(ledger: Ledger) -> None:
+    op = await new_op(ledger, retention=50.0)
+    change = finish(
+        op,
+        State.SUCCEEDED,
+        result=RESULT,
+        reconciliation={"by": "status_check", "verdict": "found"},
+        actor="tester",
+        detail={"why": "because"},
+    )
+    done = await ledger.update(op.operation_id, change, T0 + 3)
+    assert done is not None
+    assert (done.state, done.result, done.error) == (State.SUCCEEDED, RESULT, None)
+    assert done.reconciliation == {"by": "status_check", "verdict": "found"}
+    assert (done.completed_at, done.expires_at, done.updated_at) == (T0 + 3, T0 + 53, T0 + 3)
+    assert done.lease_owner is None and done.lease_expires_at is None
+    assert await ledger.get("alice", "s1", "k1") == done
+    last = (await ledger.history(op.operation_id))[-1]
+    assert (last.event, last.from_state, last.to_state, last.actor, last.detail) == (
+        "succeeded",
+        "RUNNING",
+        "SUCCEEDED",
+        "tester",
+        {"why": "because"},
+    )
+
+
+@pytest.mark.anyio
+async def test_update_keeps_the_error_record(ledger: Ledger) -> None:
+    op = await new_op(ledger)
+    error = {"outcome": "permanent", "type": "PermanentError", "message": "card declined"}
+    done = await ledger.update(op.operation_id, finish(op, State.FAILED_FINAL, error=error), T0)
+    assert done is not None and done.error == error
+    stored = await ledger.get("alice", "s1", "k1")
+    assert stored is not None and (stored.state, stored.error) == (State.FAILED_FINAL, error)
+
+
+@pytest.mark.anyio
+async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None:
+    op = await new_op(ledger)
+    wrong = Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT)
+    assert await ledger.update(op.operation_id, wrong, T0) is None
+    assert await ledger.update("op_missing", finish(op), T0) is None
+    assert await ledger.get("alice", "s1", "k1") == op
+    assert [e.event for e in await ledger.history(op.operation_id)] == ["claimed"]
+
+
+@pytest.mark.anyio
+async def test_a_stale_fence_can_never_overwrite_a_newer_attempt(ledger: Ledger) -> None:
+    first = await new_op(ledger)
+    retry = Change(State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OTHER, T0 + 20))
+    newer = await ledger.update(first.operation_id, retry, T0 + 1)
+    assert newer is not None and (newer.fence, newer.attempts, newer.lease_owner) == (2, 2, OTHER)
+    assert newer.lease_expires_at == T0 + 20
+    stale = finish(first, State.SUCCEEDED, result=RESULT)  # expects fence 1
+    assert await ledger.update(first.operation_id, stale, T0 + 2) is None
+    current = await ledger.get("alice", "s1", "k1")
+    assert current is not None and (current.state, current.fence, current.result) == (State.RUNNING, 2, None)
+    done = await ledger.update(first.operation_id, finish(newer, State.SUCCEEDED, result=RESULT), T0 + 3)
+    assert done is not None and (done.state, done.fence) == (State.SUCCEEDED, 2)
+
+
+@pytest.mark.anyio
+async def test_renew_lease_needs_the_current_fence_and_a_running_operation(ledger: Ledger) -> None:
+    op = await new_op(ledger, lease=10.0)
+    assert await ledger.renew_lease(op.operation_id, 1, Lease(OWNER, T0 + 30))
+    renewed = await ledger.get("alice", "s1", "k1")
+    assert renewed is not None and renewed.lease_expires_at == T0 + 30
+    assert not await ledger.renew_lease(op.operation_id, 2, Lease(OWNER, T0 + 60))
+    assert await ledger.expire_leases(T0 + 29) == []  # the renewal kept it alive past its first lease
+    await ledger.update(op.operation_id, finish(op), T0 + 1)
+    assert not await ledger.renew_lease(op.operation_id, 1, Lease(OWNER, T0 + 90))
+
+
+# --- lease expiry, retention ------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_expire_leases_turns_only_expired_running_operations_unknown(ledger: Ledger) -> None:
+    expired = await new_op(ledger, "expired", lease=10.0)
+    await new_op(ledger, "live", lease=100.0)
+    dead = await new_op(ledger, "dead", lease=100.0, owner=dead_owner())
+    await completed(ledger, "done", State.SUCCEEDED, lease=1.0)
+    turned = await ledger.expire_leases(T0 + 10.0)
+    assert sorted(op.operation_id for op in turned) == sorted([expired.operation_id, dead.operation_id])
+    assert all(op.state is State.UNKNOWN for op in turned)
+    states = {op.step: op.state for op in await ledger.find(OperationFilter(principal="alice"))}
+    assert states == {
+        "expired": State.UNKNOWN,
+        "live": State.RUNNING,
+        "dead": State.UNKNOWN,
+        "done": State.SUCCEEDED,
+    }
+    assert await ledger.expire_leases(T0 + 10.0) == []
+    assert (await ledger.counts())["event:lease_expired"] == 2
+
+
+@pytest.mark.anyio
+async def test_purge_deletes_completed_records_after_retention_but_never_unknown(ledger: Ledger) -> None:
+    succeeded = await completed(ledger, "ok", State.SUCCEEDED, retention=100.0)
+    await completed(ledger, "final", State.FAILED_FINAL, retention=100.0)
+    await completed(ledger, "later", State.SUCCEEDED, retention=5000.0)
+    unknown = await new_op(ledger, "unknown", retention=1.0, lease=1.0)
+    await ledger.expire_leases(T0 + 2)
+    await new_op(ledger, "running", retention=1.0, lease=1e9)
+    assert await ledger.purge(T0 + 99) == 0
+    assert await ledger.purge(T0 + 1000) == 2
+    left = {op.step: op.state for op in await ledger.find(OperationFilter(principal=None))}
+    assert left == {"later": State.SUCCEEDED, "unknown": State.UNKNOWN, "running": State.RUNNING}
+    assert await ledger.history(succeeded.operation_id) == []
+    assert await ledger.history(unknown.operation_id) != []
+    assert await ledger.purge(T0 + 10**9) == 1  # `later`; UNKNOWN and RUNNING stay forever
+
+
+# --- reads ------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_find_lists_newest_first_and_keeps_principals_apart(ledger: Ledger) -> None:
+    await new_op(ledger, "k1", T0, session="s1")
+    await completed(ledger, "k2", State.SUCCEEDED, T0 + 1, session="s2")
+    await new_op(ledger, "k3", T0 + 2, session="s1", tool="refund")
+    await new_op(ledger, "k1", T0 + 3, principal="bob")
+
+    async def steps(**where: object) -> list[str]:
+        found = await ledger.find(OperationFilter(**where))  # type: ignore[arg-type]
+        return [f"{op.principal}/{op.step}" for op in found]
+
+    assert await steps(principal="alice") == ["alice/k3", "alice/k2", "alice/k1"]
+    assert await steps(principal="bob") == ["bob/k1"]
+    assert await steps(principal="carol") == []
+    assert await steps(principal=None) == ["bob/k1", "alice/k3", "alice/k2", "alice/k1"]
+    assert await steps(principal="alice", session="s1") == ["alice/k3", "alice/k1"]
+    assert await steps(principal="alice", state=State.SUCCEEDED) == ["alice/k2"]
+    assert await steps(principal="alice", tool="refund") == ["alice/k3"]
+    assert await steps(principal="alice", limit=2) == ["alice/k3", "alice/k2"]
+    assert await steps(principal="alice", older_than=T0 + 1) == ["alice/k2", "alice/k1"]
+
+
+@pytest.mark.anyio
+async def test_find_breaks_ties_newest_first(ledger: Ledger) -> None:
+    for step in ("a", "b", "c"):
+        await new_op(ledger, step, T0)
+    assert [op.step for op in await ledger.find(OperationFilter(principal="alice"))] == ["c", "b", "a"]
+
+
+@pytest.mark.anyio
+async def test_get_by_id_hides_other_principals_operations(ledger: Ledger) -> None:
+    op = await new_op(ledger)
+    assert await ledger.get_by_id("alice", op.operation_id) == op
+    assert await ledger.get_by_id(None, op.operation_id) == op  # operators see everything
+    assert await ledger.get_by_id("bob", op.operation_id) is None
+    assert await ledger.get("bob", "s1", "k1") is None
+
+
+@pytest.mark.anyio
+async def test_history_has_every_attempt_and_state_change(ledger: Ledger) -> None:
+    op = await new_op(ledger)
+    retry = Change(
+        State.RUNNING,
+        frozenset({State.RUNNING}),
+        "retry",
+        expect_fence=1,
+        lease=Lease(OWNER, T0 + 20),
+        error={"outcome": "retryable", "message": "busy"},
+    )
+    second = await ledger.update(op.operation_id, retry, T0 + 1)
+    assert second is not None and second.error == {"outcome": "retryable", "message": "busy"}
+    done = await ledger.update(op.operation_id, finish(second, State.SUCCEEDED, result=RESULT), T0 + 2)
+    assert done is not None and done.error is None  # success clears the last attempt's error
+    entries = await ledger.history(op.operation_id)
+    assert [(e.event, e.from_state, e.to_state, e.fence, e.at) for e in entries] == [
+        ("claimed", None, "RUNNING", 1, T0),
+        ("retry", "RUNNING", "RUNNING", 2, T0 + 1),
+        ("succeeded", "RUNNING", "SUCCEEDED", 2, T0 + 2),
+    ]
+    assert entries[0].actor == OWNER
+
+
+@pytest.mark.anyio
+async def test_counts_operations_by_state_and_events_by_kind(ledger: Ledger) -> None:
+    await completed(ledger, "a", State.SUCCEEDED)
+    await completed(ledger, "b", State.FAILED_FINAL)
+    await new_op(ledger, "c")
+    counts = await ledger.counts()
+    assert set(State).issubset({State(k) for k in counts if not k.startswith("event:")})
+    assert (counts["SUCCEEDED"], counts["FAILED_FINAL"], counts["RUNNING"], counts["UNKNOWN"]) == (1, 1, 1, 0)
+    assert (counts["event:claimed"], counts["event:succeeded"], counts["event:failed_final"]) == (3, 1, 1)
+
+
+@pytest.mark.anyio
+async def test_check_writable_passes_on_a_healthy_ledger(ledger: Ledger) -> None:
+    await ledger.check_writable()
+
+
+# --- SQLite only: the file itself ------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_sqlite_files_are_private_to_their_owner(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "ledger.db"
+    ledger = await SQLiteLedger.open(path)
+    try:
+        await ledger.claim(request(), T0)
+        for name in ("ledger.db", "ledger.db-wal", "ledger.db-shm"):
+            mode = stat.S_IMODE(os.stat(path.parent / name).st_mode)
+            assert mode == 0o600, f"{name} has mode {oct(mode)}"
+        assert stat.S_IMODE(os.stat(path.parent).st_mode) & 0o077 == 0
+    finally:
+        await ledger.close()
+
+
+@pytest.mark.anyio
+async def test_sqlite_runs_in_wal_with_synchronous_full(tmp_path: Path) -> None:
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    try:
+        # synchronous is per connection: ask the writer's own connection
+        synchronous = await ledger._write(lambda conn: conn.execute("PRAGMA synchronous").fetchone()[0])
+        assert synchronous == 2  # FULL
+    finally:
+        await ledger.close()
+    with sqlite3.connect(tmp_path / "ledger.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # persistent in the file
+
+
+@pytest.mark.anyio
+async def test_sqlite_migrations_are_versioned_and_idempotent(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    for _ in range(2):
+        ledger = await SQLiteLedger.open(path)
+        await ledger.claim(request(), T0)
+        await ledger.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        conn.execute("INSERT INTO schema_version (version) VALUES (99)")
+    with pytest.raises(LedgerUnavailable, match="newer"):
+        await SQLiteLedger.open(path)
+
+
+@pytest.mark.anyio
+async def test_sqlite_ledger_that_cannot_be_created_is_unavailable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(LedgerUnavailable):
+        await SQLiteLedger.open(blocker / "ledger.db")
+
+
+@pytest.mark.anyio
+async def test_micro_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> None:
+    figures = await run_ledger_bench(tmp_path / "bench.db", ops=40, tasks=4)
+    assert figures["synchronous"] == "FULL"
+    for name in ("sequential_claim_complete", "dedup_hit"):
+        assert figures[name]["ops"] == 40
+        assert 0 < figures[name]["median_us"] <= figures[name]["p99_us"]
+    concurrent = figures["concurrent_claim_complete"]
+    assert (concurrent["tasks"], concurrent["ops"]) == (4, 40)
+    assert concurrent["ops_per_s"] > 0 and concurrent["mean_batch"] >= 1
