@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mcp.types as types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,6 +29,9 @@ from .policy import Policy
 from .registry import ServedTool, build_tools
 from .saga import Saga
 from .views import operation_meta, status_view
+
+if TYPE_CHECKING:
+    from commitgate.tools.upstream import UpstreamManager
 
 log = logging.getLogger("commitgate.gateway")
 M = TypeVar("M", bound=BaseModel)
@@ -114,6 +117,7 @@ class Gateway:
     served: dict[str, ServedTool]
     policy_path: Path | None = None
     default_principal: str = field(default_factory=local_principal)
+    upstreams: UpstreamManager | None = None  # upstream MCP connections, closed with the gateway
 
     @classmethod
     async def open(
@@ -125,14 +129,27 @@ class Gateway:
         observe: Observer = _ignore,
         extra_sources: Mapping[str, Any] | None = None,
     ) -> Gateway:
-        served = build_tools(policy, policy_path.parent if policy_path else None, extra_sources)
-        ledger = ledger or await open_ledger(policy.ledger.url, synchronous=policy.ledger.synchronous)
+        from commitgate.tools.upstream import UpstreamManager
+
+        upstreams = UpstreamManager()  # connects the upstream MCP servers the policy uses
+        try:
+            sources = {**await upstreams.update(policy), **(extra_sources or {})}
+            served = build_tools(policy, policy_path.parent if policy_path else None, sources)
+            ledger = ledger or await open_ledger(policy.ledger.url, synchronous=policy.ledger.synchronous)
+        except BaseException:
+            await upstreams.aclose()
+            raise
         tools = {name: s.guard for name, s in served.items()}
         boundary = CommitBoundary(ledger, policy.server, tools, observe=observe)
         principal = policy.server.principal or local_principal()
-        return cls(policy, ledger, boundary, served, policy_path, principal)
+        return cls(policy, ledger, boundary, served, policy_path, principal, upstreams=upstreams)
 
     async def close(self) -> None:
+        from commitgate.tools.http import aclose_shared_client
+
+        if self.upstreams is not None:
+            await self.upstreams.aclose()
+        await aclose_shared_client()
         await self.ledger.close()
 
     def apply(self, policy: Policy, served: dict[str, ServedTool]) -> None:

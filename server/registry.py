@@ -61,17 +61,28 @@ class ToolBuildError(Exception):
 
 
 def build_source(name: str, policy: ToolPolicy, whole: Policy) -> Any:
-    """The tool source for one policy entry (python now; http and upstream plug in here)."""
+    """The tool source for one policy entry.
+
+    Upstream tools normally come in `extra_sources`, built by the gateway's `UpstreamManager` from
+    live connections; built here (e.g. by `policy check`) they are offline: structure is checked,
+    nothing is started, and a call would answer that the upstream is not connected.
+    """
     if policy.python is not None:
         from commitgate.tools.python import PythonTool
 
         status = policy.status_check.python if policy.status_check else None
+        if policy.status_check is not None and policy.status_check.http is not None:
+            raise ValueError(
+                'a python tool\'s status check is python too (`status_check = "module:function"`)'
+            )
         return PythonTool(policy.python, status, policy.description)
     if policy.http is not None:
-        from commitgate.tools.http import HttpTool  # type: ignore[import-not-found,unused-ignore]
+        from commitgate.tools.http import HttpTool
 
         return HttpTool(name, policy, whole)
-    raise NotImplementedError(f"tools.{name}: upstream tools are served through the upstream manager")
+    from commitgate.tools.upstream import UpstreamTool
+
+    return UpstreamTool(name, policy, whole, connection=None)
 
 
 def input_schema_for(source_schema: Mapping[str, Any], cls: IdempotencyClass) -> dict[str, Any]:
@@ -120,8 +131,9 @@ def build_tools(
     for name, tool_policy in policy.tools.items():
         try:
             source = (extra_sources or {}).get(name) or build_source(name, tool_policy, policy)
-        except Exception as exc:
-            problems.append(Problem(f"tools.{name}.{tool_policy.source_kind}", str(exc)))
+        except Exception as exc:  # a declaration mistake knows its own place in the file
+            location = getattr(exc, "location", None) or f"tools.{name}.{tool_policy.source_kind}"
+            problems.append(Problem(location, getattr(exc, "message", None) or str(exc)))
             continue
         if (
             tool_policy.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK

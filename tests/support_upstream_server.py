@@ -1,0 +1,95 @@
+"""A small MCP server to stand upstream of commitgate in tests (stdio or streamable HTTP).
+
+Every side-effecting tool appends one line to the JSONL file `$STUB_LOG`, with the `_meta` session
+and step it received and whether the request carried `Authorization: Bearer $STUB_TOKEN`.
+
+    python support_upstream_server.py                 # stdio
+    python support_upstream_server.py http            # streamable HTTP on a free port; prints its URL
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+mcp = MCPServer("stub-upstream")
+
+
+def _record(tool: str, ctx: Context, **fields: Any) -> int:
+    meta = ctx.request_context.meta or {}
+    token = os.environ.get("STUB_TOKEN")
+    headers = ctx.headers or {}
+    entry = {
+        "tool": tool,
+        "session": meta.get("commitgate/session"),
+        "step": meta.get("commitgate/step"),
+        "authorized": bool(token) and headers.get("authorization") == f"Bearer {token}",
+        **fields,
+    }
+    with open(os.environ["STUB_LOG"], "a", encoding="utf-8") as log:
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+        os.fsync(log.fileno())
+    with open(os.environ["STUB_LOG"], encoding="utf-8") as log:
+        return sum(1 for _ in log)
+
+
+@mcp.tool()
+def record(note: str, ctx: Context) -> dict[str, Any]:
+    """Record a note (the side effect)."""
+    return {"note": note, "line": _record("record", ctx, note=note)}
+
+
+@mcp.tool()
+def record_keyed(note: str, idempotency_key: str, ctx: Context) -> dict[str, Any]:
+    """Record a note; takes its own idempotency_key argument, as a commitgate server's tools do."""
+    return {"note": note, "line": _record("record_keyed", ctx, note=note, key=idempotency_key)}
+
+
+@mcp.tool()
+def die_after_recording(note: str, ctx: Context) -> dict[str, Any]:
+    """Record a note, then exit before answering: the caller cannot know it happened."""
+    _record("die_after_recording", ctx, note=note)
+    os._exit(3)
+
+
+@mcp.tool()
+def rate_limited(note: str) -> str:
+    """Always refused as rate limited."""
+    raise ToolError("rate limit exceeded, try again in a minute")
+
+
+@mcp.tool()
+def refuse(note: str) -> str:
+    """Always refused for good."""
+    raise ToolError(f"account for {note!r} is closed")
+
+
+@mcp.tool()
+def ping() -> str:
+    """Answer pong (no side effect)."""
+    return "pong"
+
+
+def serve_http() -> None:
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    app = mcp.streamable_http_app(streamable_http_path="/mcp")
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["http"]:
+        serve_http()
+    else:
+        mcp.run()

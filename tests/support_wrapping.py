@@ -1,0 +1,144 @@
+"""Helpers for the tests of wrapped tools (http and upstream sources).
+
+* `serve(policy, env)`: a real `commitgate serve` process over stdio behind an SDK `Client`, its stderr
+  captured to a file (run at `--log-level debug`, so tests can look for secrets in it).
+* `memory_server()`: the npm reference server `@modelcontextprotocol/server-memory`, installed once
+  into a cache directory (`$COMMITGATE_TEST_CACHE`, default `~/.cache/commitgate-tests`).
+* small readers for results: the operation in `_meta`, the error code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.types import CallToolResult
+
+TESTS_DIR = Path(__file__).resolve().parent
+CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
+SESSION_META = "commitgate/session"
+STEP_META = "commitgate/step"
+
+MEMORY_PACKAGE = "@modelcontextprotocol/server-memory"
+MEMORY_VERSION = "2026.8.31"  # pinned: the tests count entities in its JSONL store format
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(TESTS_DIR),
+    }
+    env.update(extra)
+    return env
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    policy: Path, stderr: Path, env: Mapping[str, str] | None = None, log_level: str = "debug"
+) -> AsyncIterator[Client]:
+    """`commitgate serve --policy POLICY --log-level debug`, stderr to a file, behind a Client."""
+    params = StdioServerParameters(
+        command=str(CONSOLE_SCRIPT),
+        args=["serve", "--policy", str(policy), "--log-level", log_level],
+        env=base_env(**(env or {})),
+    )
+    with stderr.open("a", encoding="utf-8") as errlog:
+        async with Client(stdio_client(params, errlog=errlog), read_timeout_seconds=60) as client:
+            yield client
+
+
+async def call(
+    client: Client, tool: str, arguments: Mapping[str, Any] | None = None, *, session: str | None = None
+) -> CallToolResult:
+    meta = {SESSION_META: session} if session else None
+    return await client.call_tool(tool, dict(arguments or {}), meta=meta)  # type: ignore[arg-type]
+
+
+def operation(result: CallToolResult) -> dict[str, Any]:
+    assert result.meta is not None, result
+    return dict(result.meta["commitgate/operation"])
+
+
+def error_code(result: CallToolResult) -> str | None:
+    if not result.is_error:
+        return None
+    assert result.structured_content is not None, result
+    return str(result.structured_content["error"]["code"])
+
+
+def text(result: CallToolResult) -> str:
+    return "\n".join(getattr(block, "text", "") for block in result.content)
+
+
+async def eventually(probe: Any, within: float = 20.0, every: float = 0.1) -> Any:
+    """Call `probe()` (sync or async) until it returns a truthy value (fails after `within` seconds)."""
+    with anyio.fail_after(within):
+        while True:
+            value = probe()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            await anyio.sleep(every)
+
+
+# --- the third-party MCP server -----------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COMMITGATE_TEST_CACHE") or Path.home() / ".cache" / "commitgate-tests")
+
+
+def memory_server() -> Path:
+    """The installed server's entry point; installs it on first use (idempotent, cached, locked)."""
+    target = cache_dir() / f"server-memory-{MEMORY_VERSION}"
+    index = target / "node_modules" / "@modelcontextprotocol" / "server-memory" / "dist" / "index.js"
+    done = target / ".installed"
+    if done.exists() and index.exists():
+        return index
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        pytest.skip(f"node and npm are needed to install {MEMORY_PACKAGE} (the third-party upstream)")
+    target.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel runs install once
+        if not (done.exists() and index.exists()):
+            command = [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error"]
+            try:
+                run = subprocess.run(
+                    [*command, f"{MEMORY_PACKAGE}@{MEMORY_VERSION}"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except subprocess.TimeoutExpired:
+                pytest.skip(f"installing {MEMORY_PACKAGE} with npm took over 5 minutes")
+            if run.returncode != 0 or not index.exists():
+                pytest.skip(
+                    f"could not install {MEMORY_PACKAGE}@{MEMORY_VERSION} with npm: {run.stderr[-400:]}"
+                )
+            done.write_text(MEMORY_VERSION)
+    return index
+
+
+def memory_entities(store: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """The entities in server-memory's own JSONL store (optionally only those called `name`)."""
+    if not store.exists():
+        return []
+    items = [json.loads(line) for line in store.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [i for i in items if i.get("type") == "entity" and (name is None or i.get("name") == name)]

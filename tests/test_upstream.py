@@ -1,0 +1,411 @@
+"""The upstream source: other MCP servers wrapped by editing the policy alone.
+
+The third-party server is `@modelcontextprotocol/server-memory` from npm (the reference knowledge-graph
+server; nobody here wrote it), installed once into a cache directory by the test setup. What is
+counted is its own store: the entities in its JSONL file (`MEMORY_FILE_PATH`). A small stub server of
+ours (tests/support_upstream_server.py) covers what the memory server cannot show: a process dying in
+the middle of a call, error results, `_meta` propagation, streamable HTTP; and a second commitgate
+server stands upstream to show that a chain dedups end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from commitgate.server.gateway import Gateway
+from commitgate.server.policy import load_policy
+from commitgate.server.registry import ToolBuildError
+from commitgate.tools import demo
+from commitgate.tools.upstream import inventory
+from mcp import Client, MCPError
+from support_wrapping import (
+    CONSOLE_SCRIPT,
+    TESTS_DIR,
+    call,
+    error_code,
+    eventually,
+    memory_entities,
+    memory_server,
+    operation,
+    serve,
+    text,
+)
+
+FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
+SERVER = """
+[server]
+lease = "5s"
+respond_within = "20s"
+
+[ledger]
+url = "sqlite:///{ledger}"
+"""
+
+
+# --- the third-party server: @modelcontextprotocol/server-memory --------------------------------------
+
+
+class Memory:
+    """A policy wrapping server-memory through `sh`, which leaves its pid in a file and refuses to
+    start while a flag file exists (so a test can kill it and hold it down)."""
+
+    def __init__(self, root: Path, index: Path) -> None:
+        self.root, self.store = root, root / "memory.jsonl"
+        self.pidfile, self.downflag = root / "memory.pid", root / "memory.down"
+        self.policy = root / "policy.toml"
+        self.policy.write_text(self.toml(index), encoding="utf-8")
+
+    def toml(self, index: Path) -> str:
+        launcher = 'echo $$ > "$PIDFILE"; if [ -e "$DOWNFLAG" ]; then exit 1; fi; exec node "$INDEX"'
+        return (
+            SERVER.format(ledger=self.root / "ledger.db")
+            + f"""
+[upstreams.memory]
+command = "sh"
+args = ["-c", '{launcher}']
+env = {{ MEMORY_FILE_PATH = "{self.store}", PIDFILE = "{self.pidfile}", DOWNFLAG = "{self.downflag}", INDEX = "{index}" }}
+
+[tools.create_entities]
+upstream = "memory"
+class = "key-required"
+{FAST_RETRY}
+
+[tools.forget_entities]
+upstream = "memory"
+upstream_tool = "delete_entities"
+class = "key-required"
+description = "Delete entities (and their relations) from the knowledge graph."
+{FAST_RETRY}
+
+[tools.read_graph]
+upstream = "memory"
+class = "safe-retry"
+{FAST_RETRY}
+"""
+        )
+
+    def pid(self) -> int | None:
+        try:
+            return int(self.pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def entities(self, name: str) -> int:
+        return len(memory_entities(self.store, name))
+
+
+def entity(name: str, *observations: str) -> dict[str, Any]:
+    return {"name": name, "entityType": "person", "observations": list(observations)}
+
+
+@pytest.fixture(scope="module")
+def memory_index() -> Path:
+    return memory_server()
+
+
+@pytest.fixture
+def memory(tmp_path: Path, memory_index: Path) -> Memory:
+    return Memory(tmp_path, memory_index)
+
+
+@pytest.mark.anyio
+async def test_only_declared_tools_are_served_with_their_imported_schemas(memory: Memory) -> None:
+    async with serve(memory.policy, memory.root / "stderr.log") as client:
+        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+        with pytest.raises(MCPError, match="Unknown tool"):
+            await client.call_tool("search_nodes", {"query": "x"})  # offered upstream, not declared
+    wrapped = {"create_entities", "forget_entities", "read_graph"}
+    assert wrapped <= set(tools) and not {"search_nodes", "delete_entities", "add_observations"} & set(tools)
+    create = tools["create_entities"]
+    assert set(create.input_schema["properties"]) == {"entities", "idempotency_key"}
+    assert set(create.input_schema["required"]) == {"entities", "idempotency_key"}
+    assert create.output_schema is not None and "entities" in create.output_schema["properties"]
+    assert (create.description or "").startswith("Create multiple new entities in the knowledge graph")
+    assert create.annotations is not None and create.annotations.read_only_hint is False
+    assert tools["read_graph"].annotations is not None and tools["read_graph"].annotations.read_only_hint
+    assert "entityNames" in tools["forget_entities"].input_schema["properties"]
+    report = {item.name: item for item in await inventory(load_policy(memory.policy))}
+    assert report["memory"].connected and report["memory"].missing == []
+    assert report["memory"].exposed == ["create_entities", "delete_entities", "read_graph"]
+    assert {"search_nodes", "add_observations", "open_nodes"} <= set(report["memory"].not_exposed)
+
+
+@pytest.mark.anyio
+async def test_a_replayed_create_has_no_second_effect_in_the_memory_store(memory: Memory) -> None:
+    create = {"entities": [entity("alice", "likes tea")], "idempotency_key": "create-alice"}
+    async with serve(memory.policy, memory.root / "stderr.log") as client:
+        first = await call(client, "create_entities", create)
+        assert not first.is_error, text(first)
+        assert memory.entities("alice") == 1
+        forget = await call(
+            client, "forget_entities", {"entityNames": ["alice"], "idempotency_key": "forget-alice"}
+        )
+        assert not forget.is_error and memory.entities("alice") == 0
+        # Run again, the create would bring alice back; replayed, the store stays as it is.
+        replay = await call(client, "create_entities", create)
+        reused = await call(client, "create_entities", {**create, "entities": [entity("bob")]})
+    assert not replay.is_error and operation(replay)["replayed"] is True
+    assert replay.structured_content == first.structured_content
+    assert error_code(reused) == "idempotency_key_reused"
+    assert memory.entities("alice") == 0 and memory.entities("bob") == 0
+
+
+@pytest.mark.anyio
+async def test_a_killed_upstream_fails_safely_and_is_reconnected(memory: Memory) -> None:
+    async with serve(memory.policy, memory.root / "stderr.log") as client:
+        carol = await call(
+            client, "create_entities", {"entities": [entity("carol")], "idempotency_key": "c-1"}
+        )
+        assert not carol.is_error and memory.entities("carol") == 1
+        first_pid = memory.pid()
+        assert first_pid is not None
+        memory.downflag.touch()
+        os.kill(first_pid, signal.SIGKILL)
+        await eventually(lambda: memory.pid() not in (None, first_pid))  # noticed; respawn refused
+
+        dave = {"entities": [entity("dave")], "idempotency_key": "d-1"}
+        down = await call(client, "create_entities", dave)
+        assert error_code(down) == "retries_exhausted"  # certainly not sent
+        status = await call(client, "get_operation_status", {"idempotency_key": "d-1"})
+        assert status.structured_content is not None
+        assert status.structured_content["operation"]["retry_advice"] == "safe_to_retry_same_key"
+        assert memory.entities("dave") == 0
+
+        memory.downflag.unlink()
+        await eventually(lambda: _succeeds(client, "read_graph"))  # reconnected by itself
+        again = await call(client, "create_entities", dave)
+    assert not again.is_error, text(again)
+    assert operation(again)["state"] == "SUCCEEDED" and operation(again)["replayed"] is False
+    assert memory.entities("dave") == 1 and memory.entities("carol") == 1
+
+
+def test_policy_check_validates_upstream_tools_without_starting_them(memory: Memory) -> None:
+    checked = subprocess.run(
+        [str(CONSOLE_SCRIPT), "policy", "check", str(memory.policy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert not memory.pidfile.exists()  # nothing was started
+    broken = memory.root / "broken.toml"
+    broken.write_text(
+        memory.policy.read_text().replace(
+            'upstream = "memory"\nclass = "safe-retry"', 'upstream = "memroy"\nclass = "safe-retry"'
+        )
+    )
+    checked = subprocess.run(
+        [str(CONSOLE_SCRIPT), "policy", "check", str(broken)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 1 and "tools.read_graph.upstream" in checked.stdout + checked.stderr
+
+
+@pytest.mark.anyio
+async def test_a_tool_the_upstream_does_not_offer_stops_the_start(memory: Memory) -> None:
+    memory.policy.write_text(memory.policy.read_text().replace('"delete_entities"', '"delete_entity"'))
+    with pytest.raises(ToolBuildError) as caught:
+        await Gateway.open(load_policy(memory.policy), memory.policy)
+    (problem,) = caught.value.problems
+    assert problem.location == "tools.forget_entities.upstream_tool"
+    assert "no tool 'delete_entity'" in problem.message and "delete_entities" in problem.message
+
+
+# --- our stub upstream: in-flight death, error results, _meta, streamable HTTP ---------------------------
+
+
+def stub_tools(*, extra: str = "") -> str:
+    keyed = "\n".join(
+        f'[tools.{name}]\nupstream = "stub"\nclass = "key-required"\n{FAST_RETRY}\n'
+        for name in ("record", "record_keyed", "die_after_recording", "rate_limited", "refuse")
+    )
+    return keyed + f'\n[tools.ping]\nupstream = "stub"\nclass = "safe-retry"\n{FAST_RETRY}\n{extra}'
+
+
+def stub_log(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Path:
+    log = tmp_path / "stub.jsonl"
+    policy = tmp_path / "policy.toml"
+    server = TESTS_DIR / "support_upstream_server.py"
+    policy.write_text(
+        SERVER.format(ledger=tmp_path / "ledger.db")
+        + f'\n[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
+        + f'env = {{ STUB_LOG = "{log}" }}\n\n'
+        + stub_tools()
+    )
+    return policy
+
+
+@pytest.mark.anyio
+async def test_session_and_step_travel_upstream(stub: Path) -> None:
+    log = stub.parent / "stub.jsonl"
+    async with serve(stub, stub.parent / "stderr.log") as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        one = await call(client, "record", {"note": "n1", "idempotency_key": "step-1"}, session="run-7")
+        two = await call(client, "record_keyed", {"note": "n2", "idempotency_key": "step-2"}, session="run-7")
+    assert not one.is_error and not two.is_error, (text(one), text(two))
+    assert tools["record_keyed"].input_schema["required"].count("idempotency_key") == 1
+    first, second = stub_log(log)
+    assert (first["session"], first["step"]) == ("run-7", "step-1")
+    assert (second["session"], second["step"], second["key"]) == ("run-7", "step-2", "step-2")
+
+
+@pytest.mark.anyio
+async def test_an_upstream_dying_mid_call_is_ambiguous_and_never_rerun(stub: Path) -> None:
+    log = stub.parent / "stub.jsonl"
+    async with serve(stub, stub.parent / "stderr.log") as client:
+        first = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
+        await eventually(lambda: _succeeds(client, "ping"))  # the stub was restarted
+        again = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
+    assert error_code(first) == error_code(again) == "operation_outcome_unknown"
+    assert operation(again)["state"] == "UNKNOWN"
+    assert len(stub_log(log)) == 1
+
+
+@pytest.mark.anyio
+async def test_upstream_error_results_become_outcomes(stub: Path) -> None:
+    async with serve(stub, stub.parent / "stderr.log") as client:
+        limited = await call(client, "rate_limited", {"note": "x", "idempotency_key": "rl-1"})
+        refused = await call(client, "refuse", {"note": "acme", "idempotency_key": "rf-1"})
+    assert error_code(limited) == "retries_exhausted" and operation(limited)["attempts"] == 3
+    assert error_code(refused) == "operation_failed" and operation(refused)["state"] == "FAILED_FINAL"
+    assert "account for 'acme' is closed" in text(refused)
+
+
+@pytest.fixture
+def http_stub(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    log = tmp_path / "stub-http.jsonl"
+    env = {**os.environ, "STUB_LOG": str(log), "STUB_TOKEN": "up-secret-5e1f"}
+    process = subprocess.Popen(
+        [sys.executable, str(TESTS_DIR / "support_upstream_server.py"), "http"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        yield process.stdout.readline().strip(), log
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.mark.anyio
+async def test_a_streamable_http_upstream_gets_its_secret_header(
+    tmp_path: Path, http_stub: tuple[str, Path]
+) -> None:
+    url, log = http_stub
+    policy = tmp_path / "http.toml"
+    policy.write_text(
+        SERVER.format(ledger=tmp_path / "ledger.db")
+        + f'\n[upstreams.stub]\nurl = "{url}"\ntransport = "streamable-http"\n'
+        + 'headers = { Authorization = "Bearer ${STUB_TOKEN}" }\n\n'
+        + stub_tools()
+    )
+    stderr = tmp_path / "stderr.log"
+    async with serve(policy, stderr, {"STUB_TOKEN": "up-secret-5e1f"}) as client:
+        result = await call(client, "record", {"note": "over http", "idempotency_key": "h-1"}, session="web")
+        replay = await call(client, "record", {"note": "over http", "idempotency_key": "h-1"}, session="web")
+    assert not result.is_error, text(result)
+    assert operation(replay)["replayed"] is True
+    (entry,) = stub_log(log)
+    assert entry["authorized"] is True and (entry["session"], entry["step"]) == ("web", "h-1")
+    assert "up-secret-5e1f" not in stderr.read_text()
+
+
+# --- a chain: commitgate in front of commitgate -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_chain_of_commitgate_servers_dedups_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox = tmp_path / "sandbox.db"
+    inner = tmp_path / "inner.toml"
+    inner.write_text(
+        SERVER.format(ledger=tmp_path / "inner-ledger.db")
+        + '\n[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+    )
+    upstream = (
+        f'\n[upstreams.inner]\ncommand = "{CONSOLE_SCRIPT}"\nargs = ["serve", "--policy", "{inner}"]\n'
+        f'env = {{ COMMITGATE_SANDBOX = "{sandbox}" }}\n'
+        '\n[tools.send_email]\nupstream = "inner"\nclass = "key-required"\n'
+    )
+    mail = {"to": "bob@example.com", "subject": "Hi", "body": "Hello", "idempotency_key": "mail-1"}
+    results = []
+    for outer_ledger in ("outer-1.db", "outer-2.db"):  # the second outer remembers nothing
+        outer = tmp_path / f"{outer_ledger}.toml"
+        outer.write_text(SERVER.format(ledger=tmp_path / outer_ledger) + upstream)
+        async with serve(outer, tmp_path / "stderr.log") as client:
+            results.append(await call(client, "send_email", mail, session="chain-1"))
+    first, second = results
+    assert not first.is_error and not second.is_error, (text(first), text(second))
+    assert operation(first)["replayed"] is False and operation(second)["replayed"] is False  # outer view
+    assert second.structured_content == first.structured_content  # the inner server replayed its answer
+    monkeypatch.setenv(demo.ENV_PATH, str(sandbox))
+    assert demo.count("emails") == 1
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+async def _succeeds(client: Client, tool: str) -> bool:
+    return not (await call(client, tool, {})).is_error
+
+
+# --- the manager, in process ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_upstream_down_at_start_leaves_the_server_up(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        SERVER.format(ledger=tmp_path / "ledger.db")
+        + '\n[upstreams.gone]\ncommand = "false"\n\n[tools.act]\nupstream = "gone"\nclass = "key-required"\n'
+        + FAST_RETRY
+        + '\ninput_schema = { type = "object", properties = { n = { type = "integer" } } }\n'
+    )
+    gateway = await Gateway.open(load_policy(policy), policy)
+    try:
+        (act,) = [t for t in gateway.list_tools() if t.name == "act"]
+        assert set(act.input_schema["properties"]) == {"n", "idempotency_key"}  # the declared fallback schema
+        result = await gateway.call_tool("act", {"n": 1, "idempotency_key": "a-1"}, None, None)
+        assert result.structured_content is not None
+        assert result.structured_content["error"]["code"] == "retries_exhausted"
+        assert "not connected" in result.structured_content["error"]["message"]
+    finally:
+        await gateway.close()
+
+
+@pytest.mark.anyio
+async def test_a_reload_connects_the_new_declaration_before_retiring_the_old(stub: Path) -> None:
+    from commitgate.tools.upstream import UpstreamManager
+
+    old = load_policy(stub)
+    new = load_policy(stub).model_copy(deep=True)
+    new.upstreams["stub"].env["STUB_EXTRA"] = "1"  # another declaration of the same upstream
+    manager = UpstreamManager()
+    try:
+        before = (await manager.update(old))["record"]
+        after = (await manager.update(new, retire=False))["record"]
+        assert before.connection is not after.connection
+        assert before.connection is not None and before.connection.connected  # still serving the old policy
+        await manager.retire(new)
+        assert not before.connection.connected
+        assert after.connection is not None and after.connection.connected
+    finally:
+        await manager.aclose()

@@ -1,0 +1,487 @@
+"""`upstream = "NAME"`: a tool of another MCP server, proxied through the commit boundary.
+
+    [upstreams.memory]
+    command = "npx"                        # stdio; or url = "http://127.0.0.1:9000/mcp" (+ headers)
+    args = ["-y", "@modelcontextprotocol/server-memory"]
+    env = { MEMORY_FILE_PATH = "/srv/memory.jsonl" }
+
+    [tools.create_entities]
+    upstream = "memory"
+    upstream_tool = "create_entities"      # default: the policy's tool name
+    class = "key-required"
+
+An `UpstreamManager` connects to every upstream the policy uses when the gateway opens (and keeps
+reconnecting, with backoff, when one dies), imports the declared tools' schemas, descriptions and
+output schemas, and hands the registry one `UpstreamTool` source per policy entry. Tools the policy
+does not list are never served (fail closed); `inventory()` lists them for `policy show`.
+
+Outcomes of a proxied call:
+* the upstream is not connected: `RetryableError` (the call was certainly not sent);
+* the connection dies while the call is in flight, or the call times out: `AmbiguousError`;
+* a JSON-RPC rejection (invalid params, unknown method): `PermanentError`;
+* an `isError` result: `PermanentError` with its text, unless the text says it is transient
+  (rate limited: `RetryableError`; timed out / temporarily unavailable: `AmbiguousError`).
+
+Each call carries `_meta = {"commitgate/session": ..., "commitgate/step": <key>}`, and the key as the
+`idempotency_key` argument when the upstream tool takes one, so a chain of commitgate servers dedups
+end to end. `status_check = {python = ...}` (or `{http = ...}`) works as for other schema tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import time
+import typing
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx2
+import mcp.types as types
+from commitgate.server.context import OperationContext
+from commitgate.server.model import ToolResult
+from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.policy import Policy, Problem, ToolPolicy, UpstreamPolicy
+from commitgate.server.registry import ToolBuildError
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.sse import sse_client
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from .http import DeclarationError, SchemaValidator, StatusCheck, status_check_for
+
+log = logging.getLogger("commitgate.tools.upstream")
+
+SESSION_META = "commitgate/session"  # the names the gateway reads (DESIGN 1.2)
+STEP_META = "commitgate/step"
+KEY_ARGUMENT = "idempotency_key"
+
+CONNECT_TIMEOUT = 10.0
+BACKOFF_INITIAL = 0.2
+BACKOFF_MAX = 10.0
+STABLE_AFTER = 30.0  # a connection that lived this long resets the backoff
+MAX_MESSAGE_CHARS = 2000
+
+_RATE_LIMITED = re.compile(r"rate.?limit|too many requests|\b429\b", re.IGNORECASE)
+_TRANSIENT = re.compile(
+    r"timed?.?out|timeout|temporar(il)?y|unavailable|try again|ECONNRESET|ETIMEDOUT", re.IGNORECASE
+)
+_REJECTED = frozenset(
+    {types.INVALID_PARAMS, types.METHOD_NOT_FOUND, types.INVALID_REQUEST, types.PARSE_ERROR}
+)
+
+
+# --- one connection --------------------------------------------------------------------------------
+
+
+class _WatchedStream:
+    """The transport's read stream, telling `lost` when it ends (the upstream died or hung up)."""
+
+    def __init__(self, inner: Any, lost: asyncio.Event) -> None:
+        self._inner, self._lost = inner, lost
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def __aenter__(self) -> _WatchedStream:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        self._lost.set()
+        return await self._inner.__aexit__(*exc)
+
+    def __aiter__(self) -> _WatchedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self._inner.__anext__()
+        except (StopAsyncIteration, anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._lost.set()
+            raise
+
+    async def receive(self) -> Any:
+        try:
+            return await self._inner.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._lost.set()
+            raise
+
+    async def aclose(self) -> None:
+        self._lost.set()
+        await self._inner.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator[tuple[Any, Any]]:
+    async with AsyncExitStack() as stack:
+        if spec.command is not None:
+            params = StdioServerParameters(
+                command=spec.command, args=spec.args, env=spec.env or None, cwd=spec.cwd
+            )
+            read, write = await stack.enter_async_context(stdio_client(params))
+        elif spec.transport == "sse":
+            assert spec.url is not None
+            read, write = await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None))
+        else:
+            assert spec.url is not None
+            http = await stack.enter_async_context(
+                httpx2.AsyncClient(headers=spec.headers, timeout=httpx2.Timeout(30.0, read=300.0))
+            )
+            read, write = await stack.enter_async_context(streamable_http_client(spec.url, http_client=http))
+        yield _WatchedStream(read, lost), write
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, for logs: the innermost exception's type and message (never the spec)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _list_all(client: Client) -> dict[str, types.Tool]:
+    tools: dict[str, types.Tool] = {}
+    cursor: str | None = None
+    for _ in range(100):  # a paginator that never ends cannot hang the connection
+        page = await client.list_tools(cursor=cursor)
+        tools.update({tool.name: tool for tool in page.tools})
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+class UpstreamConnection:
+    """One upstream server: connect, list its tools, hold the session, reconnect with backoff."""
+
+    def __init__(self, name: str, spec: UpstreamPolicy, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self.name, self.spec, self.connect_timeout = name, spec, connect_timeout
+        self.tools: dict[str, types.Tool] = {}
+        self.listed = False  # the tools were listed at least once
+        self.error: str | None = None
+        self.connects = 0
+        self._client: Client | None = None
+        self._lost = asyncio.Event()
+        self._attempted = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None and not self._lost.is_set()
+
+    def client(self) -> Client | None:
+        return self._client if self.connected else None
+
+    def mark_lost(self, client: Client) -> None:
+        """A call saw `client`'s connection break; a newer connection is not affected."""
+        if client is self._client:
+            self._lost.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
+
+    async def first_attempt(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._attempted.wait(), timeout)
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), 10.0)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _supervise(self) -> None:
+        delay = BACKOFF_INITIAL
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                await self._hold()
+            except Exception as exc:  # a failing upstream must never take the server down
+                self.error = _reason(exc)
+                log.warning("upstream %s: %s", self.name, self.error)
+            finally:
+                self._client = None
+                self._attempted.set()
+            if time.monotonic() - started > STABLE_AFTER:
+                delay = BACKOFF_INITIAL
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    async def _hold(self) -> None:
+        lost = self._lost = asyncio.Event()
+        async with AsyncExitStack() as stack:
+            async with asyncio.timeout(self.connect_timeout):
+                client = await stack.enter_async_context(Client(_transport(self.spec, lost), cache=None))
+                self.tools, self.listed = await _list_all(client), True
+            self._client, self.error = client, None
+            self.connects += 1
+            self._attempted.set()
+            log.info("upstream %s: connected (%d tools)", self.name, len(self.tools))
+            await lost.wait()
+            self._client = None
+            if not self._stop.is_set():
+                self.error = "the connection was lost"
+                log.warning("upstream %s: connection lost; reconnecting", self.name)
+
+
+# --- the source --------------------------------------------------------------------------------------
+
+
+def _without_key(schema: dict[str, Any]) -> dict[str, Any]:
+    """The upstream's schema minus its own `idempotency_key`: the gateway adds (and checks) the key."""
+    schema = dict(schema)
+    schema.setdefault("type", "object")
+    if KEY_ARGUMENT in schema.get("properties", {}):
+        schema["properties"] = {k: v for k, v in schema["properties"].items() if k != KEY_ARGUMENT}
+        schema["required"] = [r for r in schema.get("required", []) if r != KEY_ARGUMENT]
+    return schema
+
+
+def _text_of(result: types.CallToolResult) -> str:
+    texts = [block.text for block in result.content if isinstance(block, types.TextContent)]
+    return "\n".join(texts).strip()[:MAX_MESSAGE_CHARS] or "the upstream tool reported an error"
+
+
+def tool_error(result: types.CallToolResult, where: str) -> Exception:
+    """An upstream `isError` result as an outcome: permanent unless its words say it is transient."""
+    text = _text_of(result)
+    detail = result.structured_content
+    if _RATE_LIMITED.search(text):
+        return RetryableError(f"{where}: {text}", detail=detail)
+    if _TRANSIENT.search(text):
+        return AmbiguousError(f"{where}: {text}; it may have been applied", detail=detail)
+    return PermanentError(text, detail=detail)
+
+
+class UpstreamTool:
+    """A ToolSource proxying one tool of an upstream MCP server."""
+
+    def __init__(
+        self, name: str, policy: ToolPolicy, whole: Policy, connection: UpstreamConnection | None
+    ) -> None:
+        if policy.upstream is None:
+            raise DeclarationError(f"tools.{name}", "no `upstream` declared")
+        self.name, self.upstream = name, policy.upstream
+        self.upstream_tool = policy.upstream_tool or name
+        self.connection = connection
+        definition = connection.tools.get(self.upstream_tool) if connection else None
+        if connection is not None and connection.listed and definition is None:
+            offered = ", ".join(sorted(connection.tools)) or "none"
+            raise DeclarationError(
+                f"tools.{name}.upstream_tool",
+                f"upstream {self.upstream!r} has no tool {self.upstream_tool!r} (it offers: {offered})",
+            )
+        imported = dict(definition.input_schema) if definition else None
+        schema = policy.input_schema or imported or {"type": "object"}
+        self.passes_key = KEY_ARGUMENT in (imported or schema).get("properties", {})
+        self.input_schema = _without_key(schema)
+        self.output_schema: dict[str, Any] | None = definition.output_schema if definition else None
+        described = definition.description if definition else None
+        self.description = (
+            policy.description or described or f"{self.upstream_tool} (upstream {self.upstream})"
+        )
+        self._validator = SchemaValidator(self.input_schema, f"tools.{name}.input_schema")
+        known = definition is not None or policy.input_schema is not None
+        properties = set(self.input_schema.get("properties", {})) if known else None
+        self._status: StatusCheck | None = status_check_for(name, policy.status_check, policy, properties)
+        self.has_status_check = self._status is not None
+
+    @property
+    def _where(self) -> str:
+        return f"upstream {self.upstream} tool {self.upstream_tool}"
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return self._validator.validate(arguments)
+
+    async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
+        connection = self.connection
+        client = connection.client() if connection is not None else None
+        if connection is None or client is None:
+            why = f" ({connection.error})" if connection is not None and connection.error else ""
+            raise RetryableError(f"upstream {self.upstream!r} is not connected{why}; the call was not sent")
+        args = dict(arguments)
+        meta: dict[str, Any] = {SESSION_META: ctx.session}
+        if ctx.idempotency_key:
+            meta[STEP_META] = ctx.idempotency_key
+            if self.passes_key:
+                args[KEY_ARGUMENT] = ctx.idempotency_key
+        try:
+            result = await client.call_tool(self.upstream_tool, args, meta=typing.cast(Any, meta))
+        except MCPError as exc:
+            raise self._protocol_outcome(exc, connection, client) from exc
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+            connection.mark_lost(client)
+            raise AmbiguousError(f"{self._where}: the connection broke during the call") from exc
+        if result.is_error:
+            raise tool_error(result, self._where)
+        content = [
+            block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in result.content
+        ]
+        return ToolResult(content=content, structured=result.structured_content)
+
+    def _protocol_outcome(self, exc: MCPError, connection: UpstreamConnection, client: Client) -> Exception:
+        if exc.code == types.CONNECTION_CLOSED:
+            connection.mark_lost(client)
+            return AmbiguousError(
+                f"{self._where}: the connection closed during the call; it may have been applied"
+            )
+        if exc.code in _REJECTED:
+            return PermanentError(f"{self._where} rejected the call: {exc.message}")
+        return AmbiguousError(f"{self._where}: {exc.message} (JSON-RPC error {exc.code})")
+
+    async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None:
+        if self._status is None:
+            raise RuntimeError(f"tools.{self.name} declares no status check")
+        return await self._status(arguments, ctx)
+
+    async def aclose(self) -> None:
+        return None  # the connection belongs to the manager
+
+
+# --- all upstreams of a policy ---------------------------------------------------------------------
+
+
+def used_upstreams(policy: Policy) -> set[str]:
+    return {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
+
+
+def _key(name: str, spec: UpstreamPolicy) -> str:
+    return f"{name}\0{spec.model_dump_json()}"
+
+
+class UpstreamManager:
+    """The upstream connections of one gateway, one per (name, declaration).
+
+    At open: `update(policy)` connects what the policy uses and returns its upstream sources. On a
+    policy reload: `update(new, retire=False)` connects what is new while the old policy still
+    serves; once the new policy is applied `retire(new)` closes what it no longer uses (after a
+    rejected edit, `retire(current)` closes what was opened for nothing).
+    """
+
+    def __init__(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self.connect_timeout = connect_timeout
+        self._pool: dict[str, UpstreamConnection] = {}
+
+    def connection(self, name: str, spec: UpstreamPolicy) -> UpstreamConnection | None:
+        return self._pool.get(_key(name, spec))
+
+    async def connect(self, upstreams: Mapping[str, UpstreamPolicy]) -> None:
+        """Hold a connection to each of `upstreams`; connections already held are kept as they are."""
+        fresh = []
+        for name in sorted(upstreams):
+            key = _key(name, upstreams[name])
+            if key not in self._pool:
+                connection = UpstreamConnection(name, upstreams[name], self.connect_timeout)
+                connection.start()
+                self._pool[key] = connection
+                fresh.append(connection)
+        await asyncio.gather(*(c.first_attempt(self.connect_timeout) for c in fresh))
+        for connection in fresh:
+            if not connection.connected:
+                log.warning(
+                    "upstream %s is not reachable (%s); its tools answer retryable errors until it is",
+                    connection.name,
+                    connection.error or "connect timed out",
+                )
+
+    async def retire(self, policy: Policy) -> None:
+        """Close every connection `policy` does not use."""
+        keep = {_key(name, policy.upstreams[name]) for name in used_upstreams(policy)}
+        retired = [self._pool.pop(key) for key in list(self._pool) if key not in keep]
+        await asyncio.gather(*(c.aclose() for c in retired))
+
+    def sources(self, policy: Policy) -> dict[str, UpstreamTool]:
+        sources: dict[str, UpstreamTool] = {}
+        problems: list[Problem] = []
+        for name, tool in policy.tools.items():
+            if tool.upstream is None:
+                continue
+            connection = self.connection(tool.upstream, policy.upstreams[tool.upstream])
+            try:
+                sources[name] = UpstreamTool(name, tool, policy, connection)
+            except DeclarationError as exc:
+                problems.append(Problem(exc.location, exc.message))
+            except Exception as exc:
+                problems.append(Problem(f"tools.{name}.upstream", str(exc)))
+        if problems:
+            raise ToolBuildError(problems)
+        return sources
+
+    async def update(self, policy: Policy, *, retire: bool = True) -> dict[str, UpstreamTool]:
+        await self.connect({name: policy.upstreams[name] for name in used_upstreams(policy)})
+        if retire:
+            await self.retire(policy)
+        return self.sources(policy)
+
+    def not_exposed(self, policy: Policy) -> dict[str, list[str]]:
+        """Per upstream of `policy` that was reached, the tools it offers that the policy does not serve."""
+        served = {
+            (t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream and t.expose
+        }
+        report: dict[str, list[str]] = {}
+        for name, spec in policy.upstreams.items():
+            connection = self.connection(name, spec)
+            if connection is not None:
+                report[name] = sorted(tool for tool in connection.tools if (name, tool) not in served)
+        return report
+
+    async def aclose(self) -> None:
+        connections, self._pool = list(self._pool.values()), {}
+        await asyncio.gather(*(c.aclose() for c in connections))
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamInventory:
+    """What `policy show` tells about one upstream."""
+
+    name: str
+    connected: bool
+    error: str | None
+    exposed: list[str]  # upstream tool names the policy serves
+    not_exposed: list[str]  # offered by the upstream, not served ("available, not exposed")
+    missing: list[str]  # declared in the policy, not offered by the upstream
+
+
+async def inventory(policy: Policy, connect_timeout: float = CONNECT_TIMEOUT) -> list[UpstreamInventory]:
+    """Connect once to every upstream the policy declares and compare what they offer with the policy."""
+    manager = UpstreamManager(connect_timeout=connect_timeout)
+    try:
+        await manager.connect(policy.upstreams)
+        not_exposed = manager.not_exposed(policy)
+        return [
+            _inventory_of(name, connection, policy, not_exposed)
+            for name, spec in sorted(policy.upstreams.items())
+            if (connection := manager.connection(name, spec)) is not None
+        ]
+    finally:
+        await manager.aclose()
+
+
+def _inventory_of(
+    name: str, connection: UpstreamConnection, policy: Policy, not_exposed: Mapping[str, list[str]]
+) -> UpstreamInventory:
+    entries = [(t.upstream_tool or n, t.expose) for n, t in policy.tools.items() if t.upstream == name]
+    offered = set(connection.tools)
+    return UpstreamInventory(
+        name=name,
+        connected=connection.listed,
+        error=None if connection.listed else connection.error or "connect timed out",
+        exposed=sorted({tool for tool, expose in entries if expose and tool in offered}),
+        not_exposed=not_exposed.get(name, []),
+        missing=sorted({tool for tool, _ in entries if connection.listed and tool not in offered}),
+    )
