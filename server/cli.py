@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import logging
 import os
 import sys
 from pathlib import Path
@@ -20,31 +19,40 @@ def _load(path: str | None) -> tuple[Policy, Path | None]:
     return load_policy(path), Path(path).resolve()
 
 
-def _configure_logging(level: str) -> None:
-    # stdout belongs to the MCP protocol under stdio: logs only ever go to stderr.
-    logging.basicConfig(
-        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+def _configure_logging(level: str, unredacted: bool = False) -> None:
+    from .logs import configure_logging
+
+    # stdout belongs to the MCP protocol under stdio: logs only ever go to stderr, as JSON lines.
+    configure_logging(level, unredacted=unredacted)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .gateway import Gateway
+    from .logs import log_event
     from .surface import serve_stdio
 
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, args.debug_unredacted)
     policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
     if args.ledger:
         policy.ledger.url = args.ledger
 
     async def run() -> None:
-        gateway = await Gateway.open(policy, path)
+        gateway = await Gateway.open(policy, path, observe=log_event)
         try:
             if args.transport == "stdio":
                 await serve_stdio(gateway, __version__)
             else:
                 from .transports import serve_http
 
-                await serve_http(gateway, args.transport, args.host, args.port, __version__)
+                await serve_http(
+                    gateway,
+                    args.transport,
+                    args.host,
+                    args.port,
+                    __version__,
+                    stateless=args.stateless,
+                    allowed_hosts=args.allowed_host,
+                )
         finally:
             await gateway.close()
 
@@ -78,6 +86,23 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
     )
     serve.add_argument("--ledger", help="ledger URL, overriding [ledger] url")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--stateless",
+        action="store_true",
+        help="streamable-http without sessions: any replica behind a load balancer can answer any request",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a Host header to accept besides the loopback names, e.g. mcp.example.com (repeatable)",
+    )
+    serve.add_argument(
+        "--debug-unredacted",
+        action="store_true",
+        help="let logs show argument values and error messages (never in production)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="watch the guard work against a real server process")

@@ -66,6 +66,17 @@ def initialization_options(server: Server[Any]) -> Any:
 async def serve_stdio(gateway: Gateway, version: str = "") -> None:
     from mcp.server.stdio import stdio_server
 
+    from .reload import ToolListAnnouncer, policy_watcher
+
     server = build_server(gateway, version)
-    async with gateway.boundary.running(), stdio_server() as (read, write):
-        await server.run(read, write, initialization_options(server))
+    announcer = ToolListAnnouncer()  # a policy edit announces tools/list_changed in both eras
+    announcer.install(server)
+    try:
+        async with (
+            gateway.boundary.running(),
+            policy_watcher(gateway, announcer.announce),
+            stdio_server() as (read, write),
+        ):
+            await server.run(read, write, initialization_options(server))
+    finally:
+        announcer.close()

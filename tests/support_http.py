@@ -1,0 +1,329 @@
+"""Helpers for the HTTP transport tests: policies, real server processes on free ports, MCP clients.
+
+Run as a script, this module is also a server launcher that does exactly what
+`commitgate serve` does for HTTP transports once server/cli.py has the flags
+`--stateless`, `--allowed-host` and `--debug-unredacted` (issue 7); until then
+the tests start servers through it, afterwards through the real CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from mcp import Client
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
+
+TOKENS = {"alice": "alice-token-5b1c9e0f2d7a4c83", "bob": "bob-token-0e6f3a9d8c2b7e41"}
+TOKEN_ENV = "CG_TEST_TOKEN_ALICE"
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+
+TOOLS = """
+[tools.get_balance]
+class = "safe-retry"
+python = "commitgate.tools.demo:get_balance"
+
+[tools.charge_card]
+class = "key-and-status-check"
+python = "commitgate.tools.demo:charge_card"
+status_check = "commitgate.tools.demo:find_charge"
+timeout = "10s"
+
+[tools.create_ticket]
+class = "key-required"
+python = "commitgate.tools.demo:create_ticket"
+
+[tools.slow_task]
+class = "key-required"
+python = "commitgate.tools.demo:slow_task"
+timeout = "60s"
+"""
+
+
+def token_entry(principal: str, token: str) -> str:
+    return f'[[auth.tokens]]\nprincipal = "{principal}"\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
+
+
+def auth_section(extra: dict[str, str] | None = None) -> str:
+    entries = [
+        f'[[auth.tokens]]\nprincipal = "alice"\ntoken_env = "{TOKEN_ENV}"\n',
+        token_entry("bob", TOKENS["bob"]),
+    ]
+    entries += [token_entry(principal, token) for principal, token in (extra or {}).items()]
+    return "\n".join(entries)
+
+
+def write_policy(
+    directory: Path,
+    *,
+    auth: bool = True,
+    max_argument_bytes: int = 4000,
+    list_limit: int = 20,
+    max_concurrent_per_principal: int = 8,
+    name: str = "policy.toml",
+    extra_tokens: dict[str, str] | None = None,
+) -> Path:
+    text = f"""
+[server]
+name = "commitgate-http-test"
+lease = "3s"
+respond_within = "20s"
+in_progress_wait = "10s"
+
+[server.limits]
+max_argument_bytes = {max_argument_bytes}
+list_limit = {list_limit}
+max_concurrent_per_principal = {max_concurrent_per_principal}
+
+[ledger]
+synchronous = "NORMAL"
+
+{auth_section(extra_tokens) if auth else ""}
+{TOOLS}
+"""
+    path = directory / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli_has_http_flags() -> bool:
+    """True once server/cli.py's `serve` takes the issue 7 flags; then tests run the real CLI."""
+    from commitgate.server.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            serve = action.choices["serve"]
+            options = serve._option_string_actions
+            return all(f in options for f in ("--stateless", "--allowed-host", "--debug-unredacted"))
+    return False
+
+
+def server_argv(args: Sequence[str]) -> list[str]:
+    if cli_has_http_flags():
+        return [sys.executable, "-m", "commitgate.server.cli", "serve", *args]
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    port: int
+    transport: str
+    stderr_path: Path
+    host: str = "127.0.0.1"
+    _stderr: Any = field(default=None, repr=False)
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return self.base + ("/mcp" if self.transport == "streamable-http" else "/sse")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(encoding="utf-8", errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._stderr is not None:
+            self._stderr.close()
+        return int(self.proc.returncode)
+
+
+def server_env(sandbox: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"COMMITGATE_SANDBOX": str(sandbox), TOKEN_ENV: TOKENS["alice"], "PYTHONUNBUFFERED": "1"})
+    env.pop("COMMITGATE_SANDBOX_FAULTS", None)
+    env.update(extra or {})
+    return env
+
+
+def start_server(
+    workdir: Path,
+    policy: Path,
+    transport: str,
+    *,
+    ledger: Path,
+    sandbox: Path,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    log_level: str = "info",
+    port: int | None = None,
+    wait: bool = True,
+) -> Served:
+    port = port or free_port()
+    argv = server_argv(
+        [
+            "--transport", transport, "--host", "127.0.0.1", "--port", str(port), "--policy", str(policy),
+            "--ledger", f"sqlite:///{ledger}", "--log-level", log_level, *args,
+        ]
+    )  # fmt: skip
+    stderr_path = workdir / f"server-{transport}-{port}.stderr"
+    stderr = stderr_path.open("wb")
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=server_env(sandbox, env)
+    )
+    served = Served(proc, port, transport, stderr_path, _stderr=stderr)
+    if wait:
+        wait_ready(served)
+    return served
+
+
+def wait_ready(served: Served) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {served.proc.returncode}:\n{served.stderr()[-3000:]}")
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(served.base + "/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.05)
+    served.stop()
+    raise RuntimeError(f"server did not become ready:\n{served.stderr()[-3000:]}")
+
+
+@contextlib.contextmanager
+def running(*args: Any, **kwargs: Any) -> Iterator[Served]:
+    served = start_server(*args, **kwargs)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def bearer(principal: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[principal]}"} if principal else {}
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    served: Served,
+    principal: str | None = "alice",
+    mode: str = "auto",
+    *,
+    headers: dict[str, str] | None = None,
+    transport: httpx2.AsyncBaseTransport | None = None,
+) -> AsyncIterator[Client]:
+    """An SDK client of `served` with `principal`'s token (None: no token), in `mode`."""
+    sent = headers if headers is not None else bearer(principal)
+    if served.transport == "sse":
+        async with Client(sse_client(served.endpoint, headers=sent), mode=mode) as client:
+            yield client
+        return
+    timeout = httpx2.Timeout(30, read=300)
+    async with (
+        httpx2.AsyncClient(headers=sent, timeout=timeout, transport=transport) as http,
+        Client(streamable_http_client(served.endpoint, http_client=http), mode=mode) as client,
+    ):
+        yield client
+
+
+class RoundRobin(httpx2.AsyncBaseTransport):
+    """A load balancer in miniature: each HTTP request goes to the next port in turn."""
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        self._ports = itertools.cycle(ports)
+        self._inner = httpx2.AsyncHTTPTransport()
+        self.sent: list[int] = []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        port = next(self._ports)
+        self.sent.append(port)
+        request.url = request.url.copy_with(port=port)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def error_code(result: Any) -> str | None:
+    if not result.is_error:
+        return None
+    return str(((result.structured_content or {}).get("error") or {}).get("code"))
+
+
+def operation_of(result: Any) -> dict[str, Any]:
+    return dict((result.meta or {}).get("commitgate/operation") or {})
+
+
+# --- the launcher (what `commitgate serve` does for HTTP once cli.py has the issue 7 flags) -------------
+
+
+def launch(argv: Sequence[str]) -> int:
+    from commitgate.server import __version__
+    from commitgate.server.gateway import Gateway
+    from commitgate.server.logs import configure_logging, log_event
+    from commitgate.server.policy import load_policy
+    from commitgate.server.transports import serve_http
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", choices=["sse", "streamable-http"], required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--ledger")
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--stateless", action="store_true")
+    parser.add_argument("--allowed-host", action="append", default=[])
+    parser.add_argument("--debug-unredacted", action="store_true")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, unredacted=args.debug_unredacted)
+    path = Path(args.policy).resolve()
+    policy = load_policy(path)
+    if args.ledger:
+        policy.ledger.url = args.ledger
+
+    async def run() -> None:
+        gateway = await Gateway.open(policy, path, observe=log_event)
+        try:
+            await serve_http(
+                gateway,
+                args.transport,
+                args.host,
+                args.port,
+                __version__,
+                stateless=args.stateless,
+                allowed_hosts=args.allowed_host,
+            )
+        finally:
+            await gateway.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))
