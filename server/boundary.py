@@ -181,7 +181,7 @@ class CommitBoundary:
             self.observe("ledger_unavailable", tool.name, tool.cls)
             raise errors.ledger_unavailable(str(exc)) from None
         if claim.kind is ClaimKind.CONFLICT:
-            self.observe("conflict", tool.name, tool.cls)
+            self.observe("conflict", tool.name, tool.cls, operation_id=claim.operation.operation_id)
             raise errors.key_reused(claim.operation, tool.name)
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
@@ -193,10 +193,10 @@ class CommitBoundary:
         tool = request.tool
         action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
         if action is OnExisting.REPLAY:
-            self.observe("replay", tool.name, tool.cls)
+            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
-            self.observe("replay", tool.name, tool.cls)
+            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
             return Answer(None, op, True, errors.failed(_message(op), op))
         if action is OnExisting.WAIT:
             if waited:
@@ -248,14 +248,19 @@ class CommitBoundary:
                 "message": "the process running this operation stopped answering",
             },
         )
-        return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
+        expired = await self.ledger.update(op.operation_id, change, self.clock())
+        if expired is None:
+            return await self._reread(op)
+        self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        return expired
 
     async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
         """Run again with the same key: the operation certainly did not apply, or the downstream dedups."""
-        change = Change(
+        change = Change(  # only from exactly what was seen: a newer attempt may have moved it since
             State.RUNNING,
-            frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
+            frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
             "rerun_claimed",
+            expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
         )
         taken = await self.ledger.update(op.operation_id, change, self.clock())
@@ -287,11 +292,19 @@ class CommitBoundary:
                 found = await tool.source.status(op.arguments, ctx)
         except Exception as exc:
             note.update(verdict=Verdict.CANNOT_TELL.value, error=str(exc) or type(exc).__name__)
-            self.observe("reconciliation", tool.name, tool.cls, verdict=Verdict.CANNOT_TELL.value)
+            self.observe(
+                "reconciliation",
+                tool.name,
+                tool.cls,
+                verdict=Verdict.CANNOT_TELL.value,
+                operation_id=op.operation_id,
+            )
             return Verdict.CANNOT_TELL, None, note
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note["verdict"] = verdict.value
-        self.observe("reconciliation", tool.name, tool.cls, verdict=verdict.value)
+        self.observe(
+            "reconciliation", tool.name, tool.cls, verdict=verdict.value, operation_id=op.operation_id
+        )
         return verdict, found, note
 
     async def _record_reconciled(
@@ -328,6 +341,7 @@ class CommitBoundary:
                 State.FAILED_RETRYABLE,
                 frozenset({State.UNKNOWN}),
                 "reconciled_not_found",
+                expect_fence=op.fence,  # the check covered attempts up to this one only
                 reconciliation=note,
                 error={"outcome": "retryable", "message": "the status check found no trace of it"},
             )
@@ -361,7 +375,13 @@ class CommitBoundary:
                 )
                 attempt = await self._attempt(tool, request.arguments, ctx)
                 step = after_attempt(tool.cls, attempt.outcome, policy.forwards_key)
-                self.observe("attempt", tool.name, tool.cls, outcome=attempt.outcome.value)
+                self.observe(
+                    "attempt",
+                    tool.name,
+                    tool.cls,
+                    outcome=attempt.outcome.value,
+                    operation_id=op.operation_id,
+                )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and step is Next.RETRY
                 if step is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
@@ -419,7 +439,7 @@ class CommitBoundary:
         if retried is None:
             raise errors.in_progress(await self._reread(op))  # fenced out: a newer attempt owns it
         self._leases[op.operation_id] = retried.fence
-        self.observe("retry", op.tool, op.idempotency_class)
+        self.observe("retry", op.tool, op.idempotency_class, operation_id=op.operation_id)
         return retried
 
     async def _finish(
@@ -432,6 +452,8 @@ class CommitBoundary:
         reconciliation: dict[str, Any] | None = None,
     ) -> Answer:
         error_json = error_record(error, classify(error)) if error is not None else None
+        if result is not None:
+            result = self._bounded(result, op)
         change = Change(
             state,
             frozenset({State.RUNNING}),
@@ -442,7 +464,14 @@ class CommitBoundary:
             reconciliation=reconciliation,
         )
         recorded = await self._record(op, change)
-        self.observe("completed", op.tool, op.idempotency_class, state=state.value)
+        self.observe(
+            "completed",
+            op.tool,
+            op.idempotency_class,
+            state=state.value,
+            operation_id=op.operation_id,
+            seconds=self.clock() - op.created_at,
+        )
         if recorded is None:  # fenced out: a newer attempt's outcome wins; answer from the ledger
             current = await self._reread(op)
             if current.state is State.SUCCEEDED:
@@ -452,6 +481,21 @@ class CommitBoundary:
         if state is State.SUCCEEDED:
             return Answer(recorded.result, recorded, replayed)
         return _error_answer(recorded)
+
+    def _bounded(self, result: ToolResult, op: Operation) -> ToolResult:
+        """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
+        size = len(result.to_json().encode())
+        limit = self.settings.limits.max_result_bytes
+        if size <= limit:
+            return result
+        self.observe("result_too_large", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        text = (
+            f"The action succeeded, but its result was {size} bytes, over the limit of {limit}, so it was not "
+            "stored or returned. Do not repeat the action; read the details you need with a read-only tool."
+        )
+        return ToolResult(
+            [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
+        )
 
     async def _record(self, op: Operation, change: Change) -> Operation | None:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
@@ -536,7 +580,7 @@ class CommitBoundary:
 
     async def _sweep(self) -> None:
         for op in await self.ledger.expire_leases(self.clock()):
-            self.observe("lease_expired", op.tool, op.idempotency_class)
+            self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
 
     async def _purge(self) -> None:
         await self.ledger.purge(self.clock())
