@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .ledger.base import LedgerUnavailable
 from .policy import Policy, PolicyError, default_policy, load_policy
 
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
+        return 1
+    except LedgerUnavailable as exc:
+        print(f"commitgate: ledger: {exc}", file=sys.stderr)
         return 1
 
 

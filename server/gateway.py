@@ -135,7 +135,11 @@ class Gateway:
         try:
             sources = {**await upstreams.update(policy), **(extra_sources or {})}
             served = build_tools(policy, policy_path.parent if policy_path else None, sources)
-            ledger = ledger or await open_ledger(policy.ledger.url, synchronous=policy.ledger.synchronous)
+            ledger = ledger or await open_ledger(
+                policy.ledger.url,
+                synchronous=policy.ledger.synchronous,
+                auto_migrate=policy.ledger.auto_migrate,
+            )
         except BaseException:
             await upstreams.aclose()
             raise

@@ -1,4 +1,4 @@
-"""`commitgate ops list|show|resolve|purge` and `commitgate stats`: operating the ledger.
+"""`commitgate ops list|show|resolve|purge|migrate` and `commitgate stats`: operating the ledger.
 
 These commands read and write the ledger directly (no server needs to run):
 the ledger is the system of record of what commitgate did. `resolve` is how a
@@ -86,6 +86,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     purge = actions.add_parser("purge", parents=[where], help="delete records past their retention")
     purge.set_defaults(func=cmd_purge)
+
+    migrate = actions.add_parser(
+        "migrate",
+        parents=[where],
+        help="bring a PostgreSQL ledger's schema up to date (safe to run concurrently)",
+    )
+    migrate.set_defaults(func=cmd_migrate)
 
     stats = subparsers.add_parser("stats", parents=[where], help="counts by state and event; stale unknowns")
     stats.add_argument(
@@ -386,6 +393,52 @@ def cmd_purge(args: argparse.Namespace) -> int:
             _print_json({"purged": purged})
         else:
             print(f"purged {purged} expired operation(s); UNKNOWN operations are never purged")
+        return 0
+
+    return _run(args, body)
+
+
+# --- ops migrate ----------------------------------------------------------------------------------
+
+
+async def _migrate(url: str) -> dict[str, Any]:
+    """Apply pending PostgreSQL migrations; the report never holds the URL's password."""
+    if url.startswith("sqlite:///"):
+        note = "a SQLite ledger creates and migrates its schema itself when it is opened; nothing to do"
+        return {"ledger": url, "backend": "sqlite", "applied": 0, "schema_version": None, "note": note}
+    if not url.startswith(("postgresql://", "postgres://")):
+        raise CommandError("unsupported ledger URL: use sqlite:///... or postgresql://...")
+    try:
+        from .ledger.postgres import (  # type: ignore[import-not-found,unused-ignore]
+            SCHEMA_VERSION,
+            migrate,
+            redact,
+        )
+    except ImportError as exc:
+        raise CommandError(
+            f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
+        ) from None
+    applied = await migrate(url)  # under an advisory lock: concurrent runs apply each migration once
+    return {
+        "ledger": redact(url),
+        "backend": "postgresql",
+        "applied": applied,
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        report = await _migrate(ledger_url(args))
+        if args.json:
+            _print_json(report)
+        elif report["backend"] == "sqlite":
+            print(f"{report['ledger']}: {report['note']}")
+        else:
+            print(
+                f"{report['ledger']}: applied {report['applied']} migration(s);"
+                f" schema version {report['schema_version']}"
+            )
         return 0
 
     return _run(args, body)

@@ -269,6 +269,11 @@ class LedgerPolicy(_Strict):
     synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         "FULL", description="SQLite durability; FULL survives power loss."
     )
+    auto_migrate: bool = Field(
+        True,
+        description="PostgreSQL: bring the ledger schema up to date at start-up (safe with several "
+        "replicas starting at once). false: refuse to start until `commitgate ops migrate` has run.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -28,7 +28,7 @@ def default_ledger_url() -> str:
     return f"sqlite:///{path}"
 
 
-async def open_ledger(url: str | None, *, synchronous: str = "FULL") -> Ledger:
+async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True) -> Ledger:
     url = url or default_ledger_url()
     if url.startswith("sqlite:///"):
         from .sqlite import SQLiteLedger, path_from_url
@@ -41,7 +41,7 @@ async def open_ledger(url: str | None, *, synchronous: str = "FULL") -> Ledger:
             raise LedgerUnavailable(
                 f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
             ) from exc
-        ledger: Ledger = await PostgresLedger.open(url)
+        ledger: Ledger = await PostgresLedger.open(url, auto_migrate=auto_migrate)
         return ledger
     raise LedgerUnavailable(
         f"unsupported ledger URL {url!r}: use sqlite:///relative.db, sqlite:////absolute.db or postgresql://..."
