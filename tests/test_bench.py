@@ -1,0 +1,182 @@
+"""`commitgate bench`: the quick run end to end (a CI smoke test), and the parts it is built from.
+
+No timed assertions: the smoke test checks that every experiment and goal is
+reported with sane values and that the correctness claims hold (effects are
+counted in the sandbox store by the bench itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from commitgate.server.bench import build_ledger, goals, quantile, spread
+from commitgate.server.ledger.base import OperationFilter
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model import State
+from commitgate.server.outcomes import RetryableError
+from commitgate.tools import benchtools
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("COMMITGATE_SANDBOX", None)
+    command = [sys.executable, "-m", "commitgate.server.cli", "bench", "--quick", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "commitgate bench" in proc.stdout  # the results table was printed
+    return dict(json.loads(out.read_text()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]) -> None:
+    for section in ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory"):
+        assert section in quick_run, section
+    assert set(quick_run["goals"]) == {"G1", "G2", "G3", "G4"}
+    assert quick_run["checks"] and all(quick_run["checks"].values()), quick_run["checks"]
+
+    naive, guarded = quick_run["double_charge"]["naive"], quick_run["double_charge"]["guarded"]
+    assert guarded["charges"] == guarded["bookings"] and guarded["duplicate_charges"] == 0
+    assert guarded["uncharged_bookings"] == 0
+    assert naive["duplicate_charges"] == naive["charges"] - naive["bookings"] > 0  # 50 % of acks lost
+    assert naive["retries"] == naive["duplicate_charges"]  # each lost ack cost one retry and one charge
+
+    saga = quick_run["saga"]
+    assert saga["confirmation_failures"] == saga["charged_without_confirmation_before"] > 0
+    assert saga["charged_without_confirmation_after"] == 0
+    assert saga["refunds_issued_twice"] == 0 and saga["over_refunded_charges"] == 0
+    assert saga["refunds"] == saga["bookings_released"] == saga["confirmation_failures"]
+
+    for mode in ("one_process", "several_processes"):
+        figures = quick_run["concurrency"][mode]
+        assert figures["min_effects_per_key"] == figures["max_effects_per_key"] == 1
+        assert figures["effects"] == quick_run["concurrency"]["keys"]
+        assert sum(figures["answers"].values()) == figures["calls"]
+    assert quick_run["concurrency"]["several_processes"]["processes"] >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_quick_bench_figures_are_sane(quick_run: dict[str, Any]) -> None:
+    backoff = quick_run["backoff"]
+    for arm in ("immediate", "full_jitter"):
+        figures = backoff[arm]
+        assert figures["attempts"] >= backoff["retriers"]
+        assert figures["attempts"] == figures["rejected"] + backoff["retriers"]  # each job served once
+        assert 1 <= figures["peak_in_service"] <= backoff["capacity"]
+        assert 0 < figures["p50_completion_s"] <= figures["p99_completion_s"] <= figures["max_completion_s"]
+
+    for name in ("G1", "G2", "G4"):
+        spread_ = quick_run["goals"][name]["spread"]
+        assert 0 < spread_["min"] <= spread_["p25"] <= spread_["median"] <= spread_["p75"] <= spread_["max"]
+    g3 = quick_run["goals"]["G3"]
+    assert g3["ops_per_s"] > 0 and g3["p99_ms"] > 0
+    per_call = quick_run["overhead"]["per_call_us"]
+    assert set(per_call) >= {"unguarded", "guarded", "replay", "plain_sdk"}
+    assert all(figure["median"] > 0 for figure in per_call.values())
+
+    memory = quick_run["memory"]
+    assert memory["rss_kib"]["big_ledger"]["vm_rss"] > 0
+    assert 200 < memory["ledger_bytes_per_operation"] < 100_000
+    assert all(figure["median"] > 0 for figure in memory["startup_ms"].values())
+
+
+# --- the parts ---------------------------------------------------------------------------------------
+
+
+def test_quantile_and_spread() -> None:
+    assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert quantile([1.0, 2.0, 3.0], 0.0) == 1.0 and quantile([1.0, 2.0, 3.0], 1.0) == 3.0
+    figure = spread([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert figure == {"median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 100.0}
+
+
+def test_goals_are_judged_on_the_median_ratio() -> None:
+    ratio = {"median": 1.10, "p25": 1.0, "p75": 1.2, "min": 0.9, "max": 1.3}
+    results = {
+        "overhead": {
+            "ratios": {
+                "G1_guarded_over_unguarded": ratio,
+                "G2_replay_over_unguarded": ratio,
+                "G4_guarded_over_plain_sdk": ratio,
+            }
+        },
+        "ledger": {"concurrent_claim_complete": {"ops_per_s": 12_000.0, "p99_us": 11_000.0}},
+    }
+    judged = goals(results)
+    assert (judged["G1"]["met"], judged["G2"]["met"], judged["G4"]["met"]) == (True, False, True)
+    assert judged["G3"]["met"] is False  # fast enough, but its p99 is over 10 ms
+
+
+def test_lognormal_service_time_has_the_asked_median_and_p99() -> None:
+    rng = random.Random(1)
+    samples = [benchtools.lognormal_seconds(200.0, 2000.0, rng) for _ in range(20_000)]
+    assert 0.19 < quantile(samples, 0.5) < 0.21
+    assert 1.8 < quantile(samples, 0.99) < 2.2
+    with pytest.raises(ValueError):
+        benchtools.lognormal_seconds(300.0, 200.0)
+
+
+@pytest.mark.anyio
+async def test_overloaded_service_rejects_when_full_and_counts_what_it_saw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(benchtools.ENV_CAPACITY, "2")
+    monkeypatch.setattr(benchtools, "_load", None)  # a fresh service, as in a fresh server process
+
+    async def attempt(job: str) -> str:
+        try:
+            await benchtools.overloaded_service(job, median_ms=30.0, p99_ms=60.0)
+        except RetryableError as exc:
+            assert "503" in exc.message and exc.detail == {"status": 503}
+            return "rejected"
+        return "served"
+
+    outcomes = await asyncio.gather(*(attempt(f"job-{n}") for n in range(5)))
+    assert sorted(outcomes) == ["rejected"] * 3 + ["served"] * 2
+    load = benchtools.service_load()
+    assert (load["capacity"], load["attempts"], load["rejected"], load["served"]) == (2, 5, 3, 2)
+    assert load["peak_in_service"] == 2 and load["in_service"] == 0
+    assert load["peak_attempts_per_s"] >= 10.0  # 5 attempts inside one 100 ms window
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_bulk_ledger_rows_are_real_operations(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    await build_ledger(path, 1000)
+    ledger = await SQLiteLedger.open(path)
+    try:
+        counts = await ledger.counts()
+        assert counts[State.SUCCEEDED.value] == 1000
+        assert counts["event:claimed"] == counts["event:succeeded"] == 1000
+        op = await ledger.get("bench", "session-0", "order-1-charge")
+        assert op is not None and op.state is State.SUCCEEDED and op.result is not None
+        assert op.result.structured == {
+            "amount_cents": 101,
+            "card": "4242424242424242",
+            "charge_id": "ch_000000000000000000000001",
+            "status": "succeeded",
+        }
+        assert json.loads(op.result.content[0]["text"]) == op.result.structured
+        assert op.arguments["amount_cents"] == 101
+        recent = await ledger.find(OperationFilter("bench", limit=3))
+        assert [o.step for o in recent] == ["order-1000-charge", "order-999-charge", "order-998-charge"]
+        assert len(await ledger.history(op.operation_id)) == 2
+        assert await ledger.purge(op.created_at + 1.0) == 0  # retention 24 h: nothing is purged yet
+    finally:
+        await ledger.close()
