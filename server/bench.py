@@ -285,9 +285,9 @@ class Bench:
         ledger: Path,
         faults: str = "",
         env: dict[str, str] | None = None,
-        module: str = "commitgate.server.cli",
+        stdio: str = "sdk",
     ) -> StdioServerParameters:
-        args = ["-m", module, "serve", "--ledger", f"sqlite:///{ledger}"]
+        args = ["-m", "commitgate.server.cli", "serve", "--stdio", stdio, "--ledger", f"sqlite:///{ledger}"]
         if policy is not None:
             args += ["--policy", str(policy)]
         server_env = {**self.box.env, "COMMITGATE_SANDBOX_FAULTS": faults, **(env or {})}
@@ -656,7 +656,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "plain": bench.plain(),
         "no_fsync": bench.serve(bench.policy("overhead-normal", lazy), bench.ledger("overhead-normal")),
         "fast": bench.serve(
-            bench.policy("overhead", OVERHEAD_POLICY), bench.ledger("overhead-fast"), module=FAST_STDIO
+            bench.policy("overhead", OVERHEAD_POLICY), bench.ledger("overhead-fast"), stdio="fast"
         ),
     }
     async with contextlib.AsyncExitStack() as stack:
@@ -694,7 +694,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         },
         "variants": {
             "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
-            "*_fast_stdio": "commitgate with the opt-in lean stdio transport (python -m " + FAST_STDIO + ")",
+            "*_fast_stdio": "commitgate with the opt-in lean stdio transport (commitgate serve --stdio fast)",
         },
         "fsync_us": fsync_us,
         "G1_floor_two_fsyncs": round(1 + 2 * fsync_us / unguarded, 3),
@@ -702,7 +702,6 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     }
 
 
-FAST_STDIO = "commitgate.server.fast_stdio"
 _REPLAY_KEYS = 50
 
 

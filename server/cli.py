@@ -41,7 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway = await Gateway.open(policy, path, observe=log_event)
         try:
             if args.transport == "stdio":
-                await serve_stdio(gateway, __version__)
+                await serve_stdio(gateway, __version__, args.stdio)
             else:
                 from .transports import serve_http
 
@@ -87,6 +87,12 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
     )
     serve.add_argument("--ledger", help="ledger URL, overriding [ledger] url")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--stdio",
+        choices=["sdk", "fast"],
+        default="sdk",
+        help="stdio transport: the MCP SDK's (default) or a leaner asyncio one with the same protocol behaviour",
+    )
     serve.add_argument(
         "--stateless",
         action="store_true",

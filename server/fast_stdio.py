@@ -136,17 +136,3 @@ def _claimed_std_fds() -> Any:
         os.dup2(saved_out, 1)
         os.close(saved_in)
         os.close(saved_out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`commitgate` with the stdio transport swapped for this one (opt-in entry point)."""
-    import mcp.server.stdio
-
-    from .cli import main as cli_main
-
-    mcp.server.stdio.stdio_server = fast_stdio_server  # type: ignore[assignment]
-    return cli_main(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,8 +63,12 @@ def initialization_options(server: Server[Any]) -> Any:
     return server.create_initialization_options(NotificationOptions(tools_changed=True))
 
 
-async def serve_stdio(gateway: Gateway, version: str = "") -> None:
-    from mcp.server.stdio import stdio_server
+async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "sdk") -> None:
+    """`transport="fast"` swaps the SDK's stdio streams for the lean asyncio ones (fast_stdio.py)."""
+    if transport == "fast":
+        from .fast_stdio import fast_stdio_server as stdio_server
+    else:
+        from mcp.server.stdio import stdio_server
 
     from .reload import ToolListAnnouncer, policy_watcher
 

@@ -1,7 +1,7 @@
 """The lean stdio transport (server/fast_stdio.py) behaves exactly as the SDK's.
 
 Each test runs the same conversation against `commitgate serve` with the SDK's
-stdio transport and with the lean one (`python -m commitgate.server.fast_stdio
+stdio transport and with the lean one (`commitgate serve --stdio fast
 serve`), real processes over real pipes, and compares what came back: both
 protocol eras, tool errors and protocol errors, malformed input lines, a tool
 printing to stdout, large messages, concurrent calls, notifications of a
@@ -31,7 +31,7 @@ from mcp.shared.subscriptions import ToolsListChanged
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 DEADLINE = 30.0
-TRANSPORTS = {"sdk": "commitgate.server.cli", "fast": "commitgate.server.fast_stdio"}
+TRANSPORTS = ("sdk", "fast")
 
 POLICY = """
 [server]
@@ -96,8 +96,10 @@ class Deployment:
         return [
             sys.executable,
             "-m",
-            TRANSPORTS[self.transport],
+            "commitgate.server.cli",
             "serve",
+            "--stdio",
+            self.transport,
             "--policy",
             str(self.policy),
             "--ledger",
