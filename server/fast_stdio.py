@@ -15,9 +15,7 @@ writes to stderr) so a stray print() in a tool cannot corrupt the protocol.
 When stdin or stdout is not a pipe or a socket (a file, a terminal), it falls
 back to the SDK transport.
 
-Opt-in until `commitgate serve` has a switch for it:
-
-    python -m commitgate.server.fast_stdio serve [serve options...]
+Opt-in: `commitgate serve --stdio fast`.
 """
 
 from __future__ import annotations
