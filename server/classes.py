@@ -51,9 +51,11 @@ def after_attempt(cls: IdempotencyClass, outcome: Outcome, forwards_key: bool) -
     return _AFTER_ATTEMPT[(cls, outcome, forwards_key)]
 
 
-def exhausted_state(last_outcome: Outcome) -> State:
-    """Out of attempts: only failures that certainly happened before any effect are retryable."""
-    return State.FAILED_RETRYABLE if last_outcome is Outcome.RETRYABLE else State.UNKNOWN
+def exhausted_state(last_outcome: Outcome, *, maybe_applied: bool = False) -> State:
+    """Out of attempts: retryable only when no attempt of this operation may have taken effect."""
+    return (
+        State.FAILED_RETRYABLE if last_outcome is Outcome.RETRYABLE and not maybe_applied else State.UNKNOWN
+    )
 
 
 class OnExisting(StrEnum):

@@ -70,9 +70,7 @@ def request(
 
 
 def finish(op: Operation, state: State = State.SUCCEEDED, **fields: object) -> Change:
-    return Change(
-        state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields
-    )  # type: ignore[arg-type]
+    return Change(state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields)  # type: ignore[arg-type]
 
 
 async def new_op(ledger: Ledger, step: str = "k1", now: float = T0, **kw: object) -> Operation:
@@ -137,7 +135,11 @@ async def test_claim_with_other_arguments_or_tool_conflicts(ledger: Ledger, chan
 
 @pytest.mark.anyio
 async def test_keys_are_scoped_by_principal_and_session(ledger: Ledger) -> None:
-    ids = {(await new_op(ledger, "k1", principal=p, session=s)).operation_id for p in ("alice", "bob") for s in ("s1", "s2")}
+    ids = {
+        (await new_op(ledger, "k1", principal=p, session=s)).operation_id
+        for p in ("alice", "bob")
+        for s in ("s1", "s2")
+    }
     assert len(ids) == 4
     assert (await ledger.counts())[State.RUNNING.value] == 4
 
@@ -149,6 +151,24 @@ async def test_concurrent_claims_of_one_key_make_exactly_one_owner(ledger: Ledge
     assert kinds.count(ClaimKind.NEW) == 1 and kinds.count(ClaimKind.EXISTING) == 39
     assert len({c.operation.operation_id for c in claims}) == 1
     assert (await ledger.counts())["event:claimed"] == 1
+
+
+@pytest.mark.anyio
+async def test_claims_of_settled_keys_answer_the_same_under_load(ledger: Ledger) -> None:
+    """Replays and conflicts amid a stream of new claims (a busy writer) match what they say alone."""
+    done = await completed(ledger, "done", State.SUCCEEDED)
+    failed = await completed(ledger, "failed", State.FAILED_FINAL)
+    probes = [request("done"), request("failed"), request("done", fingerprint="fp-other")] * 10
+    fresh = [request(f"new{i}") for i in range(60)]
+    claims = await asyncio.gather(*(ledger.claim(r, T0 + 1) for r in [*fresh[:30], *probes, *fresh[30:]]))
+    answers = claims[30:60]
+    assert [(c.kind, c.operation.operation_id, c.operation.state) for c in answers] == [
+        (ClaimKind.EXISTING, done.operation_id, State.SUCCEEDED),
+        (ClaimKind.EXISTING, failed.operation_id, State.FAILED_FINAL),
+        (ClaimKind.CONFLICT, done.operation_id, State.SUCCEEDED),
+    ] * 10
+    assert all(c.kind is ClaimKind.NEW for c in claims[:30] + claims[60:])
+    assert answers[0].operation.result == RESULT
 
 
 @pytest.mark.anyio
@@ -177,7 +197,12 @@ async def test_claim_turns_an_expired_lease_unknown(ledger: Ledger) -> None:
     stored = await ledger.get_by_id("alice", op.operation_id)
     assert stored is not None and stored.state is State.UNKNOWN
     last = (await ledger.history(op.operation_id))[-1]
-    assert (last.event, last.from_state, last.to_state, last.fence) == ("lease_expired", "RUNNING", "UNKNOWN", 1)
+    assert (last.event, last.from_state, last.to_state, last.fence) == (
+        "lease_expired",
+        "RUNNING",
+        "UNKNOWN",
+        1,
+    )
 
 
 @pytest.mark.anyio
@@ -263,7 +288,9 @@ async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None
 @pytest.mark.anyio
 async def test_a_stale_fence_can_never_overwrite_a_newer_attempt(ledger: Ledger) -> None:
     first = await new_op(ledger)
-    retry = Change(State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OTHER, T0 + 20))
+    retry = Change(
+        State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OTHER, T0 + 20)
+    )
     newer = await ledger.update(first.operation_id, retry, T0 + 1)
     assert newer is not None and (newer.fence, newer.attempts, newer.lease_owner) == (2, 2, OTHER)
     assert newer.lease_expires_at == T0 + 20
@@ -458,6 +485,29 @@ async def test_sqlite_ledger_that_cannot_be_created_is_unavailable(tmp_path: Pat
     blocker.write_text("not a directory")
     with pytest.raises(LedgerUnavailable):
         await SQLiteLedger.open(blocker / "ledger.db")
+
+
+@pytest.mark.anyio
+async def test_sqlite_a_failing_step_takes_only_itself_down(tmp_path: Path) -> None:
+    """Steps committed together (group commit): one that fails leaves no trace and harms no other."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+
+    def broken(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO audit (operation_id, at, event, fence) VALUES ('op_x', 0, 'half-done', 0)")
+        raise ValueError("a step that fails after writing")
+
+    try:
+        claims = [ledger.claim(request(f"k{i}"), T0) for i in range(30)]
+        results = await asyncio.gather(
+            *claims[:15], ledger._write(broken), *claims[15:], return_exceptions=True
+        )
+        failure = results.pop(15)
+        assert isinstance(failure, ValueError)
+        assert all(not isinstance(r, BaseException) and r.kind is ClaimKind.NEW for r in results)
+        counts = await ledger.counts()
+        assert (counts["RUNNING"], counts["event:claimed"], counts.get("event:half-done", 0)) == (30, 30, 0)
+    finally:
+        await ledger.close()
 
 
 @pytest.mark.anyio
