@@ -476,11 +476,11 @@ class CommitBoundary:
             current = await self._reread(op)
             if current.state is State.SUCCEEDED:
                 return Answer(current.result, current, True)
-            return _error_answer(current)
+            return self._error_answer(current)
         replayed = reconciliation is not None
         if state is State.SUCCEEDED:
             return Answer(recorded.result, recorded, replayed)
-        return _error_answer(recorded)
+        return self._error_answer(recorded)
 
     def _bounded(self, result: ToolResult, op: Operation) -> ToolResult:
         """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
@@ -512,6 +512,10 @@ class CommitBoundary:
                     raise errors.outcome_unknown(op) from None
                 await asyncio.sleep(delay)
         return None
+
+    def _error_answer(self, op: Operation) -> Answer:
+        tool = self.tools.get(op.tool)
+        return Answer(None, op, False, error_for_state(op, bool(tool and tool.policy.forwards_key)))
 
     # --- safe-retry: no ledger -------------------------------------------------------------------
 
@@ -606,15 +610,11 @@ def _exception_message(exc: BaseException | None) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _error_answer(op: Operation) -> Answer:
-    return Answer(None, op, False, error_for_state(op))
-
-
-def error_for_state(op: Operation) -> GateError:
+def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
     if op.state is State.FAILED_FINAL:
         return errors.failed(_message(op), op)
     if op.state is State.FAILED_RETRYABLE:
         return errors.retries_exhausted(_message(op), op)
     if op.state is State.UNKNOWN:
-        return errors.outcome_unknown(op)
+        return errors.outcome_unknown(op, retry_is_safe=forwards_key)
     return errors.in_progress(op)

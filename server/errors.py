@@ -66,8 +66,13 @@ def in_progress(op: Operation) -> GateError:
     )
 
 
-def outcome_unknown(op: Operation) -> GateError:
-    if op.idempotency_class is IdempotencyClass.COMPENSABLE:
+def outcome_unknown(op: Operation, *, retry_is_safe: bool = False) -> GateError:
+    if retry_is_safe:
+        advice = (
+            "Its downstream deduplicates on the idempotency_key, so calling again later with the same "
+            f"idempotency_key {op.step!r} is safe; never use a new key for it."
+        )
+    elif op.idempotency_class is IdempotencyClass.COMPENSABLE:
         advice = (
             "Do not retry it. Either undo the session with compensate_session, or ask a person to check "
             "and resolve it."

@@ -214,7 +214,11 @@ async def test_forwards_key_never_calls_a_possibly_applied_operation_retryable(
     attempts = len(calls)
     script = [*calls, *["retryable"] * attempts]
     rig = Rig(ledger, record, "key-required", script, forwards_key=True, retry={"attempts": attempts})
-    first = failed_with(await rig.call(), ErrorCode.OPERATION_OUTCOME_UNKNOWN)
+    answer = await rig.call()
+    first = failed_with(answer, ErrorCode.OPERATION_OUTCOME_UNKNOWN)
+    assert (
+        answer.error is not None and "same idempotency_key 'k1' is safe" in answer.error.message
+    )  # as advised
     assert first is not None and (first.state, first.attempts) == (State.UNKNOWN, attempts)
     # the next call re-runs (the downstream dedups on the key) and only fails transiently: still UNKNOWN
     op = failed_with(await rig.call(), ErrorCode.OPERATION_OUTCOME_UNKNOWN)

@@ -520,3 +520,11 @@ async def test_micro_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> N
     concurrent = figures["concurrent_claim_complete"]
     assert (concurrent["tasks"], concurrent["ops"]) == (4, 40)
     assert concurrent["ops_per_s"] > 0 and concurrent["mean_batch"] >= 1
+
+
+@pytest.mark.anyio
+async def test_a_closed_sqlite_ledger_answers_unavailable_instead_of_hanging(tmp_path: Path) -> None:
+    closed = await SQLiteLedger.open(tmp_path / "closed.db")
+    await closed.close()
+    with pytest.raises(LedgerUnavailable):
+        await asyncio.wait_for(closed.purge(0.0), timeout=5)

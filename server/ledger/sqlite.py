@@ -180,6 +180,9 @@ class _Writer(threading.Thread):
     def submit(self, step: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        if not self.is_alive():  # closed (or crashed): nobody would ever answer
+            future.set_exception(LedgerUnavailable("the ledger is closed"))
+            return future
         self._queue.put((step, future, loop))
         return future
 
