@@ -8,8 +8,6 @@ the tests start servers through it, afterwards through the real CLI.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -108,23 +106,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cli_has_http_flags() -> bool:
-    """True once server/cli.py's `serve` takes the issue 7 flags; then tests run the real CLI."""
-    from commitgate.server.cli import build_parser
-
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            serve = action.choices["serve"]
-            options = serve._option_string_actions
-            return all(f in options for f in ("--stateless", "--allowed-host", "--debug-unredacted"))
-    return False
-
-
 def server_argv(args: Sequence[str]) -> list[str]:
-    if cli_has_http_flags():
-        return [sys.executable, "-m", "commitgate.server.cli", "serve", *args]
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    return [sys.executable, "-m", "commitgate.server.cli", "serve", *args]
 
 
 @dataclass
@@ -274,56 +257,3 @@ def error_code(result: Any) -> str | None:
 
 def operation_of(result: Any) -> dict[str, Any]:
     return dict((result.meta or {}).get("commitgate/operation") or {})
-
-
-# --- the launcher (what `commitgate serve` does for HTTP once cli.py has the issue 7 flags) -------------
-
-
-def launch(argv: Sequence[str]) -> int:
-    from commitgate.server import __version__
-    from commitgate.server.gateway import Gateway
-    from commitgate.server.logs import configure_logging, log_event
-    from commitgate.server.policy import load_policy
-    from commitgate.server.transports import serve_http
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--transport", choices=["sse", "streamable-http"], required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--policy", required=True)
-    parser.add_argument("--ledger")
-    parser.add_argument("--log-level", default="warning")
-    parser.add_argument("--stateless", action="store_true")
-    parser.add_argument("--allowed-host", action="append", default=[])
-    parser.add_argument("--debug-unredacted", action="store_true")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, unredacted=args.debug_unredacted)
-    path = Path(args.policy).resolve()
-    policy = load_policy(path)
-    if args.ledger:
-        policy.ledger.url = args.ledger
-
-    async def run() -> None:
-        gateway = await Gateway.open(policy, path, observe=log_event)
-        try:
-            await serve_http(
-                gateway,
-                args.transport,
-                args.host,
-                args.port,
-                __version__,
-                stateless=args.stateless,
-                allowed_hosts=args.allowed_host,
-            )
-        finally:
-            await gateway.close()
-
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(launch(sys.argv[1:]))
