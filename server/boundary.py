@@ -166,7 +166,7 @@ class CommitBoundary:
         claim_request = ClaimRequest(
             principal=request.principal,
             session=request.session,
-            step=typing_key(request.key),
+            step=request.key if request.key is not None else _missing_key(tool),
             tool=tool.name,
             idempotency_class=tool.cls,
             fingerprint=fingerprint(tool.name, arguments_json),
@@ -590,10 +590,9 @@ class CommitBoundary:
         await self.ledger.purge(self.clock())
 
 
-def typing_key(key: str | None) -> str:
-    if key is None:
-        raise errors.key_required("this tool")
-    return key
+def _missing_key(tool: GuardedTool) -> str:
+    """The gateway checks keys first; a keyed call without one reaching here is still refused."""
+    raise errors.key_required(tool.name)
 
 
 def _message(op: Operation) -> str:

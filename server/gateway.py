@@ -224,7 +224,7 @@ class Gateway:
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
         try:
-            validated = served_source(served).validate(args)
+            validated = served.guard.source.validate(args)
         except GateError:
             raise
         except Exception as exc:
@@ -272,10 +272,6 @@ class Gateway:
         return await saga.compensate(
             principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
         )
-
-
-def served_source(served: ServedTool) -> Any:
-    return served.guard.source
 
 
 def _parse(model: type[M], args: dict[str, Any]) -> M:
