@@ -27,6 +27,7 @@ from .classes import Next, OnExisting, after_attempt, exhausted_state, on_existi
 from .context import OperationContext
 from .errors import GateError
 from .ledger.base import (
+    LEASE_LOST,
     Change,
     ClaimKind,
     ClaimRequest,
@@ -245,10 +246,7 @@ class CommitBoundary:
             frozenset({State.RUNNING}),
             "lease_expired",
             expect_fence=op.fence,
-            error={
-                "code": "lease_expired",
-                "message": "the process running this operation stopped answering",
-            },
+            error=dict(LEASE_LOST),
         )
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -93,19 +92,13 @@ def _code(result: Any) -> str:
 
 
 def kill_servers(marker: str) -> int:
-    """kill -9 every server process of this demo (found by the ledger path in its command line)."""
-    killed = 0
-    for entry in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            cmdline = entry.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and "commitgate.server.cli" in cmdline and int(entry.parent.name) != os.getpid():
-            os.kill(int(entry.parent.name), signal.SIGKILL)
-            killed += 1
-    if not killed and sys.platform != "linux":
-        killed = subprocess.run(["pkill", "-9", "-f", marker], check=False).returncode == 0
-    return killed
+    """kill -9 every server process of this demo (found by its unique directory in the command line)."""
+    from .bench import server_pids
+
+    pids = server_pids(marker)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return len(pids)
 
 
 async def scenario_basics(box: Sandbox, steps: list[Step]) -> None:

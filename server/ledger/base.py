@@ -17,6 +17,12 @@ from typing import Any, Protocol
 
 from ..model import IdempotencyClass, Operation, State, ToolResult
 
+# The error recorded on an operation whose owner stopped before recording its outcome.
+LEASE_LOST: dict[str, str] = {
+    "code": "lease_expired",
+    "message": "the process running this operation stopped before recording its outcome",
+}
+
 
 class LedgerUnavailable(Exception):
     """The ledger could not be read or written; keyed tools fail closed."""

@@ -35,6 +35,7 @@ import asyncpg
 
 from ..model import IdempotencyClass, Operation, State, ToolResult
 from .base import (
+    LEASE_LOST,
     AuditEntry,
     Change,
     Claim,
@@ -210,10 +211,6 @@ MIGRATIONS: list[str] = [
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
-_LEASE_LOST = {
-    "code": "lease_expired",
-    "message": "the process running this operation stopped before recording its outcome",
-}
 
 # Connection loss, server errors, pool or statement timeouts: the ledger step did not happen
 # (or cannot be known to have happened), so keyed tools fail closed.
@@ -437,7 +434,7 @@ class PostgresLedger:
             request.lease_seconds,
             request.retention_seconds,
             now,
-            _dump(_LEASE_LOST),
+            _dump(LEASE_LOST),
         )
         kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
@@ -446,7 +443,7 @@ class PostgresLedger:
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(
-            _EXPIRE_DEAD_OWNER, now, _dump(_LEASE_LOST), op.operation_id, op.fence, op.lease_owner
+            _EXPIRE_DEAD_OWNER, now, _dump(LEASE_LOST), op.operation_id, op.fence, op.lease_owner
         )
         if rows:
             return _decode(rows[0])
@@ -552,7 +549,7 @@ class PostgresLedger:
                 self._host_prefix,
             )
             dead = [row[0] for row in owners if owner_known_dead(row[0])]
-            return await conn.fetch(_EXPIRE_LEASES, now, _dump(_LEASE_LOST), dead)
+            return await conn.fetch(_EXPIRE_LEASES, now, _dump(LEASE_LOST), dead)
 
         return [_decode(row) for row in await self._run(step)]
 

@@ -32,6 +32,7 @@ import aiosqlite
 
 from ..model import IdempotencyClass, Operation, State, ToolResult
 from .base import (
+    LEASE_LOST,
     AuditEntry,
     Change,
     Claim,
@@ -335,20 +336,15 @@ def _to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
     conn.execute(
         "UPDATE operations SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?,"
         " error = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
-        (now, _dump(_LEASE_LOST), op.operation_id, op.fence),
+        (now, _dump(LEASE_LOST), op.operation_id, op.fence),
     )
     _audit(conn, op.operation_id, now, "lease_expired", "RUNNING", "UNKNOWN", op.fence, detail=None)
     op.state, op.lease_owner, op.lease_expires_at, op.updated_at = State.UNKNOWN, None, None, now
-    op.error = dict(_LEASE_LOST)
+    op.error = dict(LEASE_LOST)
 
 
 # States a claim can be answered from without writing anything (see `SQLiteLedger._settled`).
 _SETTLED = frozenset({State.SUCCEEDED.value, State.FAILED_FINAL.value, State.COMPENSATED.value})
-
-_LEASE_LOST = {
-    "code": "lease_expired",
-    "message": "the process running this operation stopped before recording its outcome",
-}
 
 
 def _claim_step(request: ClaimRequest, now: float) -> Callable[[sqlite3.Connection], Claim]:
