@@ -174,8 +174,12 @@ class _Writer(threading.Thread):
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         _enable_wal(self._conn, busy_timeout_ms)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
-        self._busy_timeout_ms = int(busy_timeout_ms)
-        self._lock = threading.Lock()  # one user of the connection at a time: a batch or an inline step
+        # Inline steps get a connection of their own that never waits for a lock: a busy file sends
+        # the step to this thread, which waits. (Toggling busy_timeout on one shared connection cost
+        # two statements per step.)
+        self._inline = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
+        self._inline.execute(f"PRAGMA synchronous = {synchronous}")
+        self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline step
         self.batches = 0
         self._in_batch = False
         self.steps = 0
@@ -199,15 +203,12 @@ class _Writer(threading.Thread):
         """
         if self._in_batch or not self._queue.empty() or not self._lock.acquire(blocking=False):
             return False, None
-        conn = self._conn
+        conn = self._inline
         try:
-            conn.execute("PRAGMA busy_timeout = 0")
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError:
                 return False, None  # locked by another process: let the writer wait for it
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             try:
                 value = step(conn)
                 conn.execute("COMMIT")
@@ -246,6 +247,8 @@ class _Writer(threading.Thread):
                 with self._lock:
                     self._run_batch(batch)
                 self._in_batch = False
+        with self._lock:
+            self._inline.close()
         self._conn.close()
 
     def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Any, Any]]) -> None:
