@@ -89,9 +89,10 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
         "--stdio",
-        choices=["sdk", "fast"],
-        default="sdk",
-        help="stdio transport: the MCP SDK's (default) or a leaner asyncio one with the same protocol behaviour",
+        choices=["fast", "sdk"],
+        default="fast",
+        help="stdio transport: a lean asyncio one (default; the SDK's on Windows) or the MCP SDK's own;"
+        " both behave the same on the wire",
     )
     serve.add_argument(
         "--stateless",

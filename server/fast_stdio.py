@@ -1,4 +1,4 @@
-"""A lean stdio transport for commitgate's MCP server (opt-in).
+"""A lean stdio transport for commitgate's MCP server (the default on POSIX).
 
 The SDK's stdio server reads every line in a worker thread and writes and
 flushes every message in worker threads: three thread hops per request. Here
@@ -12,10 +12,9 @@ Framing follows the SDK: one JSON-RPC message per line, UTF-8 with invalid
 bytes replaced, a line that does not parse is handed to the server as an
 exception, and fd 0/1 are claimed while serving (fd 0 reads /dev/null, fd 1
 writes to stderr) so a stray print() in a tool cannot corrupt the protocol.
-When stdin or stdout is not a pipe or a socket (a file, a terminal), it falls
-back to the SDK transport.
-
-Opt-in: `commitgate serve --stdio fast`.
+When stdin or stdout is not a pipe or a socket (a file, a terminal), or on
+Windows (whose event loop cannot read anonymous pipes), it falls back to the
+SDK transport; `commitgate serve --stdio sdk` asks for the SDK's outright.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _is_pipe_or_socket(fd: int) -> bool:
 @contextlib.asynccontextmanager
 async def fast_stdio_server() -> AsyncIterator[ReadStreams]:
     """Serve MCP over the process's stdin/stdout from the event loop; same streams as the SDK's."""
-    if not (_is_pipe_or_socket(0) and _is_pipe_or_socket(1)):
+    if os.name != "posix" or not (_is_pipe_or_socket(0) and _is_pipe_or_socket(1)):
         from mcp.server.stdio import stdio_server as sdk_stdio_server
 
         async with sdk_stdio_server() as streams:

@@ -63,8 +63,8 @@ def initialization_options(server: Server[Any]) -> Any:
     return server.create_initialization_options(NotificationOptions(tools_changed=True))
 
 
-async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "sdk") -> None:
-    """`transport="fast"` swaps the SDK's stdio streams for the lean asyncio ones (fast_stdio.py)."""
+async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fast") -> None:
+    """`transport="fast"` (the default) serves the lean asyncio streams of fast_stdio.py; "sdk" the SDK's."""
     if transport == "fast":
         from .fast_stdio import fast_stdio_server as stdio_server
     else:

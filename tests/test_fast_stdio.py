@@ -323,3 +323,10 @@ def test_only_pipes_and_sockets_take_the_fast_path(tmp_path: Path) -> None:
     with (tmp_path / "file").open("w") as regular:
         assert not _is_pipe_or_socket(regular.fileno())
     assert not _is_pipe_or_socket(10_000)  # not open at all
+
+
+def test_serve_uses_the_lean_transport_unless_told_otherwise() -> None:
+    from commitgate.server.cli import build_parser
+
+    assert build_parser(serving_only=True).parse_args(["serve"]).stdio == "fast"
+    assert build_parser(serving_only=True).parse_args(["serve", "--stdio", "sdk"]).stdio == "sdk"
