@@ -105,6 +105,12 @@ class RetryPolicy(_Strict):
         return self
 
 
+CALL_OUTCOMES = ("success", "retryable", "ambiguous", "permanent")
+CHECK_VERDICTS = ("found", "not_found", "cannot_tell")
+HttpOutcome = Literal["success", "retryable", "ambiguous", "permanent", "found", "not_found", "cannot_tell"]
+HTTP_STATUS_PATTERN = re.compile(r"[1-5](\d\d|xx)")
+
+
 class HttpRequestSpec(_Strict):
     """A request to a downstream HTTP API (httpx2)."""
 
@@ -123,6 +129,11 @@ class HttpRequestSpec(_Strict):
     body: Literal["json", "query", "none"] | None = Field(
         None,
         description="Where arguments not used in the URL go (default: json for POST/PUT/PATCH, else query).",
+    )
+    outcomes: dict[str, HttpOutcome] = Field(
+        default_factory=dict,
+        description="Per-status overrides of the default mapping, by code ('409') or class ('5xx'): "
+        "success | retryable | ambiguous | permanent on a call; found | not_found | cannot_tell on a status check.",
     )
 
     @field_validator("url")
@@ -575,6 +586,38 @@ def _tool_problems(
     if isinstance(raw.get("compensate"), dict):
         problems += _compensation_problems(name, raw, tools)
     problems += _http_reference_problems(where, raw)
+    problems += _http_outcome_problems(where, raw)
+    return problems
+
+
+def _http_outcome_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
+    """A call's overrides name outcomes, a status check's name verdicts; the two are easy to swap."""
+    status = raw.get("status_check")
+    specs: list[tuple[str, Any, tuple[str, ...]]] = [(f"{where}.http", raw.get("http"), CALL_OUTCOMES)]
+    if isinstance(status, dict):
+        specs.append((f"{where}.status_check.http", status.get("http"), CHECK_VERDICTS))
+    problems: list[Problem] = []
+    for spec_where, spec, allowed in specs:
+        outcomes = spec.get("outcomes") if isinstance(spec, dict) else None
+        if not isinstance(outcomes, dict):
+            continue
+        for code, value in outcomes.items():
+            if not HTTP_STATUS_PATTERN.fullmatch(code):
+                problems.append(
+                    Problem(
+                        f"{spec_where}.outcomes.{toml_key(code)}",
+                        "not an HTTP status: write a code like '409' or a class like '5xx'",
+                    )
+                )
+            if (
+                value in CALL_OUTCOMES + CHECK_VERDICTS and value not in allowed
+            ):  # others: a type error already
+                problems.append(
+                    Problem(
+                        f"{spec_where}.outcomes.{toml_key(code)}",
+                        f"{value!r} does not apply here: use one of {', '.join(allowed)}",
+                    )
+                )
     return problems
 
 

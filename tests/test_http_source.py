@@ -76,6 +76,13 @@ http = {{ method = "POST", url = "{url}/v1/charges", {AUTH}, timeout = "600ms" }
 status_check = {{ http = {{ url = "{url}/v1/charges?idempotency_key={{idempotency_key}}" }} }}
 {FAST_RETRY}
 
+[tools.charge_500_before_acting]
+class = "key-required"
+description = "Charge a card on an API that answers 500 only before it acts."
+{CHARGE_SCHEMA}
+http = {{ method = "POST", url = "{url}/v1/charges", {AUTH}, timeout = "3s", outcomes = {{ "500" = "retryable" }} }}
+{FAST_RETRY}
+
 [tools.get_charge]
 class = "safe-retry"
 input_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
@@ -148,6 +155,25 @@ async def test_without_downstream_dedup_an_ambiguous_failure_is_never_rerun(
     assert operation(again)["state"] == "UNKNOWN"
     assert sandbox.count("charges", idempotency_key="plain-1") == 1
     assert len(requests_for(sandbox, "plain-1")) == 1
+
+
+@pytest.mark.anyio
+async def test_a_status_declared_retryable_is_retried_and_acts_once(
+    policy: Path, sandbox: SandboxProcess, tmp_path: Path
+) -> None:
+    # The API does not dedup, and answers 500 before acting: declared so, the 500 is retried; left
+    # to the default mapping, the same 500 is ambiguous and never re-run.
+    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
+        sandbox.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
+        declared = await call(client, "charge_500_before_acting", charge(400, "declared-500"))
+        sandbox.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
+        default = await call(client, "charge_plain", charge(400, "default-500"))
+    assert operation(declared)["attempts"] == 2 and operation(declared)["state"] == "SUCCEEDED"
+    assert sandbox.count("charges", idempotency_key="declared-500") == 1
+    assert [r["status"] for r in requests_for(sandbox, "declared-500")] == [500, 200]
+    assert error_code(default) == "operation_outcome_unknown"
+    assert sandbox.count("charges", idempotency_key="default-500") == 0
+    assert [r["status"] for r in requests_for(sandbox, "default-500")] == [500]
 
 
 @pytest.mark.anyio
@@ -305,6 +331,35 @@ def test_bad_http_declarations_are_reported_where_they_are(http: str, problem: s
         tool(http=http)
     problems = caught.value.problems  # type: ignore[union-attr]
     assert any(p.location == "tools.t.http.url" and re.search(problem, p.message) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "http,location,problem",
+    [
+        ('http = { url = "http://h/v1/x", outcomes = { "500" = "found" } }', "tools.t.http.outcomes.500",
+         "does not apply here: use one of success, retryable, ambiguous, permanent"),
+        ('http = { url = "http://h/v1/x", outcomes = { "5XX" = "retryable" } }', "tools.t.http.outcomes.5XX",
+         "not an HTTP status"),
+        ('http = { url = "http://h/v1/x", outcomes = { "404" = "fine" } }', "tools.t.http.outcomes.404",
+         "must be 'success'"),
+        ('http = { url = "http://h/v1/x" }\nstatus_check = { http = { url = "http://h/c", outcomes = { "410" = "permanent" } } }',
+         "tools.t.status_check.http.outcomes.410", "use one of found, not_found, cannot_tell"),
+    ],
+)  # fmt: skip
+def test_bad_outcome_overrides_are_reported_where_they_are(http: str, location: str, problem: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        tool(http=http)
+    assert any(p.location == location and problem in p.message for p in caught.value.problems), (
+        caught.value.problems
+    )
+
+
+def test_declared_outcomes_reach_the_request() -> None:
+    declared = tool(
+        http='http = { url = "http://h/v1/x", outcomes = { "409" = "success", "5xx" = "retryable" } }'
+    )
+    assert declared.request.outcomes == {"409": "success", "5xx": "retryable"}
+    assert declared.request.classify(409) == "success" and declared.request.classify(502) == "retryable"
 
 
 def response(status: int, body: Any = None, **headers: str) -> httpx2.Response:

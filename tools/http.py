@@ -20,9 +20,10 @@ Policy shape (DESIGN 1.7):
   structured content plus text; any other body becomes text.
 * Status checks over HTTP: 2xx = found (the body is the result), 404 = certainly not found, anything
   else = cannot tell.
-* Per-status overrides: an `outcomes = { "404" = "permanent", "5xx" = "retryable", ... }` table on the
-  request spec is honoured when the policy model carries one (values `success`, `retryable`,
-  `ambiguous`, `permanent` for calls; `found`, `not_found`, `cannot_tell` for status checks).
+* Per-status overrides: `outcomes = { "404" = "success", "500" = "retryable", ... }` on the request
+  spec, by code or class ("5xx"; a code wins): `success`, `retryable`, `ambiguous`, `permanent` on a
+  call; `found`, `not_found`, `cannot_tell` on a status check. Declaring an ambiguous status
+  retryable says the API answers it only before acting: commitgate then retries it with the key.
 
 Header values (secrets come in as `${ENV}`) and resolved URLs (argument values) are never logged.
 """
@@ -169,7 +170,7 @@ class Request:
             key_header=key_header if keyed else None,
             body=body,
             timeout=min(spec.timeout or timeout, timeout),
-            outcomes=dict(getattr(spec, "outcomes", None) or {}),
+            outcomes=dict(spec.outcomes),
         )
         request._check(where, keyed)
         return request
