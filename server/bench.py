@@ -15,7 +15,7 @@ store, a SQLite file), never in commitgate's own answers:
      and through several processes sharing one ledger file.
 
 The overhead suite runs its variants side by side: calls are interleaved one by
-one (the order rotates), grouped in rounds; each round gives a median per variant
+one (in a fresh random order each time), grouped in rounds; each round gives a median per variant
 and a paired ratio, and the summary is the median ratio with its spread. Beside
 the goals' variants (on the default, lean stdio transport of fast_stdio.py) it
 measures the guarded call without fsyncs (what the guard costs in software), the
@@ -704,7 +704,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     return {
         "rounds": scale.rounds,
         "calls_per_round": scale.calls_per_round,
-        "interleaving": "one call of each variant in turn, order rotating per call; ratios paired per round",
+        "interleaving": "one call of each variant in turn, in a fresh random order each time; ratios paired per round",
         "per_call_us": {
             name: spread([statistics.median(r) for r in v.samples], 1) for name, v in by_name.items()
         },
@@ -760,9 +760,12 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
 async def _round(variants: list[_Variant], round_no: int, calls: int) -> None:
     for variant in variants:
         variant.samples.append([])
+    order = list(variants)
     for i in range(calls):
-        shift = i % len(variants)
-        for variant in variants[shift:] + variants[:shift]:  # rotate who goes first
+        # A fresh order each time: a fixed cycle always hands the same server to the same variant
+        # just after another server ran (caches and wake-ups cold), which biased the ratios.
+        random.shuffle(order)
+        for variant in order:
             variant.samples[-1].append(await _timed(variant, round_no, i))
 
 
