@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -464,6 +465,8 @@ class CommitBoundary:
             reconciliation=reconciliation,
         )
         recorded = await self._record(op, change)
+        if recorded is None:
+            recorded = await self._record_late(op, change)
         self.observe(
             "completed",
             op.tool,
@@ -512,6 +515,35 @@ class CommitBoundary:
                     raise errors.outcome_unknown(op) from None
                 await asyncio.sleep(delay)
         return None
+
+    async def _record_late(self, op: Operation, change: Change) -> Operation | None:
+        """Record a certain outcome that arrived after our lease ran out (a stall, not a crash).
+
+        The lease expiry turned the operation UNKNOWN (or a status check that ran before our
+        effect was visible called it FAILED_RETRYABLE); if no newer attempt took it since (the
+        fence is still ours), we are the best witness of how it ended, and saying so keeps it
+        from staying UNKNOWN or from being run a second time. A newer attempt, or an operator's
+        resolution, wins. An ambiguous outcome adds nothing and is not recorded.
+        """
+        if change.to_state not in (State.SUCCEEDED, State.FAILED_FINAL, State.FAILED_RETRYABLE):
+            return None
+        late = dataclasses.replace(
+            change,
+            expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
+            event="late_outcome",
+            reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
+        )
+        try:
+            recorded = await self.ledger.update(op.operation_id, late, self.clock())
+        except LedgerUnavailable:
+            return None
+        if recorded is not None:
+            log.warning(
+                "%s: recorded its outcome (%s) after its lease had expired",
+                op.operation_id,
+                recorded.state.value,
+            )
+        return recorded
 
     def _error_answer(self, op: Operation) -> Answer:
         tool = self.tools.get(op.tool)

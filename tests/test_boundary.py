@@ -595,26 +595,62 @@ async def test_a_crash_before_recording_is_never_rerun_blindly(
 
 @pytest.mark.anyio
 @keyed
-async def test_a_late_outcome_after_the_lease_expired_does_not_overwrite_unknown(
+async def test_an_owner_that_outlived_its_lease_still_records_how_it_ended(
     ledger: Ledger, record: SystemOfRecord, cls: str
 ) -> None:
     clock = FakeClock()
     rig = Rig(ledger, record, cls, ["hold_after"], clock=clock)
     late = asyncio.create_task(rig.call())
-    await rig.source.entered.wait()
+    await rig.source.entered.wait()  # the effect is applied; the owner stalls before recording it
     clock.advance(11)
     expired = await ledger.expire_leases(clock())  # the periodic sweep
     assert [op.state for op in expired] == [State.UNKNOWN]
     rig.source.release()
-    failed_with(await late, ErrorCode.OPERATION_OUTCOME_UNKNOWN)
-    assert (await rig.op()).state is State.UNKNOWN
-    assert record.count() == 1
-    answer = await rig.call()
-    if cls == "key-and-status-check":
-        succeeded(answer, replayed=True)
-    else:
-        failed_with(answer, ErrorCode.OPERATION_OUTCOME_UNKNOWN)
+    effect = succeeded(await late, replayed=False)  # it ran in this very call
+    op = await rig.op()
+    assert op.state is State.SUCCEEDED and effect_of(op.result) == effect and op.error is None
+    assert op.reconciliation is not None and op.reconciliation["by"] == "owner"
+    assert await rig.events() == ["claimed", "lease_expired", "late_outcome"]
+    assert succeeded(await rig.call(), replayed=True) == effect  # a retry replays it, never runs it
     assert (record.count(), rig.source.calls) == (1, 1)
+
+
+@pytest.mark.anyio
+async def test_an_owner_overrules_a_status_check_that_looked_too_early(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    clock = FakeClock()
+    rig = Rig(ledger, record, "key-and-status-check", ["hold_before"], ["none"], clock=clock)
+    late = asyncio.create_task(rig.call())
+    await asyncio.sleep(0.05)  # the owner is inside the tool, before its effect
+    clock.advance(11)
+    await ledger.expire_leases(clock())
+    polled = await rig.boundary.poll(await rig.op())  # the check finds nothing (yet): safe to retry
+    assert polled.state is State.FAILED_RETRYABLE
+    rig.source.release()  # the owner's call goes through after all
+    effect = succeeded(await late, replayed=False)
+    assert (await rig.op()).state is State.SUCCEEDED
+    assert succeeded(await rig.call(), replayed=True) == effect  # the retry the poll allowed replays
+    assert (record.count(), rig.source.calls) == (1, 1)
+
+
+@pytest.mark.anyio
+@keyed
+async def test_a_late_ambiguous_outcome_leaves_unknown_as_it_is(
+    ledger: Ledger, record: SystemOfRecord, cls: str
+) -> None:
+    clock = FakeClock()
+    rig = Rig(ledger, record, cls, ["held:ambiguous_after"], ["fail"], clock=clock)
+    late = asyncio.create_task(rig.call())
+    await rig.source.entered.wait()
+    clock.advance(11)
+    await ledger.expire_leases(clock())
+    rig.source.release()
+    await late
+    op = await rig.op()
+    assert op.state is State.UNKNOWN and (op.error or {}).get("code") == "lease_expired"
+    assert "late_outcome" not in await rig.events()
+    assert record.count() == 1
 
 
 @pytest.mark.anyio
