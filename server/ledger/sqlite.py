@@ -3,9 +3,11 @@
 Every ledger step is one function run on a dedicated writer thread, so a claim
 or an outcome costs one thread hop, not one per statement. The writer drains
 whatever steps are queued and commits them in one transaction (group commit):
-under concurrency many steps share one fsync. A failing step never takes the
-others of its batch down: the batch then runs again with each step in a
-savepoint. Reads that need no write (status, listings) go through a separate
+under concurrency many steps share one fsync. Consecutive claims of new keys,
+and consecutive plain outcomes, run as one statement per table for the whole
+run (`run_many`), falling back to one by one whenever a step needs its own
+decision. A failing step never takes the others of its batch down: the batch
+then runs again with each step in a savepoint. Reads that need no write (status, listings) go through a separate
 aiosqlite connection, which WAL lets run beside the writer; a replay is answered
 from a snapshot read without any hop while the writer is idle.
 
@@ -17,6 +19,7 @@ claim exactly-once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -24,7 +27,7 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -279,7 +282,7 @@ class _Writer(threading.Thread):
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            outcomes = [(True, step(conn)) for step in steps]
+            outcomes = [(True, value) for value in _run_steps(conn, steps)]
         except Exception:
             conn.execute("ROLLBACK")
             return None
@@ -350,6 +353,136 @@ def _to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
 _SETTLED = frozenset({State.SUCCEEDED.value, State.FAILED_FINAL.value, State.COMPENSATED.value})
 
 
+class _ClaimStep:
+    """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
+    for the rows and their audit entries (`run_many`); anything unusual runs step by step."""
+
+    __slots__ = ("now", "request")
+
+    def __init__(self, request: ClaimRequest, now: float) -> None:
+        self.request, self.now = request, now
+
+    def __call__(self, conn: sqlite3.Connection) -> Claim:
+        return _claim_step(self.request, self.now)(conn)
+
+    @staticmethod
+    def run_many(conn: sqlite3.Connection, steps: Sequence[_ClaimStep]) -> list[Claim] | None:
+        """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
+        repeated in the batch) nothing of it is kept and None says: run them one by one."""
+        if len({(s.request.principal, s.request.session, s.request.step) for s in steps}) != len(steps):
+            return None
+        ops = [_new_operation(s.request, s.now) for s in steps]
+        with _savepoint(conn) as undo:
+            inserted = conn.executemany(
+                _INSERT + " ON CONFLICT (principal, session, step) DO NOTHING",
+                [_insert_row(op, s.request) for op, s in zip(ops, steps, strict=True)],
+            ).rowcount
+            if inserted != len(steps):
+                undo()
+                return None
+            conn.executemany(_AUDIT, [_claimed_row(op) for op in ops])
+        return [Claim(ClaimKind.NEW, op) for op in ops]
+
+
+class _ApplyStep:
+    """Apply one change (`_apply`). In a group commit, consecutive plain outcomes (RUNNING to a
+    final state, fenced, no lease) are written with one update, one audit insert and one read."""
+
+    __slots__ = ("change", "now", "operation_id")
+
+    def __init__(self, operation_id: str, change: Change, now: float) -> None:
+        self.operation_id, self.change, self.now = operation_id, change, now
+
+    def __call__(self, conn: sqlite3.Connection) -> Operation | None:
+        return _apply(conn, self.operation_id, self.change, self.now)
+
+    @property
+    def plain_outcome(self) -> bool:
+        change = self.change
+        return (
+            change.expect_states == _RUNNING_ONLY
+            and change.expect_fence is not None
+            and change.lease is None
+            and change.to_state.terminal
+            and change.reconciliation is None
+            and (change.error is not None or change.to_state is State.SUCCEEDED)
+        )
+
+    @staticmethod
+    def run_many(conn: sqlite3.Connection, steps: Sequence[_ApplyStep]) -> list[Operation | None] | None:
+        """What `_apply` would do to each, if every one applies; otherwise None and nothing kept."""
+        ids = [s.operation_id for s in steps]
+        if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in steps):
+            return None
+        with _savepoint(conn) as undo:
+            updated = conn.executemany(
+                "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
+                " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
+                " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+                [
+                    (
+                        s.change.to_state.value,
+                        s.change.result.to_json() if s.change.result is not None else None,
+                        _dump(s.change.error),
+                        s.now,
+                        s.now,
+                        s.now,
+                        s.operation_id,
+                        s.change.expect_fence,
+                    )
+                    for s in steps
+                ],
+            ).rowcount
+            if updated != len(steps):  # one was fenced out or moved on: decide each on its own
+                undo()
+                return None
+            conn.executemany(
+                _AUDIT,
+                [
+                    (s.operation_id, s.now, s.change.event, "RUNNING", s.change.to_state.value,
+                     s.change.expect_fence, s.change.actor, _dump(s.change.detail))
+                    for s in steps
+                ],
+            )  # fmt: skip
+            marks = ",".join("?" * len(ids))
+            rows = {row[0]: row for row in conn.execute(f"{_SELECT} WHERE operation_id IN ({marks})", ids)}
+        return [_decode(rows[operation_id]) for operation_id in ids]
+
+
+_RUNNING_ONLY = frozenset({State.RUNNING})
+
+
+@contextlib.contextmanager
+def _savepoint(conn: sqlite3.Connection) -> Iterator[Callable[[], None]]:
+    """A savepoint around a batched write; the body calls `undo()` to drop what it wrote."""
+
+    def undo() -> None:
+        conn.execute("ROLLBACK TO batched")
+
+    conn.execute("SAVEPOINT batched")
+    try:
+        yield undo
+    finally:
+        conn.execute("RELEASE batched")
+
+
+def _run_steps(conn: sqlite3.Connection, steps: Sequence[Callable[[sqlite3.Connection], Any]]) -> list[Any]:
+    """Each step's value, in order; runs of two or more steps of a kind with `run_many` go together."""
+    values: list[Any] = []
+    i = 0
+    while i < len(steps):
+        kind = type(steps[i])
+        j = i + 1
+        while j < len(steps) and type(steps[j]) is kind:
+            j += 1
+        run = steps[i:j]
+        run_many = getattr(kind, "run_many", None)
+        together = run_many(conn, run) if run_many is not None and len(run) > 1 else None
+        values += together if together is not None else [step(conn) for step in run]
+        i = j
+    return values
+
+
 def _claim_step(request: ClaimRequest, now: float) -> Callable[[sqlite3.Connection], Claim]:
     def step(conn: sqlite3.Connection) -> Claim:
         row = conn.execute(
@@ -395,32 +528,21 @@ def _new_operation_id() -> str:
     return f"op_{time.time_ns() // 1000:014x}{os.urandom(9).hex()}"
 
 
-def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation:
-    op_id = _new_operation_id()
-    lease_until = now + request.lease_seconds
-    conn.execute(
-        "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
-        " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)",
-        (
-            op_id,
-            request.principal,
-            request.session,
-            request.step,
-            request.tool,
-            request.idempotency_class.value,
-            request.fingerprint,
-            request.arguments_json,
-            request.owner,
-            lease_until,
-            request.retention_seconds,
-            now,
-            now,
-        ),
-    )
-    _audit(conn, op_id, now, "claimed", None, "RUNNING", 1, actor=request.owner)
+_INSERT = (
+    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
+)
+_AUDIT = (
+    "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _new_operation(request: ClaimRequest, now: float) -> Operation:
+    """The RUNNING operation a claim of a new key creates (not yet written)."""
     return Operation(
-        operation_id=op_id,
+        operation_id=_new_operation_id(),
         principal=request.principal,
         session=request.session,
         step=request.step,
@@ -434,9 +556,38 @@ def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Oper
         created_at=now,
         updated_at=now,
         lease_owner=request.owner,
-        lease_expires_at=lease_until,
+        lease_expires_at=now + request.lease_seconds,
         retention=request.retention_seconds,
     )
+
+
+def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
+    return (
+        op.operation_id,
+        op.principal,
+        op.session,
+        op.step,
+        op.tool,
+        op.idempotency_class.value,
+        op.fingerprint,
+        request.arguments_json,
+        op.lease_owner,
+        op.lease_expires_at,
+        op.retention,
+        op.created_at,
+        op.updated_at,
+    )
+
+
+def _claimed_row(op: Operation) -> tuple[Any, ...]:
+    return (op.operation_id, op.created_at, "claimed", None, "RUNNING", 1, op.lease_owner, None)
+
+
+def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation:
+    op = _new_operation(request, now)
+    conn.execute(_INSERT, _insert_row(op, request))
+    conn.execute(_AUDIT, _claimed_row(op))
+    return op
 
 
 def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: float) -> Operation | None:
@@ -559,7 +710,7 @@ class SQLiteLedger:
         if not self._writer.busy:
             settled = self._settled(request, now)
         claim: Claim = (
-            settled if settled is not None else await self._write(_claim_step(request, now), alone=alone)
+            settled if settled is not None else await self._write(_ClaimStep(request, now), alone=alone)
         )
         if claim.kind is ClaimKind.NEW:
             self._open.add(claim.operation.operation_id)
@@ -589,7 +740,7 @@ class SQLiteLedger:
 
     async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
         alone = self._open <= {operation_id}
-        updated = await self._write(lambda conn: _apply(conn, operation_id, change, now), alone=alone)
+        updated = await self._write(_ApplyStep(operation_id, change, now), alone=alone)
         if updated is not None:
             if updated.state is State.RUNNING:
                 self._open.add(operation_id)

@@ -1,0 +1,217 @@
+"""Group commit in the SQLite ledger: batched claims and outcomes decide exactly as one by one.
+
+A batch of the writer thread runs consecutive claims (and plain outcomes) with one statement per
+table; whenever that cannot give each step its own answer (a key taken, repeated or expired, a
+fenced-out outcome) the batch must fall back to the step-by-step path and keep nothing of the
+shortcut. Each test runs the same steps both ways on real ledger files and compares the rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest
+from commitgate.server.ledger.sqlite import SQLiteLedger, _ApplyStep, _ClaimStep, _run_steps
+from commitgate.server.model import IdempotencyClass, State, ToolResult
+
+T0 = 1_700_000_000.0
+OWNER = "elsewhere:1:aaaa"
+RESULT = ToolResult([{"type": "text", "text": '{"ok":true}'}], {"ok": True})
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def claim(step: str, fingerprint: str = "fp", retention: float = 100.0) -> ClaimRequest:
+    return ClaimRequest(
+        "alice",
+        "s1",
+        step,
+        "charge",
+        IdempotencyClass.KEY_REQUIRED,
+        fingerprint,
+        '{"amount":5}',
+        OWNER,
+        10.0,
+        retention,
+    )
+
+
+def outcome(fence: int = 1, state: State = State.SUCCEEDED) -> Change:
+    error = None if state is State.SUCCEEDED else {"outcome": "permanent", "message": "declined"}
+    result = RESULT if state is State.SUCCEEDED else None
+    return Change(
+        state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=fence, result=result, error=error
+    )
+
+
+@pytest.fixture
+async def ledgers(tmp_path: Path) -> AsyncIterator[tuple[SQLiteLedger, SQLiteLedger]]:
+    """Two empty ledgers: one for the batched path, one for the step-by-step reference."""
+    batched = await SQLiteLedger.open(tmp_path / "batched.db")
+    reference = await SQLiteLedger.open(tmp_path / "reference.db")
+    yield batched, reference
+    await batched.close()
+    await reference.close()
+
+
+def in_one_batch(ledger: SQLiteLedger, steps: Sequence[Any]) -> list[Any]:
+    """What the writer thread does with one batch: every step in one transaction."""
+    writer = ledger._writer
+    with writer._lock:
+        outcomes = writer._together(list(steps))
+    assert outcomes is not None
+    return [value for _, value in outcomes]
+
+
+def one_by_one(ledger: SQLiteLedger, steps: Sequence[Any]) -> list[Any]:
+    writer = ledger._writer
+    with writer._lock:
+        return [writer._together([step])[0][1] for step in steps]  # type: ignore[index]
+
+
+def rows(ledger: SQLiteLedger) -> list[tuple[Any, ...]]:
+    """Everything but ids: (key, state, attempts, fence, result, error, lease owner) and the audit trail."""
+    with sqlite3.connect(ledger.path) as conn:
+        ops = conn.execute(
+            "SELECT step, state, attempts, fence, result, error, lease_owner, completed_at, expires_at"
+            " FROM operations ORDER BY step"
+        ).fetchall()
+        audit = conn.execute(
+            "SELECT o.step, a.event, a.from_state, a.to_state, a.fence FROM audit a"
+            " JOIN operations o USING (operation_id) ORDER BY o.step, a.id"
+        ).fetchall()
+    return ops + audit
+
+
+@contextlib.contextmanager
+def no_single_steps(monkeypatch: pytest.MonkeyPatch, kind: type) -> Iterator[None]:
+    """Within: a step of `kind` run on its own fails the test (the batch must take the shortcut)."""
+
+    def single(self: Any, conn: sqlite3.Connection) -> Any:
+        raise AssertionError(f"{kind.__name__} ran on its own instead of in the batch")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kind, "__call__", single)
+        yield
+
+
+def kinds(claims: Sequence[Claim]) -> list[ClaimKind]:
+    return [c.kind for c in claims]
+
+
+@pytest.mark.anyio
+async def test_new_keys_are_claimed_together_as_one_by_one(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batched, reference = ledgers
+    steps = [claim(f"k{i}") for i in range(20)]
+    with no_single_steps(monkeypatch, _ClaimStep):
+        together = in_one_batch(batched, [_ClaimStep(r, T0) for r in steps])
+    alone = one_by_one(reference, [_ClaimStep(r, T0) for r in steps])
+    assert kinds(together) == kinds(alone) == [ClaimKind.NEW] * 20
+    assert rows(batched) == rows(reference)
+    assert [c.operation.step for c in together] == [r.step for r in steps]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "case",
+    ["repeated in the batch", "already claimed", "claimed with other arguments", "past retention"],
+)
+async def test_a_batch_that_cannot_be_claimed_together_decides_step_by_step(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], case: str
+) -> None:
+    batched, reference = ledgers
+    earlier = {
+        "repeated in the batch": [],
+        "already claimed": [claim("k2")],
+        "claimed with other arguments": [claim("k2", fingerprint="other")],
+        "past retention": [claim("k2", retention=1.0)],
+    }[case]
+    steps = [claim("k1"), claim("k2"), claim("k3")] + (
+        [claim("k2")] if case == "repeated in the batch" else []
+    )
+    for ledger in (batched, reference):
+        for first in one_by_one(ledger, [_ClaimStep(r, T0 - 50) for r in earlier]):  # then completed
+            one_by_one(ledger, [_ApplyStep(first.operation.operation_id, outcome(), T0 - 49)])
+    together = in_one_batch(batched, [_ClaimStep(r, T0) for r in steps])
+    alone = one_by_one(reference, [_ClaimStep(r, T0) for r in steps])
+    assert kinds(together) == kinds(alone)
+    assert kinds(together).count(ClaimKind.NEW) == len({r.step for r in steps}) - (
+        1 if case in ("already claimed", "claimed with other arguments") else 0
+    )
+    assert rows(batched) == rows(reference)  # nothing of the abandoned shortcut is left behind
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stale", [False, True])
+async def test_outcomes_are_recorded_together_unless_one_is_fenced_out(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], stale: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batched, reference = ledgers
+    results: dict[str, list[Any]] = {}
+    for name, ledger in (("batched", batched), ("reference", reference)):
+        claims = one_by_one(ledger, [_ClaimStep(claim(f"k{i}"), T0) for i in range(6)])
+        changes = [outcome(state=State.FAILED_FINAL if i == 3 else State.SUCCEEDED) for i in range(6)]
+        if stale:
+            changes[4] = outcome(fence=7)  # an owner whose attempt was superseded
+        steps = [
+            _ApplyStep(c.operation.operation_id, change, T0 + 1)
+            for c, change in zip(claims, changes, strict=True)
+        ]
+        if name == "reference":
+            results[name] = one_by_one(ledger, steps)
+            continue
+        with contextlib.nullcontext() if stale else no_single_steps(monkeypatch, _ApplyStep):
+            results[name] = in_one_batch(ledger, steps)
+    together, alone = results["batched"], results["reference"]
+    assert [op and (op.state, op.fence, op.result, op.error, op.completed_at) for op in together] == [
+        op and (op.state, op.fence, op.result, op.error, op.completed_at) for op in alone
+    ]
+    assert (together[4] is None) is stale
+    assert rows(batched) == rows(reference)
+
+
+@pytest.mark.anyio
+async def test_only_plain_outcomes_take_the_shortcut() -> None:
+    plain = _ApplyStep("op", outcome(), T0)
+    unfenced = _ApplyStep("op", Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
+    reconciled = _ApplyStep(
+        "op", Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT), T0
+    )
+    assert plain.plain_outcome
+    assert not unfenced.plain_outcome and not reconciled.plain_outcome
+
+
+def test_runs_of_one_kind_are_grouped_in_order(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def other(conn: sqlite3.Connection) -> str:
+        seen.append("other")
+        return "other"
+
+    class Kind:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, conn: sqlite3.Connection) -> str:
+            seen.append(self.name)
+            return self.name
+
+        @staticmethod
+        def run_many(conn: sqlite3.Connection, steps: Sequence[Kind]) -> list[str]:
+            seen.append("many:" + ",".join(s.name for s in steps))
+            return [s.name for s in steps]
+
+    with sqlite3.connect(tmp_path / "x.db") as conn:
+        values = _run_steps(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
+    assert values == ["a", "b", "other", "c", "d", "e"]
+    assert seen == ["many:a,b", "other", "many:c,d,e"]
