@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest
 from commitgate.server.ledger.sqlite import SQLiteLedger, _ApplyStep, _ClaimStep, _run_steps
@@ -215,3 +217,24 @@ def test_runs_of_one_kind_are_grouped_in_order(tmp_path: Path) -> None:
         values = _run_steps(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
     assert values == ["a", "b", "other", "c", "d", "e"]
     assert seen == ["many:a,b", "other", "many:c,d,e"]
+
+
+@pytest.mark.anyio
+async def test_the_wal_is_copied_back_off_the_commit_path(tmp_path: Path) -> None:
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    try:
+        empty = (tmp_path / "ledger.db").stat().st_size
+        for i in range(200):
+            new = await ledger.claim(claim(f"k{i}"), T0)
+            assert await ledger.update(new.operation.operation_id, outcome(), T0 + 1) is not None
+        deadline = time.monotonic() + 10
+        while (tmp_path / "ledger.db").stat().st_size <= empty and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+        assert (tmp_path / "ledger.db").stat().st_size > empty  # the checkpointer copied pages back
+        with sqlite3.connect(tmp_path / "ledger.db") as conn:
+            assert (
+                conn.execute("SELECT count(*) FROM operations WHERE state = 'SUCCEEDED'").fetchone()[0] == 200
+            )
+            assert ledger._writer._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] > 1000
+    finally:
+        await ledger.close()
