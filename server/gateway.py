@@ -7,6 +7,7 @@ renders every answer in the DESIGN 1.5 shape. It knows nothing of transports.
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import json
 import logging
@@ -118,6 +119,8 @@ class Gateway:
     policy_path: Path | None = None
     default_principal: str = field(default_factory=local_principal)
     upstreams: UpstreamManager | None = None  # upstream MCP connections, closed with the gateway
+    # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
+    rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
     async def open(

@@ -13,6 +13,7 @@ starting, or on a filesystem without notifications, is not lost.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -156,17 +157,18 @@ class PolicyReloader:
             log.info("policy %s is empty; the current policy keeps serving", self.path)
             return ReloadResult(Verdict.UNREADABLE)
         self._text = text
-        policy, served, problems = await self._validate(text)
-        if policy is None or served is None:
-            await self._retire_upstreams(self.gateway.policy)  # whatever the rejected edit connected
-            log.error(
-                "policy edit rejected; the previous policy keeps serving.\n%s",
-                format_report(str(self.path), problems),
-            )
-            return ReloadResult(Verdict.REJECTED, problems)
-        announced = await self._apply(policy, served)
-        await self._retire_upstreams(policy)
-        return ReloadResult(Verdict.APPLIED, [], announced)
+        async with self.gateway.rebuilding:
+            policy, served, problems = await self._validate(text)
+            if policy is None or served is None:
+                await self._retire_upstreams(self.gateway.policy)  # whatever the rejected edit connected
+                log.error(
+                    "policy edit rejected; the previous policy keeps serving.\n%s",
+                    format_report(str(self.path), problems),
+                )
+                return ReloadResult(Verdict.REJECTED, problems)
+            changed = self._apply(policy, served)
+            await self._retire_upstreams(policy)
+        return ReloadResult(Verdict.APPLIED, [], changed and await _announce(self.on_applied))
 
     async def _validate(self, text: str) -> tuple[Policy | None, dict[str, ServedTool] | None, list[Problem]]:
         report = analyse_text(text, str(self.path))
@@ -223,7 +225,7 @@ class PolicyReloader:
             reuse[name] = served.guard.source
         return reuse
 
-    async def _apply(self, policy: Policy, served: dict[str, ServedTool]) -> bool:
+    def _apply(self, policy: Policy, served: dict[str, ServedTool]) -> bool:
         kept = {id(s.guard.source) for s in served.values()}
         retired = [s.guard for s in self.gateway.served.values() if id(s.guard.source) not in kept]
         before = self.gateway.list_tools()
@@ -238,11 +240,6 @@ class PolicyReloader:
             len(served),
             "; tool list changed" if changed else "; tool list unchanged",
         )
-        if changed:
-            try:
-                await self.on_applied()
-            except Exception:  # announcing is best effort; the policy is applied either way
-                log.exception("could not announce the changed tool list")
         return changed
 
     async def close_retired(self) -> None:
@@ -301,6 +298,75 @@ async def watch_policy(
             except Exception:  # an unexpected failure rejects this edit, not the watching
                 log.exception("reloading %s failed; the current policy keeps serving", target)
         await reloader.close_retired()
+
+
+async def _announce(on_applied: OnApplied) -> bool:
+    """Tell clients the tool list changed; best effort: what was applied stays applied."""
+    try:
+        await on_applied()
+    except Exception:
+        log.exception("could not announce the changed tool list")
+    return True
+
+
+# --- an upstream's tools changed --------------------------------------------------------------------
+
+
+async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> bool:
+    """Rebuild the upstream tools of the serving policy from what the upstreams offer now.
+
+    An upstream that was down at start is served from the policy alone (a permissive schema
+    unless it declares one, and no key forwarding); one that comes back with other tools has
+    stale schemas. Other tools keep their sources. True when clients were told of a change.
+    """
+    upstreams = gateway.upstreams
+    if upstreams is None:
+        return False
+    async with gateway.rebuilding:
+        policy = gateway.policy
+        try:
+            fresh = upstreams.sources(policy)
+            kept = {name: s.guard.source for name, s in gateway.served.items() if name not in fresh}
+            policy_dir = gateway.policy_path.parent if gateway.policy_path else None
+            served = build_tools(policy, policy_dir, {**kept, **fresh})
+        except ToolBuildError as exc:  # e.g. it no longer offers a declared tool: keep what serves
+            log.error(
+                "an upstream's tools changed and no longer fit the policy; keeping the current tools.\n%s",
+                exc,
+            )
+            return False
+        before = gateway.list_tools()
+        gateway.apply(policy, served)
+        changed = gateway.list_tools() != before
+    if changed:
+        log.warning("upstream tools refreshed: the tool list changed")
+    return changed and await _announce(on_applied)
+
+
+@contextlib.asynccontextmanager
+async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIterator[None]:
+    """Run `refresh_upstream_tools` whenever an upstream lists other tools, beside the body."""
+    upstreams = gateway.upstreams
+    if upstreams is None:
+        yield
+        return
+
+    async def follow() -> None:
+        while True:
+            await upstreams.tools_changed.wait()
+            upstreams.tools_changed.clear()
+            try:
+                await refresh_upstream_tools(gateway, on_applied)
+            except Exception:  # refreshing must never take the server down
+                log.exception("refreshing upstream tools failed; the current tools keep serving")
+
+    task = asyncio.create_task(follow(), name="commitgate-upstream-refresh")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @contextlib.asynccontextmanager

@@ -70,7 +70,7 @@ async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fas
     else:
         from mcp.server.stdio import stdio_server
 
-    from .reload import ToolListAnnouncer, policy_watcher
+    from .reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
     server = build_server(gateway, version)
     announcer = ToolListAnnouncer()  # a policy edit announces tools/list_changed in both eras
@@ -79,6 +79,7 @@ async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fas
         async with (
             gateway.boundary.running(),
             policy_watcher(gateway, announcer.announce),
+            upstream_refresher(gateway, announcer.announce),
             stdio_server() as (read, write),
         ):
             await server.run(read, write, initialization_options(server))

@@ -60,7 +60,7 @@ from .gateway import META_TOOLS, OPERATION_META, Gateway, render_error
 from .logs import extra, log_call, unredacted
 from .metrics import CONTENT_TYPE, UNKNOWN_TOOL, Metrics
 from .model import ErrorCode
-from .reload import ToolListAnnouncer, policy_watcher
+from .reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 from .surface import build_server, initialization_options, principal_of_request
 
 log = logging.getLogger("commitgate.transports")
@@ -423,7 +423,11 @@ async def serve_http(
         "serving", extra=extra(url=url, transport=transport, auth=verifier is not None, stateless=stateless)
     )
     try:
-        async with gateway.boundary.running(), policy_watcher(gateway, announcer.announce):
+        async with (
+            gateway.boundary.running(),
+            policy_watcher(gateway, announcer.announce),
+            upstream_refresher(gateway, announcer.announce),
+        ):
             with _signals_end_serving():
                 await server.serve()
             log.info("stopped accepting requests; letting in-flight operations record their outcome")

@@ -4,7 +4,7 @@ Every side-effecting tool appends one line to the JSONL file `$STUB_LOG`, with t
 and step it received and whether the request carried `Authorization: Bearer $STUB_TOKEN`.
 
     python support_upstream_server.py                 # stdio
-    python support_upstream_server.py http            # streamable HTTP on a free port; prints its URL
+    python support_upstream_server.py http [PORT]     # streamable HTTP (default: a free port); prints its URL
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ def ping() -> str:
     return "pong"
 
 
-def serve_http() -> None:
+def serve_http(port: int = 0) -> None:
     import uvicorn
 
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     sock.listen(64)
     app = mcp.streamable_http_app(streamable_http_path="/mcp")
     print(f"http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
@@ -89,7 +90,7 @@ def serve_http() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["http"]:
-        serve_http()
+    if sys.argv[1:2] == ["http"]:
+        serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     else:
         mcp.run()

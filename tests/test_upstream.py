@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from commitgate.server.gateway import Gateway
 from commitgate.server.policy import load_policy
@@ -25,6 +27,7 @@ from commitgate.server.registry import ToolBuildError
 from commitgate.tools import demo
 from commitgate.tools.upstream import inventory
 from mcp import Client, MCPError
+from mcp.shared.subscriptions import ToolsListChanged
 from support_wrapping import (
     CONSOLE_SCRIPT,
     TESTS_DIR,
@@ -327,6 +330,48 @@ async def test_a_streamable_http_upstream_gets_its_secret_header(
     assert "up-secret-5e1f" not in stderr.read_text()
 
 
+@pytest.mark.anyio
+async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "stub-late.jsonl"
+    policy = tmp_path / "late.toml"
+    policy.write_text(
+        SERVER.format(ledger=tmp_path / "ledger.db")
+        + f'\n[upstreams.stub]\nurl = "http://127.0.0.1:{port}/mcp"\ntransport = "streamable-http"\n'
+        + f'\n[tools.record_keyed]\nupstream = "stub"\nclass = "key-required"\n{FAST_RETRY}\n'
+    )
+    note = {"note": "late", "idempotency_key": "late-1"}
+    async with serve(policy, tmp_path / "stderr.log") as client:
+
+        async def schema() -> dict[str, Any]:
+            tools = {t.name: t for t in (await client.list_tools()).tools}
+            return dict(tools["record_keyed"].input_schema)
+
+        assert set((await schema())["properties"]) == {"idempotency_key"}  # nothing known but the policy
+        assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
+        async with client.listen(tools_list_changed=True) as changes:
+            upstream = subprocess.Popen(
+                [sys.executable, str(TESTS_DIR / "support_upstream_server.py"), "http", str(port)],
+                stdout=subprocess.DEVNULL,
+                env={**os.environ, "STUB_LOG": str(log)},
+            )
+            try:
+                with anyio.fail_after(40):  # the reconnect backoff, then the announcement
+                    assert isinstance(await changes.__anext__(), ToolsListChanged)
+                assert {"note", "idempotency_key"} <= set((await schema())["properties"])
+                first = await call(client, "record_keyed", note, session="s")
+                again = await call(client, "record_keyed", note, session="s")
+            finally:
+                upstream.terminate()
+                upstream.wait(timeout=10)
+    assert not first.is_error, text(first)
+    assert operation(first)["replayed"] is False and operation(again)["replayed"] is True
+    (entry,) = stub_log(log)  # one effect, and the key reached the tool's own argument
+    assert (entry["key"], entry["step"], entry["session"]) == ("late-1", "late-1", "s")
+
+
 # --- a chain: commitgate in front of commitgate -------------------------------------------------------
 
 
@@ -409,3 +454,27 @@ async def test_a_reload_connects_the_new_declaration_before_retiring_the_old(stu
         assert after.connection is not None and after.connection.connected
     finally:
         await manager.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_upstream_that_drops_a_declared_tool_leaves_the_served_tools_as_they_are(stub: Path) -> None:
+    from commitgate.server.reload import refresh_upstream_tools
+
+    gateway = await Gateway.open(load_policy(stub), stub)
+    announced: list[bool] = []
+
+    async def announce() -> None:
+        announced.append(True)
+
+    try:
+        assert gateway.upstreams is not None
+        connection = gateway.served["record"].guard.source.connection
+        before = gateway.list_tools()
+        assert await refresh_upstream_tools(gateway, announce) is False  # same tools: nothing to tell
+        del connection.tools["record"]  # as if it came back without `record`
+        assert await refresh_upstream_tools(gateway, announce) is False
+        assert gateway.list_tools() == before and announced == []
+        result = await gateway.call_tool("ping", {}, None, None)
+        assert not result.is_error
+    finally:
+        await gateway.close()

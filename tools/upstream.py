@@ -12,8 +12,10 @@
 
 An `UpstreamManager` connects to every upstream the policy uses when the gateway opens (and keeps
 reconnecting, with backoff, when one dies), imports the declared tools' schemas, descriptions and
-output schemas, and hands the registry one `UpstreamTool` source per policy entry. Tools the policy
-does not list are never served (fail closed); `inventory()` lists them for `policy show`.
+output schemas, and hands the registry one `UpstreamTool` source per policy entry. When a connection
+lists other tools than before (it was down at start, or came back changed), `tools_changed` is set and
+the server rebuilds those sources and tells clients (server/reload.py). Tools the policy does not list
+are never served (fail closed); `inventory()` lists them for `policy show`.
 
 Outcomes of a proxied call:
 * the upstream is not connected: `RetryableError` (the call was certainly not sent);
@@ -36,7 +38,7 @@ import random
 import re
 import time
 import typing
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +169,7 @@ class UpstreamConnection:
         self.listed = False  # the tools were listed at least once
         self.error: str | None = None
         self.connects = 0
+        self.on_new_tools: Callable[[], None] | None = None  # the manager's: the offered tools changed
         self._client: Client | None = None
         self._lost = asyncio.Event()
         self._attempted = asyncio.Event()
@@ -227,7 +230,11 @@ class UpstreamConnection:
         async with AsyncExitStack() as stack:
             async with asyncio.timeout(self.connect_timeout):
                 client = await stack.enter_async_context(Client(_transport(self.spec, lost), cache=None))
-                self.tools, self.listed = await _list_all(client), True
+                tools = await _list_all(client)
+            if tools != self.tools or not self.listed:
+                self.tools, self.listed = tools, True
+                if self.on_new_tools is not None:
+                    self.on_new_tools()
             self._client, self.error = client, None
             self.connects += 1
             self._attempted.set()
@@ -376,6 +383,9 @@ class UpstreamManager:
     def __init__(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.connect_timeout = connect_timeout
         self._pool: dict[str, UpstreamConnection] = {}
+        # Set when a connection lists other tools than before (e.g. it was down at start): the
+        # sources built from the old list are stale (server/reload.py rebuilds them).
+        self.tools_changed = asyncio.Event()
 
     def connection(self, name: str, spec: UpstreamPolicy) -> UpstreamConnection | None:
         return self._pool.get(_key(name, spec))
@@ -387,6 +397,7 @@ class UpstreamManager:
             key = _key(name, upstreams[name])
             if key not in self._pool:
                 connection = UpstreamConnection(name, upstreams[name], self.connect_timeout)
+                connection.on_new_tools = self.tools_changed.set
                 connection.start()
                 self._pool[key] = connection
                 fresh.append(connection)
