@@ -7,9 +7,12 @@ under concurrency many steps share one fsync. Consecutive claims of new keys,
 and consecutive plain outcomes, run as one statement per table for the whole
 run (`run_many`), falling back to one by one whenever a step needs its own
 decision. A failing step never takes the others of its batch down: the batch
-then runs again with each step in a savepoint. Reads that need no write (status, listings) go through a separate
-aiosqlite connection, which WAL lets run beside the writer; a replay is answered
-from a snapshot read without any hop while the writer is idle.
+then runs again with each step in a savepoint. An operation alone in its
+process runs its steps on the caller's thread, on a second connection that
+never waits (`run_inline`); a replay is answered by one read on that same
+connection while the writer is idle. Reads that need no write (status,
+listings) go through an aiosqlite connection, which WAL lets run beside the
+writer, and a checkpointer thread copies the WAL back off the commit path.
 
 Several processes may share one file: BEGIN IMMEDIATE serialises writers
 across processes, and the unique (principal, session, step) index makes the
@@ -227,6 +230,15 @@ class _Writer(threading.Thread):
             raise LedgerUnavailable(f"ledger write failed: {exc}") from exc
         finally:
             self._lock.release()
+
+    def read_inline(self, sql: str, params: Sequence[Any]) -> Any:
+        """One row, read on the inline connection from the caller's thread, outside any transaction.
+
+        Sharing the inline steps' connection (and so their page cache) matters more than the read
+        itself: between the requests of a real server the CPU caches are cold, and a second
+        connection's pages cost a claim about 50 µs more (measured with caches flushed per call).
+        """
+        return self._inline.execute(sql, params).fetchone()
 
     @property
     def busy(self) -> bool:
@@ -699,13 +711,10 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: flo
 class SQLiteLedger:
     """A ledger in one SQLite file; see the module docstring for how writes are batched."""
 
-    def __init__(
-        self, path: Path, writer: _Writer, reader: aiosqlite.Connection, snapshot: sqlite3.Connection
-    ) -> None:
+    def __init__(self, path: Path, writer: _Writer, reader: aiosqlite.Connection) -> None:
         self.path = path
         self._writer = writer
         self._reader = reader
-        self._snapshot = snapshot  # read on the caller's thread: see `_settled`
         self.inline_when_alone = True  # see `_write`
         self._open: set[str] = set()  # operations this process claimed and has not finished
 
@@ -722,9 +731,7 @@ class SQLiteLedger:
         except (OSError, sqlite3.Error) as exc:
             raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
         writer.start()
-        snapshot = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        snapshot.execute("PRAGMA busy_timeout = 0")  # never wait on the event loop: fall back to the writer
-        ledger = cls(path, writer, await aiosqlite.connect(path), snapshot)
+        ledger = cls(path, writer, await aiosqlite.connect(path))
         try:
             await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             await ledger._write(_migrate)
@@ -768,10 +775,10 @@ class SQLiteLedger:
         anything else, or any error, takes the writer's path.
         """
         try:
-            row = self._snapshot.execute(
+            row = self._writer.read_inline(
                 f"{_SELECT} WHERE principal = ? AND session = ? AND step = ?",
                 (request.principal, request.session, request.step),
-            ).fetchone()
+            )
         except sqlite3.Error:
             return None
         if row is None or (row[20] is not None and row[20] <= now):  # none, or past retention
@@ -892,7 +899,6 @@ class SQLiteLedger:
         self._writer.stop()
         await asyncio.to_thread(self._writer.join)
         await self._reader.close()
-        self._snapshot.close()
 
 
 def _migrate(conn: sqlite3.Connection) -> int:
