@@ -104,6 +104,15 @@ _COLUMNS = (
     "updated_at, completed_at, expires_at, retention"
 )
 _SELECT = f"SELECT {_COLUMNS} FROM operations"
+_INSERT = (
+    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
+)
+_AUDIT = (
+    "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 def _decode(row: Sequence[Any]) -> Operation:
@@ -387,11 +396,7 @@ def _audit(
     actor: str | None = None,
     detail: dict[str, Any] | None = None,
 ) -> None:
-    conn.execute(
-        "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (operation_id, now, event, from_state, to_state, fence, actor, _dump(detail)),
-    )
+    conn.execute(_AUDIT, (operation_id, now, event, from_state, to_state, fence, actor, _dump(detail)))
 
 
 def _to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
@@ -419,7 +424,7 @@ class _ClaimStep:
         self.request, self.now = request, now
 
     def __call__(self, conn: sqlite3.Connection) -> Claim:
-        return _claim_step(self.request, self.now)(conn)
+        return _claim(conn, self.request, self.now)
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, steps: Sequence[_ClaimStep]) -> list[Claim] | None:
@@ -539,31 +544,28 @@ def _run_steps(conn: sqlite3.Connection, steps: Sequence[Callable[[sqlite3.Conne
     return values
 
 
-def _claim_step(request: ClaimRequest, now: float) -> Callable[[sqlite3.Connection], Claim]:
-    def step(conn: sqlite3.Connection) -> Claim:
-        row = conn.execute(
-            f"{_SELECT} WHERE principal = ? AND session = ? AND step = ?",
-            (request.principal, request.session, request.step),
-        ).fetchone()
-        if row is not None and row[20] is not None and row[20] <= now:  # past retention: gone
-            conn.execute("DELETE FROM audit WHERE operation_id = ?", (row[0],))
-            conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
-            row = None
-        if row is None:
-            return Claim(ClaimKind.NEW, _insert(conn, request, now))
-        op = _decode(row)
-        if op.tool != request.tool or op.fingerprint != request.fingerprint:
-            return Claim(ClaimKind.CONFLICT, op)
-        if lease_over(op, now):
-            _to_unknown(conn, op, now)
-        if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
-            lease = Lease(request.owner, now + request.lease_seconds)
-            taken = _apply(conn, op.operation_id, _retake(lease), now)
-            if taken is not None:
-                return Claim(ClaimKind.NEW, taken)
-        return Claim(ClaimKind.EXISTING, op)
-
-    return step
+def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+    row = conn.execute(
+        f"{_SELECT} WHERE principal = ? AND session = ? AND step = ?",
+        (request.principal, request.session, request.step),
+    ).fetchone()
+    if row is not None and row[20] is not None and row[20] <= now:  # past retention: gone
+        conn.execute("DELETE FROM audit WHERE operation_id = ?", (row[0],))
+        conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
+        row = None
+    if row is None:
+        return Claim(ClaimKind.NEW, _insert(conn, request, now))
+    op = _decode(row)
+    if op.tool != request.tool or op.fingerprint != request.fingerprint:
+        return Claim(ClaimKind.CONFLICT, op)
+    if lease_over(op, now):
+        _to_unknown(conn, op, now)
+    if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
+        lease = Lease(request.owner, now + request.lease_seconds)
+        taken = _apply(conn, op.operation_id, _retake(lease), now)
+        if taken is not None:
+            return Claim(ClaimKind.NEW, taken)
+    return Claim(ClaimKind.EXISTING, op)
 
 
 def _retake(lease: Lease) -> Change:
@@ -582,17 +584,6 @@ def _new_operation_id() -> str:
     random page each, so a group commit writes (and fsyncs) far fewer pages.
     """
     return f"op_{time.time_ns() // 1000:014x}{os.urandom(9).hex()}"
-
-
-_INSERT = (
-    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
-    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
-)
-_AUDIT = (
-    "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
 
 
 def _new_operation(request: ClaimRequest, now: float) -> Operation:
