@@ -168,7 +168,9 @@ class PolicyReloader:
                 return ReloadResult(Verdict.REJECTED, problems)
             changed = self._apply(policy, served)
             await self._retire_upstreams(policy)
-        return ReloadResult(Verdict.APPLIED, [], changed and await _announce(self.on_applied))
+        if changed:
+            await _announce(self.on_applied)
+        return ReloadResult(Verdict.APPLIED, [], changed)
 
     async def _validate(self, text: str) -> tuple[Policy | None, dict[str, ServedTool] | None, list[Problem]]:
         report = analyse_text(text, str(self.path))
@@ -300,13 +302,12 @@ async def watch_policy(
         await reloader.close_retired()
 
 
-async def _announce(on_applied: OnApplied) -> bool:
+async def _announce(on_applied: OnApplied) -> None:
     """Tell clients the tool list changed; best effort: what was applied stays applied."""
     try:
         await on_applied()
     except Exception:
         log.exception("could not announce the changed tool list")
-    return True
 
 
 # --- an upstream's tools changed --------------------------------------------------------------------
@@ -340,7 +341,8 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
         changed = gateway.list_tools() != before
     if changed:
         log.warning("upstream tools refreshed: the tool list changed")
-    return changed and await _announce(on_applied)
+        await _announce(on_applied)
+    return changed
 
 
 @contextlib.asynccontextmanager

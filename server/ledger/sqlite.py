@@ -743,8 +743,8 @@ class SQLiteLedger:
         return await self._writer.submit(step)
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
-        # A replay is answered by one snapshot read: cheaper than the write transaction a claim
-        # step takes even inline. Under load the writer hop is shared with a whole batch anyway,
+        # A replay is answered by one read outside any transaction: cheaper than the write
+        # transaction a claim step takes even inline. Under load the writer hop is shared with a whole batch anyway,
         # and a read beside a busy writer contends with it (WAL read locks, the GIL) while most
         # claims are of new keys and find nothing: then go straight to the writer.
         settled: Claim | None = None
