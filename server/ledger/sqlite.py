@@ -196,8 +196,8 @@ class _Writer(threading.Thread):
         self._inline.execute(f"PRAGMA synchronous = {synchronous}")
         for conn in (self._conn, self._inline):  # checkpoints belong to _Checkpointer; this is a backstop
             conn.execute(f"PRAGMA wal_autocheckpoint = {_BACKSTOP_CHECKPOINT_PAGES}")
-        self._checkpointer = _Checkpointer(path, synchronous)
         self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline step
+        self._checkpointer = _Checkpointer(path, synchronous, self._lock)
         self.batches = 0
         self._in_batch = False
         self.steps = 0
@@ -349,10 +349,11 @@ class _Checkpointer(threading.Thread):
     as a backstop. Several processes on one file each run one; SQLite lets one at a time work.
     """
 
-    def __init__(self, path: Path, synchronous: str, every: float = 0.25) -> None:
+    def __init__(self, path: Path, synchronous: str, write_lock: threading.Lock, every: float = 0.25) -> None:
         super().__init__(name="commitgate-ledger-checkpoint", daemon=True)
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
+        self._write_lock = write_lock
         self._every = every
         self._stopping = threading.Event()
 
@@ -365,7 +366,9 @@ class _Checkpointer(threading.Thread):
 
     def checkpoint(self) -> None:
         with contextlib.suppress(sqlite3.Error):  # another process's checkpointer is at work: next time
-            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()  # the bulk, beside the writers
+            with self._write_lock:  # what they committed meanwhile: usually a few frames
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
     def stop(self) -> None:
         self._stopping.set()
