@@ -41,6 +41,7 @@ from .ledger.base import (
 from .model import IdempotencyClass, Operation, State, ToolResult
 from .outcomes import ToolOutcomeError
 from .policy import ServerPolicy, ToolPolicy
+from .replays import FinalOutcomes
 from .retry import Backoff, Outcome, classify, error_record
 
 log = logging.getLogger("commitgate.boundary")
@@ -149,6 +150,7 @@ class CommitBoundary:
     owner: str = field(default_factory=this_owner)
     _inflight: dict[str, asyncio.Task[Answer]] = field(default_factory=dict)
     _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
+    final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
     # --- entry point ---------------------------------------------------------------
 
@@ -179,6 +181,9 @@ class CommitBoundary:
             lease_seconds=self.settings.lease,
             retention_seconds=tool.policy.retention or self.settings.retention,
         )
+        known = self.final.get(request.principal, request.session, claim_request.step, self.clock())
+        if known is not None and known.tool == tool.name and known.fingerprint == claim_request.fingerprint:
+            return await self._on_existing(request, known, waited=False)
         try:
             claim = await self.ledger.claim(claim_request, self.clock())
         except LedgerUnavailable as exc:
@@ -189,6 +194,7 @@ class CommitBoundary:
             raise errors.key_reused(claim.operation, tool.name)
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
+        self.final.remember(claim.operation)
         return await self._on_existing(request, claim.operation, waited=False)
 
     # --- an operation someone already recorded -----------------------------------------
@@ -467,6 +473,8 @@ class CommitBoundary:
         recorded = await self._record(op, change)
         if recorded is None:
             recorded = await self._record_late(op, change)
+        if recorded is not None:
+            self.final.remember(recorded)
         self.observe(
             "completed",
             op.tool,

@@ -1,0 +1,184 @@
+"""Replays of final outcomes answered from memory: no ledger read, and never a stale answer.
+
+Every test counts the effects in the system of record and the claims that reached the ledger.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from commitgate.server.boundary import Answer, CommitBoundary
+from commitgate.server.ledger.base import Change, ClaimRequest, Ledger
+from commitgate.server.model import ErrorCode, IdempotencyClass, Operation, State, ToolResult
+from commitgate.server.replays import FinalOutcomes
+from support_boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
+
+pytest_plugins = ["ledger_backends"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def record(tmp_path: Path) -> SystemOfRecord:
+    return SystemOfRecord(tmp_path / "record.db")
+
+
+class CountingLedger:
+    """The ledger, counting the claims that reach it."""
+
+    def __init__(self, inner: Ledger) -> None:
+        self.inner = inner
+        self.claims = 0
+
+    async def claim(self, request: ClaimRequest, now: float) -> Any:
+        self.claims += 1
+        return await self.inner.claim(request, now)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def boundary_on(ledger: Ledger, source: ScriptedTool, cls: str) -> tuple[CommitBoundary, CountingLedger]:
+    counting = CountingLedger(ledger)
+    boundary = make_boundary(counting, [guarded("charge", cls, source)])  # type: ignore[arg-type]
+    return boundary, counting
+
+
+async def charge(boundary: CommitBoundary, key: str = "k1", amount: int = 500, **kw: Any) -> Answer:
+    return await boundary.call(call_request(boundary.tools["charge"], key, amount, **kw))
+
+
+def effect(answer: Answer) -> str | None:
+    assert answer.error is None, answer.error and answer.error.message
+    return effect_of(answer.result)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cls", ["key-required", "key-and-status-check"])
+async def test_a_replay_of_a_final_outcome_reads_no_ledger(
+    ledger: Ledger, record: SystemOfRecord, cls: str
+) -> None:
+    boundary, counting = boundary_on(ledger, ScriptedTool(record), cls)
+    first = await charge(boundary)
+    replays = [await charge(boundary) for _ in range(3)]
+    assert counting.claims == 1
+    assert all(answer.replayed and effect(answer) == effect(first) for answer in replays)
+    assert replays[0].operation == first.operation
+    assert record.count() == 1
+
+
+@pytest.mark.anyio
+async def test_a_permanent_failure_is_replayed_from_memory(ledger: Ledger, record: SystemOfRecord) -> None:
+    source = ScriptedTool(record, ["permanent"])
+    boundary, counting = boundary_on(ledger, source, "key-required")
+    first, again = await charge(boundary), await charge(boundary)
+    assert first.error is not None and first.error.code is ErrorCode.OPERATION_FAILED and not first.replayed
+    assert again.error is not None and again.error.code is ErrorCode.OPERATION_FAILED and again.replayed
+    assert (counting.claims, source.calls, record.count()) == (1, 1, 0)
+
+
+@pytest.mark.anyio
+async def test_an_outcome_another_process_recorded_is_read_once(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    elsewhere, _ = boundary_on(ledger, ScriptedTool(record), "key-required")
+    here_source = ScriptedTool(record)
+    here, counting = boundary_on(ledger, here_source, "key-required")
+    first = await charge(elsewhere)
+    replays = [await charge(here) for _ in range(3)]
+    assert all(answer.replayed and effect(answer) == effect(first) for answer in replays)
+    assert (counting.claims, here_source.calls, record.count()) == (1, 0, 1)
+
+
+@pytest.mark.anyio
+async def test_other_arguments_or_another_principal_never_match_the_memory(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    source = ScriptedTool(record)
+    boundary, _ = boundary_on(ledger, source, "key-required")
+    mine = effect(await charge(boundary))
+    clash = await charge(boundary, amount=900)
+    assert clash.error is not None and clash.error.code is ErrorCode.IDEMPOTENCY_KEY_REUSED
+    theirs = effect(await charge(boundary, principal="bob"))
+    assert theirs != mine and effect(await charge(boundary, principal="bob")) == theirs
+    assert (record.count(principal="alice"), record.count(principal="bob"), source.calls) == (1, 1, 2)
+
+
+@pytest.mark.anyio
+async def test_a_compensated_operation_is_replayed_as_compensated(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """Another process may compensate a compensable operation at any time: it is never kept."""
+    boundary, counting = boundary_on(ledger, ScriptedTool(record), "compensable")
+    first = await charge(boundary)
+    assert first.operation is not None
+    undone = Change(State.COMPENSATED, frozenset({State.SUCCEEDED}), "compensated")
+    assert await ledger.update(first.operation.operation_id, undone, time.time()) is not None
+    again = await charge(boundary)
+    assert again.replayed and again.operation is not None and again.operation.state is State.COMPENSATED
+    assert (counting.claims, record.count()) == (2, 1)
+
+
+@pytest.mark.anyio
+async def test_an_unknown_operation_resolved_elsewhere_is_seen_at_once(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """UNKNOWN is not final: an operator's `ops resolve` in another process must be seen."""
+    boundary, _ = boundary_on(ledger, ScriptedTool(record, ["ambiguous_after"]), "key-required")
+    first = await charge(boundary)
+    assert first.error is not None and first.error.code is ErrorCode.OPERATION_OUTCOME_UNKNOWN
+    assert first.operation is not None
+    resolved = ToolResult.of({"effect_id": "resolved-by-operator"})
+    change = Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "resolved", result=resolved)
+    assert await ledger.update(first.operation.operation_id, change, time.time()) is not None
+    again = await charge(boundary)
+    assert again.replayed and effect(again) == "resolved-by-operator"
+    assert record.count() == 1
+
+
+def operation(step: str, *, state: State = State.SUCCEEDED, text: str = "ok", **fields: Any) -> Operation:
+    values: dict[str, Any] = {
+        "operation_id": f"op_{step}",
+        "principal": "alice",
+        "session": "s1",
+        "step": step,
+        "tool": "charge",
+        "idempotency_class": IdempotencyClass.KEY_REQUIRED,
+        "fingerprint": "fp",
+        "state": state,
+        "attempts": 1,
+        "fence": 1,
+        "arguments": {"amount": 5},
+        "result": ToolResult.of({"text": text}),
+        "created_at": 1.0,
+        "updated_at": 2.0,
+        "completed_at": 2.0,
+        "expires_at": 100.0,
+        "retention": 98.0,
+        **fields,
+    }
+    return Operation(**values)
+
+
+def test_the_memory_keeps_the_most_recently_used_and_only_small_final_outcomes() -> None:
+    final = FinalOutcomes(capacity=2, max_chars=200)
+    for step in ("a", "b"):
+        final.remember(operation(step))
+    assert final.get("alice", "s1", "a", now=50.0) is not None  # a is now the most recent
+    final.remember(operation("c"))
+    assert [final.get("alice", "s1", s, now=50.0) is not None for s in "abc"] == [True, False, True]
+    final.remember(operation("big", text="x" * 300))
+    final.remember(operation("running", state=State.RUNNING))
+    final.remember(operation("unknown", state=State.UNKNOWN))
+    final.remember(operation("undoable", idempotency_class=IdempotencyClass.COMPENSABLE))
+    assert all(
+        final.get("alice", "s1", s, now=50.0) is None for s in ("big", "running", "unknown", "undoable")
+    )
+    assert final.get("alice", "s1", "c", now=100.0) is None  # past retention, as in the ledger
+    assert len(final) == 1
