@@ -53,7 +53,8 @@ async def claim_and_complete(ledger: Ledger, session: str, step: str) -> None:
     claim = await ledger.claim(_request(session, step), time.time())
     if claim.kind is not ClaimKind.NEW:
         raise RuntimeError(f"benchmark key {step!r} was not new: {claim.kind}")
-    if await ledger.update(claim.operation.operation_id, _SUCCEEDED, time.time()) is None:
+    now = time.time()  # as the boundary records an outcome: with the operation it holds
+    if await ledger.update(claim.operation.operation_id, _SUCCEEDED, now, current=claim.operation) is None:
         raise RuntimeError(f"could not record the outcome of {step!r}")
 
 

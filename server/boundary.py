@@ -512,7 +512,7 @@ class CommitBoundary:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
         for delay in (0.05, 0.2, 1.0, None):
             try:
-                return await self.ledger.update(op.operation_id, change, self.clock())
+                return await self.ledger.update(op.operation_id, change, self.clock(), current=op)
             except LedgerUnavailable:
                 if delay is None:
                     log.error(

@@ -193,8 +193,10 @@ class TimedLedger:
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         return await self._timed("claim", self.inner.claim(request, now))
 
-    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
-        return await self._timed("update", self.inner.update(operation_id, change, now))
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        return await self._timed("update", self.inner.update(operation_id, change, now, current=current))
 
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
         return await self._timed("renew_lease", self.inner.renew_lease(operation_id, fence, lease))

@@ -9,6 +9,7 @@ shortcut. Each test runs the same steps both ways on real ledger files and compa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -17,9 +18,9 @@ from typing import Any
 
 import anyio
 import pytest
-from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest
+from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest, Lease
 from commitgate.server.ledger.sqlite import SQLiteLedger, _ApplyStep, _ClaimStep, _run_steps
-from commitgate.server.model import IdempotencyClass, State, ToolResult
+from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
 
 T0 = 1_700_000_000.0
 OWNER = "elsewhere:1:aaaa"
@@ -153,10 +154,16 @@ async def test_a_batch_that_cannot_be_claimed_together_decides_step_by_step(
     assert rows(batched) == rows(reference)  # nothing of the abandoned shortcut is left behind
 
 
+def same(op: Operation | None) -> dict[str, Any] | None:
+    """Everything an answer says about an operation but its id (two ledgers never share ids)."""
+    return op and {k: v for k, v in dataclasses.asdict(op).items() if k != "operation_id"}
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("known", [False, True], ids=["read back", "caller's operation"])
 async def test_outcomes_are_recorded_together_unless_one_is_fenced_out(
-    ledgers: tuple[SQLiteLedger, SQLiteLedger], stale: bool, monkeypatch: pytest.MonkeyPatch
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], stale: bool, known: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batched, reference = ledgers
     results: dict[str, list[Any]] = {}
@@ -165,21 +172,41 @@ async def test_outcomes_are_recorded_together_unless_one_is_fenced_out(
         changes = [outcome(state=State.FAILED_FINAL if i == 3 else State.SUCCEEDED) for i in range(6)]
         if stale:
             changes[4] = outcome(fence=7)  # an owner whose attempt was superseded
-        steps = [
-            _ApplyStep(c.operation.operation_id, change, T0 + 1)
-            for c, change in zip(claims, changes, strict=True)
-        ]
-        if name == "reference":
+        if name == "reference":  # the step-by-step path, reading every operation
+            steps = [
+                _ApplyStep(c.operation.operation_id, ch, T0 + 1)
+                for c, ch in zip(claims, changes, strict=True)
+            ]
             results[name] = one_by_one(ledger, steps)
             continue
+        steps = [
+            _ApplyStep(c.operation.operation_id, ch, T0 + 1, c.operation if known else None)
+            for c, ch in zip(claims, changes, strict=True)
+        ]
         with contextlib.nullcontext() if stale else no_single_steps(monkeypatch, _ApplyStep):
             results[name] = in_one_batch(ledger, steps)
     together, alone = results["batched"], results["reference"]
-    assert [op and (op.state, op.fence, op.result, op.error, op.completed_at) for op in together] == [
-        op and (op.state, op.fence, op.result, op.error, op.completed_at) for op in alone
-    ]
+    assert [same(op) for op in together] == [same(op) for op in alone]
     assert (together[4] is None) is stale
     assert rows(batched) == rows(reference)
+
+
+@pytest.mark.anyio
+async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_a_read(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger],
+) -> None:
+    """The caller holds the operation at fence 1, but a newer attempt took it meanwhile (fence 2)."""
+    ledger, _ = ledgers
+    first = one_by_one(ledger, [_ClaimStep(claim("k1"), T0)])[0].operation
+    retry = Change(
+        State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OWNER, T0 + 60)
+    )
+    assert one_by_one(ledger, [_ApplyStep(first.operation_id, retry, T0 + 1)])[0].fence == 2
+    before = rows(ledger)
+    late = _ApplyStep(first.operation_id, outcome(fence=1), T0 + 2, first)
+    assert late.current is first  # the shortcut is taken...
+    assert one_by_one(ledger, [late]) == [None]  # ...and finds nothing to write
+    assert rows(ledger) == before
 
 
 @pytest.mark.anyio

@@ -107,8 +107,14 @@ class Ledger(Protocol):
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
 
-    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
-        """Apply `change`; None when its expectations no longer hold."""
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        """Apply `change`; None when its expectations no longer hold.
+
+        `current` is the operation as the caller last got it from the ledger at the change's
+        fence: a backend may use it instead of reading the row again (it never weakens a check).
+        """
         ...
 
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool: ...

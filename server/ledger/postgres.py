@@ -449,8 +449,10 @@ class PostgresLedger:
             return _decode(rows[0])
         return await self.get_by_id(None, op.operation_id) or op
 
-    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
-        lease = change.lease
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        lease = change.lease  # one statement checks and writes: `current` would save nothing
         rows = await self._fetch(
             _UPDATE,
             operation_id,

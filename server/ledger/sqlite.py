@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -452,12 +453,19 @@ class _ApplyStep:
     """Apply one change (`_apply`). In a group commit, consecutive plain outcomes (RUNNING to a
     final state, fenced, no lease) are written with one update, one audit insert and one read."""
 
-    __slots__ = ("change", "now", "operation_id")
+    __slots__ = ("change", "current", "now", "operation_id")
 
-    def __init__(self, operation_id: str, change: Change, now: float) -> None:
+    def __init__(
+        self, operation_id: str, change: Change, now: float, current: Operation | None = None
+    ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
+        # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
+        known = current is not None and current.fence == change.expect_fence and self.plain_outcome
+        self.current = current if known else None
 
     def __call__(self, conn: sqlite3.Connection) -> Operation | None:
+        if self.current is not None:
+            return _apply_known(conn, self.current, self.change, self.now)
         return _apply(conn, self.operation_id, self.change, self.now)
 
     @property
@@ -508,6 +516,8 @@ class _ApplyStep:
                     for s in steps
                 ],
             )  # fmt: skip
+            if all(s.current is not None for s in steps):
+                return [_outcome(s.current, s.change, s.now) for s in steps if s.current is not None]
             marks = ",".join("?" * len(ids))
             rows = {row[0]: row for row in conn.execute(f"{_SELECT} WHERE operation_id IN ({marks})", ids)}
         return [_decode(rows[operation_id]) for operation_id in ids]
@@ -649,26 +659,7 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: flo
         return None
     if change.expect_fence is not None and op.fence != change.expect_fence:
         return None
-    from_state = op.state
-    op.state = change.to_state
-    op.updated_at = now
-    if change.result is not None:
-        op.result = change.result
-    if change.error is not None or change.to_state in (State.SUCCEEDED, State.RUNNING):
-        op.error = change.error
-    if change.reconciliation is not None:
-        op.reconciliation = change.reconciliation
-    if change.lease is not None:
-        op.fence += 1
-        op.attempts += 1
-        op.lease_owner, op.lease_expires_at = change.lease.owner, change.lease.expires_at
-    elif change.to_state is not State.RUNNING:
-        op.lease_owner = op.lease_expires_at = None
-    if change.to_state.terminal:
-        op.completed_at = op.completed_at if from_state is State.SUCCEEDED else now
-        op.expires_at = now + op.retention
-    else:
-        op.completed_at = op.expires_at = None
+    from_state = _transition(op, change, now)
     conn.execute(
         "UPDATE operations SET state = ?, attempts = ?, fence = ?, lease_owner = ?, lease_expires_at = ?,"
         " result = ?, error = ?, reconciliation = ?, updated_at = ?, completed_at = ?, expires_at = ?"
@@ -700,6 +691,77 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: flo
         change.detail,
     )
     return op
+
+
+def _apply_known(
+    conn: sqlite3.Connection, current: Operation, change: Change, now: float
+) -> Operation | None:
+    """A plain outcome of an operation the caller holds at its fence: written without reading it.
+
+    The fence and RUNNING in the WHERE clause are exactly `_apply`'s checks for such a change;
+    whatever else may have moved meanwhile (a lease renewal) the outcome overwrites anyway.
+    """
+    op = _outcome(current, change, now)
+    cursor = conn.execute(
+        "UPDATE operations SET state = ?, result = ?, error = ?, lease_owner = NULL, lease_expires_at = NULL,"
+        " updated_at = ?, completed_at = ?, expires_at = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+        (
+            op.state.value,
+            op.result.to_json() if op.result is not None else None,
+            _dump(op.error),
+            now,
+            op.completed_at,
+            op.expires_at,
+            op.operation_id,
+            op.fence,
+        ),
+    )
+    if cursor.rowcount != 1:
+        return None
+    _audit(
+        conn,
+        op.operation_id,
+        now,
+        change.event,
+        "RUNNING",
+        op.state.value,
+        op.fence,
+        change.actor,
+        change.detail,
+    )
+    return op
+
+
+def _outcome(current: Operation, change: Change, now: float) -> Operation:
+    """`current` after a plain outcome, as a new object (the caller keeps its own)."""
+    op = dataclasses.replace(current)
+    _transition(op, change, now)
+    return op
+
+
+def _transition(op: Operation, change: Change, now: float) -> State:
+    """Move `op` as `change` says (its expectations already checked); returns the state it left."""
+    from_state = op.state
+    op.state = change.to_state
+    op.updated_at = now
+    if change.result is not None:
+        op.result = change.result
+    if change.error is not None or change.to_state in (State.SUCCEEDED, State.RUNNING):
+        op.error = change.error
+    if change.reconciliation is not None:
+        op.reconciliation = change.reconciliation
+    if change.lease is not None:
+        op.fence += 1
+        op.attempts += 1
+        op.lease_owner, op.lease_expires_at = change.lease.owner, change.lease.expires_at
+    elif change.to_state is not State.RUNNING:
+        op.lease_owner = op.lease_expires_at = None
+    if change.to_state.terminal:
+        op.completed_at = op.completed_at if from_state is State.SUCCEEDED else now
+        op.expires_at = now + op.retention
+    else:
+        op.completed_at = op.expires_at = None
+    return from_state
 
 
 class SQLiteLedger:
@@ -783,9 +845,11 @@ class SQLiteLedger:
             return Claim(ClaimKind.EXISTING, _decode(row))
         return None
 
-    async def update(self, operation_id: str, change: Change, now: float) -> Operation | None:
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
         alone = self._open <= {operation_id}
-        updated = await self._write(_ApplyStep(operation_id, change, now), alone=alone)
+        updated = await self._write(_ApplyStep(operation_id, change, now, current), alone=alone)
         if updated is not None:
             if updated.state is State.RUNNING:
                 self._open.add(operation_id)
