@@ -169,21 +169,23 @@ class CommitBoundary:
             raise errors.invalid_arguments(
                 f"the arguments are larger than {self.settings.limits.max_argument_bytes} bytes"
             )
+        step = request.key if request.key is not None else _missing_key(tool)
+        digest = fingerprint(tool.name, arguments_json)
+        known = self.final.get(request.principal, request.session, step, self.clock())
+        if known is not None and known.tool == tool.name and known.fingerprint == digest:
+            return await self._on_existing(request, known, waited=False)
         claim_request = ClaimRequest(
             principal=request.principal,
             session=request.session,
-            step=request.key if request.key is not None else _missing_key(tool),
+            step=step,
             tool=tool.name,
             idempotency_class=tool.cls,
-            fingerprint=fingerprint(tool.name, arguments_json),
+            fingerprint=digest,
             arguments_json=arguments_json,
             owner=self.owner,
             lease_seconds=self.settings.lease,
             retention_seconds=tool.policy.retention or self.settings.retention,
         )
-        known = self.final.get(request.principal, request.session, claim_request.step, self.clock())
-        if known is not None and known.tool == tool.name and known.fingerprint == claim_request.fingerprint:
-            return await self._on_existing(request, known, waited=False)
         try:
             claim = await self.ledger.claim(claim_request, self.clock())
         except LedgerUnavailable as exc:
