@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server.ledger.sqlite import MIGRATIONS, SQLiteLedger
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.ledger.sqlite._schema import MIGRATIONS
 from commitgate.server.model import Operation
 from support_boundary import KEYED_CLASSES, SystemOfRecord
 

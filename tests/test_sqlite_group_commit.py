@@ -19,7 +19,8 @@ from typing import Any
 import anyio
 import pytest
 from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest, Lease
-from commitgate.server.ledger.sqlite import SQLiteLedger, _ApplyStep, _ClaimStep, _run_steps
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.ledger.sqlite._steps import ApplyStep, ClaimStep, run_steps
 from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
 
 T0 = 1_700_000_000.0
@@ -116,9 +117,9 @@ async def test_new_keys_are_claimed_together_as_one_by_one(
 ) -> None:
     batched, reference = ledgers
     steps = [claim(f"k{i}") for i in range(20)]
-    with no_single_steps(monkeypatch, _ClaimStep):
-        together = in_one_batch(batched, [_ClaimStep(r, T0) for r in steps])
-    alone = one_by_one(reference, [_ClaimStep(r, T0) for r in steps])
+    with no_single_steps(monkeypatch, ClaimStep):
+        together = in_one_batch(batched, [ClaimStep(r, T0) for r in steps])
+    alone = one_by_one(reference, [ClaimStep(r, T0) for r in steps])
     assert kinds(together) == kinds(alone) == [ClaimKind.NEW] * 20
     assert rows(batched) == rows(reference)
     assert [c.operation.step for c in together] == [r.step for r in steps]
@@ -143,10 +144,10 @@ async def test_a_batch_that_cannot_be_claimed_together_decides_step_by_step(
         [claim("k2")] if case == "repeated in the batch" else []
     )
     for ledger in (batched, reference):
-        for first in one_by_one(ledger, [_ClaimStep(r, T0 - 50) for r in earlier]):  # then completed
-            one_by_one(ledger, [_ApplyStep(first.operation.operation_id, outcome(), T0 - 49)])
-    together = in_one_batch(batched, [_ClaimStep(r, T0) for r in steps])
-    alone = one_by_one(reference, [_ClaimStep(r, T0) for r in steps])
+        for first in one_by_one(ledger, [ClaimStep(r, T0 - 50) for r in earlier]):  # then completed
+            one_by_one(ledger, [ApplyStep(first.operation.operation_id, outcome(), T0 - 49)])
+    together = in_one_batch(batched, [ClaimStep(r, T0) for r in steps])
+    alone = one_by_one(reference, [ClaimStep(r, T0) for r in steps])
     assert kinds(together) == kinds(alone)
     assert kinds(together).count(ClaimKind.NEW) == len({r.step for r in steps}) - (
         1 if case in ("already claimed", "claimed with other arguments") else 0
@@ -168,22 +169,21 @@ async def test_outcomes_are_recorded_together_unless_one_is_fenced_out(
     batched, reference = ledgers
     results: dict[str, list[Any]] = {}
     for name, ledger in (("batched", batched), ("reference", reference)):
-        claims = one_by_one(ledger, [_ClaimStep(claim(f"k{i}"), T0) for i in range(6)])
+        claims = one_by_one(ledger, [ClaimStep(claim(f"k{i}"), T0) for i in range(6)])
         changes = [outcome(state=State.FAILED_FINAL if i == 3 else State.SUCCEEDED) for i in range(6)]
         if stale:
             changes[4] = outcome(fence=7)  # an owner whose attempt was superseded
         if name == "reference":  # the step-by-step path, reading every operation
             steps = [
-                _ApplyStep(c.operation.operation_id, ch, T0 + 1)
-                for c, ch in zip(claims, changes, strict=True)
+                ApplyStep(c.operation.operation_id, ch, T0 + 1) for c, ch in zip(claims, changes, strict=True)
             ]
             results[name] = one_by_one(ledger, steps)
             continue
         steps = [
-            _ApplyStep(c.operation.operation_id, ch, T0 + 1, c.operation if known else None)
+            ApplyStep(c.operation.operation_id, ch, T0 + 1, c.operation if known else None)
             for c, ch in zip(claims, changes, strict=True)
         ]
-        with contextlib.nullcontext() if stale else no_single_steps(monkeypatch, _ApplyStep):
+        with contextlib.nullcontext() if stale else no_single_steps(monkeypatch, ApplyStep):
             results[name] = in_one_batch(ledger, steps)
     together, alone = results["batched"], results["reference"]
     assert [same(op) for op in together] == [same(op) for op in alone]
@@ -197,13 +197,13 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
 ) -> None:
     """The caller holds the operation at fence 1, but a newer attempt took it meanwhile (fence 2)."""
     ledger, _ = ledgers
-    first = one_by_one(ledger, [_ClaimStep(claim("k1"), T0)])[0].operation
+    first = one_by_one(ledger, [ClaimStep(claim("k1"), T0)])[0].operation
     retry = Change(
         State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OWNER, T0 + 60)
     )
-    assert one_by_one(ledger, [_ApplyStep(first.operation_id, retry, T0 + 1)])[0].fence == 2
+    assert one_by_one(ledger, [ApplyStep(first.operation_id, retry, T0 + 1)])[0].fence == 2
     before = rows(ledger)
-    late = _ApplyStep(first.operation_id, outcome(fence=1), T0 + 2, first)
+    late = ApplyStep(first.operation_id, outcome(fence=1), T0 + 2, first)
     assert late.current is first  # the shortcut is taken...
     assert one_by_one(ledger, [late]) == [None]  # ...and finds nothing to write
     assert rows(ledger) == before
@@ -211,9 +211,9 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
 
 @pytest.mark.anyio
 async def test_only_plain_outcomes_take_the_shortcut() -> None:
-    plain = _ApplyStep("op", outcome(), T0)
-    unfenced = _ApplyStep("op", Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
-    reconciled = _ApplyStep(
+    plain = ApplyStep("op", outcome(), T0)
+    unfenced = ApplyStep("op", Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
+    reconciled = ApplyStep(
         "op", Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT), T0
     )
     assert plain.plain_outcome
@@ -241,7 +241,7 @@ def test_runs_of_one_kind_are_grouped_in_order(tmp_path: Path) -> None:
             return [s.name for s in steps]
 
     with sqlite3.connect(tmp_path / "x.db") as conn:
-        values = _run_steps(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
+        values = run_steps(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
     assert values == ["a", "b", "other", "c", "d", "e"]
     assert seen == ["many:a,b", "other", "many:c,d,e"]
 

@@ -1,0 +1,266 @@
+"""SQLite ledger: WAL, synchronous=FULL, one writer thread with group commit.
+
+Every ledger step is one function run on a dedicated writer thread, so a claim
+or an outcome costs one thread hop, not one per statement. The writer drains
+whatever steps are queued and commits them in one transaction (group commit):
+under concurrency many steps share one fsync. Consecutive claims of new keys,
+and consecutive plain outcomes, run as one statement per table for the whole
+run (`run_many`), falling back to one by one whenever a step needs its own
+decision. A failing step never takes the others of its batch down: the batch
+then runs again with each step in a savepoint. An operation alone in its
+process runs its steps on the caller's thread, on a second connection that
+never waits (`run_inline`); a replay is answered by one read on that same
+connection while the writer is idle. Reads that need no write (status,
+listings) go through an aiosqlite connection, which WAL lets run beside the
+writer, and a checkpointer thread copies the WAL back off the commit path.
+
+Several processes may share one file: BEGIN IMMEDIATE serialises writers
+across processes, and the unique (principal, session, step) index makes the
+claim exactly-once.
+
+Here: the Ledger interface. `_writer.py`: the writer and checkpointer threads.
+`_steps.py`: what a claim or an outcome does to the database. `_schema.py`: the
+tables, their migrations and how a row becomes an Operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from ...model import Operation, State
+from ..base import (
+    AuditEntry,
+    Change,
+    Claim,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    LedgerUnavailable,
+    OperationFilter,
+    lease_over,
+)
+from ._schema import SELECT, decode, migrate
+from ._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
+from ._writer import Writer
+
+T = TypeVar("T")
+
+
+def path_from_url(url: str) -> Path:
+    """`sqlite:///relative.db` and `sqlite:////absolute.db` (the SQLAlchemy convention)."""
+    if not url.startswith("sqlite:///"):
+        raise ValueError(
+            f"not a sqlite URL: {url!r} (expected sqlite:///relative.db or sqlite:////abs/path.db)"
+        )
+    return Path(url[len("sqlite:///") :])
+
+
+def _create_private(path: Path) -> None:
+    """The ledger holds arguments and results: owner-only, from the first byte."""
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+
+
+class SQLiteLedger:
+    """A ledger in one SQLite file; see the module docstring for how writes are batched."""
+
+    def __init__(self, path: Path, writer: Writer, reader: aiosqlite.Connection) -> None:
+        self.path = path
+        self._writer = writer
+        self._reader = reader
+        self.inline_when_alone = True  # see `_write`
+        self._open: set[str] = set()  # operations this process claimed and has not finished
+
+    @classmethod
+    async def open(
+        cls, path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000
+    ) -> SQLiteLedger:
+        path = Path(path).expanduser()
+        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA", "OFF"):
+            raise ValueError(f"synchronous must be FULL, NORMAL, EXTRA or OFF, not {synchronous!r}")
+        try:
+            _create_private(path)
+            writer = Writer(path, synchronous.upper(), busy_timeout_ms)
+        except (OSError, sqlite3.Error) as exc:
+            raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
+        writer.start()
+        ledger = cls(path, writer, await aiosqlite.connect(path))
+        try:
+            await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            await ledger._write(migrate)
+        except BaseException:  # e.g. a schema newer than this code: never leave threads behind
+            await ledger.close()
+            raise
+        return ledger
+
+    async def _write(self, step: Callable[[sqlite3.Connection], T], *, alone: bool = False) -> T:
+        """One ledger step. `alone`: no other operation of this process is in flight, so there is no
+        group to commit with; run it on this thread if the writer is idle (no thread hop). With
+        company it goes to the writer, whose next batch commits it with the others."""
+        if alone and self.inline_when_alone:
+            ran, value = self._writer.run_inline(step)
+            if ran:
+                await asyncio.sleep(0)  # let other tasks in, so that company (and batching) can form
+                return value  # type: ignore[return-value]  # ran => the step's own value
+        return await self._writer.submit(step)
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        # A replay is answered by one read outside any transaction: cheaper than the write
+        # transaction a claim step takes even inline. Under load the writer hop is shared with a whole batch anyway,
+        # and a read beside a busy writer contends with it (WAL read locks, the GIL) while most
+        # claims are of new keys and find nothing: then go straight to the writer.
+        settled: Claim | None = None
+        alone = not self._open and self.inline_when_alone
+        if not self._writer.busy:
+            settled = self._settled(request, now)
+        claim: Claim = (
+            settled if settled is not None else await self._write(ClaimStep(request, now), alone=alone)
+        )
+        if claim.kind is ClaimKind.NEW:
+            self._open.add(claim.operation.operation_id)
+        return claim
+
+    def _settled(self, request: ClaimRequest, now: float) -> Claim | None:
+        """A replay or a conflict, answered from one indexed read without the writer thread.
+
+        A settled operation changes only by compensation or purge, so a committed WAL snapshot
+        answers it as the writer would (the read takes no lock and never waits for writers);
+        anything else, or any error, takes the writer's path.
+        """
+        try:
+            row = self._writer.read_inline(
+                f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
+                (request.principal, request.session, request.step),
+            )
+        except sqlite3.Error:
+            return None
+        if row is None or (row[20] is not None and row[20] <= now):  # none, or past retention
+            return None
+        if row[4] != request.tool or row[6] != request.fingerprint:
+            return Claim(ClaimKind.CONFLICT, decode(row))
+        if row[7] in SETTLED:
+            return Claim(ClaimKind.EXISTING, decode(row))
+        return None
+
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        alone = self._open <= {operation_id}
+        updated = await self._write(ApplyStep(operation_id, change, now, current), alone=alone)
+        if updated is not None:
+            if updated.state is State.RUNNING:
+                self._open.add(operation_id)
+            else:
+                self._open.discard(operation_id)
+        return updated
+
+    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
+        def step(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "UPDATE operations SET lease_owner = ?, lease_expires_at = ?"
+                " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+                (lease.owner, lease.expires_at, operation_id, fence),
+            )
+            return cursor.rowcount == 1
+
+        return await self._write(step)
+
+    async def _read(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        try:
+            return list(await self._reader.execute_fetchall(sql, params))
+        except sqlite3.Error as exc:
+            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+
+    async def get(self, principal: str, session: str, step: str) -> Operation | None:
+        rows = await self._read(
+            f"{SELECT} WHERE principal = ? AND session = ? AND step = ?", (principal, session, step)
+        )
+        return decode(rows[0]) if rows else None
+
+    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
+        rows = await self._read(f"{SELECT} WHERE operation_id = ?", (operation_id,))
+        if not rows:
+            return None
+        op = decode(rows[0])
+        return op if principal is None or op.principal == principal else None
+
+    async def find(self, where: OperationFilter) -> list[Operation]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column, value in (
+            ("principal", where.principal),
+            ("session", where.session),
+            ("state", where.state.value if where.state else None),
+            ("tool", where.tool),
+        ):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
+        if where.older_than is not None:
+            clauses.append("updated_at <= ?")
+            params.append(where.older_than)
+        sql = SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        params.append(where.limit)
+        return [decode(row) for row in await self._read(sql, params)]
+
+    async def history(self, operation_id: str) -> list[AuditEntry]:
+        rows = await self._read(
+            "SELECT at, event, from_state, to_state, fence, actor, detail FROM audit WHERE operation_id = ?"
+            " ORDER BY id",
+            (operation_id,),
+        )
+        return [
+            AuditEntry(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]) if r[6] else None) for r in rows
+        ]
+
+    async def expire_leases(self, now: float) -> list[Operation]:
+        def step(conn: sqlite3.Connection) -> list[Operation]:
+            rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING'").fetchall()
+            expired = [op for op in map(decode, rows) if lease_over(op, now)]
+            for op in expired:
+                to_unknown(conn, op, now)
+            return expired
+
+        return await self._write(step)
+
+    async def purge(self, now: float) -> int:
+        def step(conn: sqlite3.Connection) -> int:
+            doomed = "SELECT operation_id FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?"
+            conn.execute(f"DELETE FROM audit WHERE operation_id IN ({doomed})", (now,))
+            return conn.execute(
+                "DELETE FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            ).rowcount
+
+        return await self._write(step)
+
+    async def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for state, n in await self._read("SELECT state, count(*) FROM operations GROUP BY state", ()):
+            counts[state] = n
+        for event, n in await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()):
+            counts[f"event:{event}"] = n
+        return counts
+
+    async def check_writable(self) -> None:
+        await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
+
+    @property
+    def group_commit_stats(self) -> tuple[int, int]:
+        """(batches, steps) committed so far: steps / batches is the mean group size."""
+        return self._writer.batches, self._writer.steps
+
+    async def close(self) -> None:
+        self._writer.stop()
+        await asyncio.to_thread(self._writer.join)
+        await self._reader.close()

@@ -1,0 +1,121 @@
+"""The SQLite ledger's schema: migrations, the row shape, and decoding a row into an Operation."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from ...model import IdempotencyClass, Operation, State, ToolResult
+from ..base import LedgerUnavailable
+
+MIGRATIONS: list[str] = [
+    # 1: operations + audit trail
+    """
+    CREATE TABLE operations (
+        operation_id     TEXT PRIMARY KEY,
+        principal        TEXT NOT NULL,
+        session          TEXT NOT NULL,
+        step             TEXT NOT NULL,
+        tool             TEXT NOT NULL,
+        idempotency_class TEXT NOT NULL,
+        fingerprint      TEXT NOT NULL,
+        state            TEXT NOT NULL,
+        attempts         INTEGER NOT NULL,
+        fence            INTEGER NOT NULL,
+        arguments        TEXT NOT NULL,
+        lease_owner      TEXT,
+        lease_expires_at REAL,
+        result           TEXT,
+        error            TEXT,
+        reconciliation   TEXT,
+        downstream_ref   TEXT,
+        retention        REAL NOT NULL,
+        created_at       REAL NOT NULL,
+        updated_at       REAL NOT NULL,
+        completed_at     REAL,
+        expires_at       REAL
+    );
+    CREATE UNIQUE INDEX operations_key ON operations (principal, session, step);
+    CREATE INDEX operations_state ON operations (state, lease_expires_at);
+    CREATE INDEX operations_expiry ON operations (expires_at) WHERE expires_at IS NOT NULL;
+    CREATE INDEX operations_recent ON operations (principal, created_at);
+    CREATE TABLE audit (
+        id           INTEGER PRIMARY KEY,
+        operation_id TEXT NOT NULL,
+        at           REAL NOT NULL,
+        event        TEXT NOT NULL,
+        from_state   TEXT,
+        to_state     TEXT,
+        fence        INTEGER NOT NULL,
+        actor        TEXT,
+        detail       TEXT
+    );
+    CREATE INDEX audit_operation ON audit (operation_id, id);
+    """,
+]
+
+_COLUMNS = (
+    "operation_id, principal, session, step, tool, idempotency_class, fingerprint, state, attempts, fence, "
+    "arguments, lease_owner, lease_expires_at, result, error, reconciliation, downstream_ref, created_at, "
+    "updated_at, completed_at, expires_at, retention"
+)
+SELECT = f"SELECT {_COLUMNS} FROM operations"
+INSERT = (
+    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
+)
+AUDIT = (
+    "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def decode(row: Sequence[Any]) -> Operation:
+    return Operation(
+        operation_id=row[0],
+        principal=row[1],
+        session=row[2],
+        step=row[3],
+        tool=row[4],
+        idempotency_class=IdempotencyClass(row[5]),
+        fingerprint=row[6],
+        state=State(row[7]),
+        attempts=row[8],
+        fence=row[9],
+        arguments=json.loads(row[10]),
+        lease_owner=row[11],
+        lease_expires_at=row[12],
+        result=ToolResult.from_json(row[13]) if row[13] else None,
+        error=json.loads(row[14]) if row[14] else None,
+        reconciliation=json.loads(row[15]) if row[15] else None,
+        downstream_ref=row[16],
+        created_at=row[17],
+        updated_at=row[18],
+        completed_at=row[19],
+        expires_at=row[20],
+        retention=row[21],
+    )
+
+
+def dump(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Apply pending migrations inside the writer's transaction (safe with several processes)."""
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    current = row[0] or 0
+    if current > len(MIGRATIONS):
+        raise LedgerUnavailable(
+            f"ledger schema version {current} is newer than this commitgate ({len(MIGRATIONS)}); upgrade commitgate"
+        )
+    for version in range(current + 1, len(MIGRATIONS) + 1):
+        for statement in MIGRATIONS[version - 1].split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+    return len(MIGRATIONS)
