@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server.bench import build_ledger, goals, quantile, spread
+from commitgate.server.bench import _syncs_in_server, _Variant, build_ledger, goals, quantile, spread
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model import State
@@ -84,6 +84,9 @@ def test_quick_bench_figures_are_sane(quick_run: dict[str, Any]) -> None:
     per_call = quick_run["overhead"]["per_call_us"]
     assert set(per_call) >= {"unguarded", "guarded", "replay", "plain_sdk"}
     assert all(figure["median"] > 0 for figure in per_call.values())
+    syncs = quick_run["overhead"]["syncs_in_server"]
+    for figure in (syncs["us_per_call"], syncs["added_to_G1"]):
+        assert figure["min"] <= figure["median"] <= figure["max"]
 
     memory = quick_run["memory"]
     assert memory["rss_kib"]["big_ledger"]["vm_rss"] > 0
@@ -116,6 +119,20 @@ def test_goals_are_judged_on_the_median_ratio() -> None:
     judged = goals(results)
     assert (judged["G1"]["met"], judged["G2"]["met"], judged["G4"]["met"]) == (True, False, True)
     assert judged["G3"]["met"] is False  # fast enough, but its p99 is over 10 ms
+
+
+def test_what_the_syncs_add_is_paired_per_round() -> None:
+    def variant(name: str, rounds: list[list[float]]) -> _Variant:
+        return _Variant(name, None, "noop", lambda r, i: {}, None, rounds)  # type: ignore[arg-type]
+
+    by_name = {
+        "guarded": variant("guarded", [[900.0, 1100.0], [1400.0, 1600.0]]),
+        "guarded_no_fsync": variant("guarded_no_fsync", [[600.0, 600.0], [1000.0, 1000.0]]),
+        "unguarded": variant("unguarded", [[500.0, 500.0], [800.0, 800.0]]),
+    }
+    syncs = _syncs_in_server(by_name)
+    assert syncs["us_per_call"]["min"] == 400.0 and syncs["us_per_call"]["max"] == 500.0
+    assert syncs["added_to_G1"]["min"] == 0.625 and syncs["added_to_G1"]["max"] == 0.8
 
 
 def test_lognormal_service_time_has_the_asked_median_and_p99() -> None:
