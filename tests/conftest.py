@@ -1,4 +1,4 @@
-"""Shared test configuration: asyncio for anyio tests, and a sandbox store per test."""
+"""Shared test configuration: asyncio for anyio tests, a sandbox store and a system of record per test."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support_boundary import SystemOfRecord
 
 
 @pytest.fixture
@@ -20,3 +21,9 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(path))
     monkeypatch.delenv("COMMITGATE_SANDBOX_FAULTS", raising=False)
     yield path
+
+
+@pytest.fixture
+def record(tmp_path: Path) -> SystemOfRecord:
+    """A fresh system of record that counts effects (tests/support_boundary.py)."""
+    return SystemOfRecord(tmp_path / "record.db")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,11 +42,6 @@ keyed = pytest.mark.parametrize("cls", KEYED_CLASSES)
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def record(tmp_path: Path) -> SystemOfRecord:
-    return SystemOfRecord(tmp_path / "record.db")
 
 
 class Rig:

@@ -6,7 +6,6 @@ Every test counts the effects in the system of record and the claims that reache
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,16 +16,6 @@ from commitgate.server.replays import FinalOutcomes
 from support_boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
 
 pytest_plugins = ["ledger_backends"]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def record(tmp_path: Path) -> SystemOfRecord:
-    return SystemOfRecord(tmp_path / "record.db")
 
 
 class CountingLedger:
