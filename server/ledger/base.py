@@ -90,6 +90,21 @@ class OperationFilter:
     older_than: float | None = None
     limit: int = 50
 
+    def conditions(self) -> list[tuple[str, Any]]:
+        """What the filter asks for: (SQL with one `{}` for the backend's placeholder, value)."""
+        equal = (
+            ("principal", self.principal),
+            ("session", self.session),
+            ("state", self.state.value if self.state else None),
+            ("tool", self.tool),
+        )
+        terms: list[tuple[str, Any]] = [
+            (f"{column} = {{}}", value) for column, value in equal if value is not None
+        ]
+        if self.older_than is not None:
+            terms.append(("updated_at <= {}", self.older_than))
+        return terms
+
 
 @dataclass(frozen=True, slots=True)
 class AuditEntry:

@@ -502,21 +502,9 @@ class PostgresLedger:
         return op if principal is None or op.principal == principal else None
 
     async def find(self, where: OperationFilter) -> list[Operation]:
-        clauses: list[str] = []
-        params: list[Any] = []
-        for column, value in (
-            ("principal", where.principal),
-            ("session", where.session),
-            ("state", where.state.value if where.state else None),
-            ("tool", where.tool),
-        ):
-            if value is not None:
-                params.append(value)
-                clauses.append(f"{column} = ${len(params)}")
-        if where.older_than is not None:
-            params.append(where.older_than)
-            clauses.append(f"updated_at <= ${len(params)}")
-        params.append(where.limit)
+        terms = where.conditions()
+        clauses = [condition.format(f"${n}") for n, (condition, _) in enumerate(terms, 1)]
+        params = [value for _, value in terms] + [where.limit]
         sql = _SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
         sql += f" ORDER BY created_at DESC, seq DESC LIMIT ${len(params)}"
         return [_decode(row) for row in await self._fetch(sql, *params)]

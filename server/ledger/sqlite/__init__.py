@@ -195,20 +195,9 @@ class SQLiteLedger:
         return op if principal is None or op.principal == principal else None
 
     async def find(self, where: OperationFilter) -> list[Operation]:
-        clauses: list[str] = []
-        params: list[Any] = []
-        for column, value in (
-            ("principal", where.principal),
-            ("session", where.session),
-            ("state", where.state.value if where.state else None),
-            ("tool", where.tool),
-        ):
-            if value is not None:
-                clauses.append(f"{column} = ?")
-                params.append(value)
-        if where.older_than is not None:
-            clauses.append("updated_at <= ?")
-            params.append(where.older_than)
+        terms = where.conditions()
+        clauses = [condition.format("?") for condition, _ in terms]
+        params = [value for _, value in terms]
         sql = SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
         sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
         params.append(where.limit)
