@@ -81,9 +81,21 @@ class ClaimStep:
         return [Claim(ClaimKind.NEW, op) for op in ops]
 
 
+_RUNNING_ONLY = frozenset({State.RUNNING})
+
+# A plain outcome: RUNNING to a final state, at the fence the recording attempt holds.
+_PLAIN_OUTCOME = (
+    "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
+    " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
+    " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'"
+)
+
+
 class ApplyStep:
-    """Apply one change (`_apply`). In a group commit, consecutive plain outcomes (RUNNING to a
-    final state, fenced, no lease) are written with one update, one audit insert and one read."""
+    """Apply one change (`_apply`). A plain outcome (RUNNING to a final state, fenced, no lease)
+    of an operation the caller holds at that fence is written without reading it first; in a
+    group commit, consecutive plain outcomes are written with one update and one audit insert
+    (and one read, unless every caller held its operation)."""
 
     __slots__ = ("change", "current", "now", "operation_id")
 
@@ -96,9 +108,33 @@ class ApplyStep:
         self.current = current if known else None
 
     def __call__(self, conn: sqlite3.Connection) -> Operation | None:
-        if self.current is not None:
-            return _apply_known(conn, self.current, self.change, self.now)
-        return _apply(conn, self.operation_id, self.change, self.now)
+        if self.current is None:
+            return _apply(conn, self.operation_id, self.change, self.now)
+        # The WHERE clause makes exactly `_apply`'s checks for such a change; whatever else may
+        # have moved meanwhile (a lease renewal) the outcome overwrites anyway.
+        if conn.execute(_PLAIN_OUTCOME, self._row()).rowcount != 1:
+            return None
+        conn.execute(AUDIT, self._audit_row())
+        return _outcome(self.current, self.change, self.now)
+
+    def _row(self) -> tuple[Any, ...]:
+        change, now = self.change, self.now
+        result = change.result.to_json() if change.result is not None else None
+        return (
+            change.to_state.value,
+            result,
+            dump(change.error),
+            now,
+            now,
+            now,
+            self.operation_id,
+            change.expect_fence,
+        )
+
+    def _audit_row(self) -> tuple[Any, ...]:
+        change = self.change
+        return (self.operation_id, self.now, change.event, "RUNNING", change.to_state.value,
+                change.expect_fence, change.actor, dump(change.detail))  # fmt: skip
 
     @property
     def plain_outcome(self) -> bool:
@@ -119,43 +155,16 @@ class ApplyStep:
         if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in steps):
             return None
         with _savepoint(conn) as undo:
-            updated = conn.executemany(
-                "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
-                " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
-                " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
-                [
-                    (
-                        s.change.to_state.value,
-                        s.change.result.to_json() if s.change.result is not None else None,
-                        dump(s.change.error),
-                        s.now,
-                        s.now,
-                        s.now,
-                        s.operation_id,
-                        s.change.expect_fence,
-                    )
-                    for s in steps
-                ],
-            ).rowcount
+            updated = conn.executemany(_PLAIN_OUTCOME, [s._row() for s in steps]).rowcount
             if updated != len(steps):  # one was fenced out or moved on: decide each on its own
                 undo()
                 return None
-            conn.executemany(
-                AUDIT,
-                [
-                    (s.operation_id, s.now, s.change.event, "RUNNING", s.change.to_state.value,
-                     s.change.expect_fence, s.change.actor, dump(s.change.detail))
-                    for s in steps
-                ],
-            )  # fmt: skip
+            conn.executemany(AUDIT, [s._audit_row() for s in steps])
             if all(s.current is not None for s in steps):
                 return [_outcome(s.current, s.change, s.now) for s in steps if s.current is not None]
             marks = ",".join("?" * len(ids))
             rows = {row[0]: row for row in conn.execute(f"{SELECT} WHERE operation_id IN ({marks})", ids)}
         return [decode(rows[operation_id]) for operation_id in ids]
-
-
-_RUNNING_ONLY = frozenset({State.RUNNING})
 
 
 @contextlib.contextmanager
@@ -317,45 +326,6 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: flo
         now,
         change.event,
         from_state.value,
-        op.state.value,
-        op.fence,
-        change.actor,
-        change.detail,
-    )
-    return op
-
-
-def _apply_known(
-    conn: sqlite3.Connection, current: Operation, change: Change, now: float
-) -> Operation | None:
-    """A plain outcome of an operation the caller holds at its fence: written without reading it.
-
-    The fence and RUNNING in the WHERE clause are exactly `_apply`'s checks for such a change;
-    whatever else may have moved meanwhile (a lease renewal) the outcome overwrites anyway.
-    """
-    op = _outcome(current, change, now)
-    cursor = conn.execute(
-        "UPDATE operations SET state = ?, result = ?, error = ?, lease_owner = NULL, lease_expires_at = NULL,"
-        " updated_at = ?, completed_at = ?, expires_at = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
-        (
-            op.state.value,
-            op.result.to_json() if op.result is not None else None,
-            dump(op.error),
-            now,
-            op.completed_at,
-            op.expires_at,
-            op.operation_id,
-            op.fence,
-        ),
-    )
-    if cursor.rowcount != 1:
-        return None
-    _audit(
-        conn,
-        op.operation_id,
-        now,
-        change.event,
-        "RUNNING",
         op.state.value,
         op.fence,
         change.actor,
