@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test test-fast check bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "commitgate needs Python >= 3.11")'
@@ -16,11 +16,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/commitgate demo
 
-test: $(STAMP)
+# Lint, format and types: seconds, no server started.
+check: $(STAMP)
 	$(VENV)/bin/ruff check server tools tests
 	$(VENV)/bin/ruff format --check server tools tests
 	$(VENV)/bin/mypy
+
+# Everything CI runs: the checks, then every test (end-to-end and PostgreSQL included).
+test: check
 	$(PY) -m pytest -q
+
+# The quick loop while editing: no server processes, no PostgreSQL.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not postgres"
 
 bench: $(STAMP)
 	$(VENV)/bin/commitgate bench

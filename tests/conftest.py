@@ -27,3 +27,28 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def record(tmp_path: Path) -> SystemOfRecord:
     """A fresh system of record that counts effects (tests/support_boundary.py)."""
     return SystemOfRecord(tmp_path / "record.db")
+
+
+# Modules that start real server processes; `make test-fast` leaves them out.
+_PROCESS_MODULES = {
+    "test_bench",
+    "test_demo_command",
+    "test_e2e_stdio",
+    "test_fast_stdio",
+    "test_http_transports",
+    "test_multiprocess",
+    "test_reload",
+    "test_replicas_postgres",
+    "test_saga",
+    "test_upstream",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks what `make test-fast` skips: server processes (`slow`) and PostgreSQL (`postgres`)."""
+    for item in items:
+        if item.module is not None and item.module.__name__ in _PROCESS_MODULES:
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "postgres" in callspec.id:
+            item.add_marker(pytest.mark.postgres)

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
-from commitgate.tools import demo
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult, RequestParamsMeta
+
+from commitgate.tools import demo
 
 TESTS_DIR = Path(__file__).resolve().parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"

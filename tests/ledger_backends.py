@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from commitgate.server.ledger.base import Ledger
 from commitgate.server.ledger.sqlite import SQLiteLedger
 

@@ -21,6 +21,7 @@ import uuid
 
 import asyncpg
 import pytest
+
 from commitgate.server.ledger.postgres import PostgresLedger
 
 ADMIN_URL = os.environ.get("COMMITGATE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")

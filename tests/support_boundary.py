@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from commitgate.server.boundary import CallRequest, CommitBoundary, GuardedTool
-from commitgate.server.context import OperationContext
+from commitgate.server.core.boundary import CallRequest, CommitBoundary, GuardedTool
 from commitgate.server.ledger.base import Ledger
-from commitgate.server.model import ToolResult
-from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
-from commitgate.server.policy import ServerPolicy, ToolPolicy
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.records import ToolResult
+from commitgate.server.policy.models import ServerPolicy, ToolPolicy
 
 KEYED_CLASSES = ("key-required", "key-and-status-check", "compensable")
 

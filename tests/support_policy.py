@@ -7,7 +7,9 @@ import shlex
 from dataclasses import dataclass
 
 import pytest
-from commitgate.server import opscmd, policycmd
+
+from commitgate.server.cli import ops as opscmd
+from commitgate.server.cli import policy as policycmd
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,10 +6,11 @@ import hashlib
 import hmac
 
 import pytest
-from commitgate.server import auth
-from commitgate.server.auth import AuthConfigError, PolicyTokenVerifier, load_tokens
-from commitgate.server.policy import AuthPolicy, AuthToken
-from commitgate.server.transports import ServeRefused, check_bind, is_loopback, security_settings
+
+from commitgate.server.policy.models import AuthPolicy, AuthToken
+from commitgate.server.serve import auth
+from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier, load_tokens
+from commitgate.server.serve.http import ServeRefused, check_bind, is_loopback, security_settings
 
 ALICE = "alice-secret-token-0123456789"
 BOB = "bob-secret-token-9876543210"

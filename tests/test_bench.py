@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server.bench import _syncs_in_server, _Variant, build_ledger, goals, quantile, spread
+
+from commitgate.server.bench.run import _syncs_in_server, _Variant, build_ledger, goals, quantile, spread
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model import State
-from commitgate.server.outcomes import RetryableError
+from commitgate.server.model.facts import State
+from commitgate.server.model.outcomes import RetryableError
 from commitgate.tools import benchtools
 
 

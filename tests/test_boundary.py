@@ -16,12 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from commitgate.server.boundary import Answer
-from commitgate.server.classes import retry_advice
-from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, LedgerUnavailable, OperationFilter
-from commitgate.server.model import ErrorCode, IdempotencyClass, Operation, RetryAdvice, State
-from commitgate.server.policy import RetryPolicy
-from commitgate.server.retry import Backoff
 from support_boundary import (
     KEYED_CLASSES,
     Crash,
@@ -33,6 +27,14 @@ from support_boundary import (
     guarded,
     make_boundary,
 )
+
+from commitgate.server.core.boundary import Answer
+from commitgate.server.core.classes import retry_advice
+from commitgate.server.core.retry import Backoff
+from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, LedgerUnavailable, OperationFilter
+from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
+from commitgate.server.model.records import Operation
+from commitgate.server.policy.models import RetryPolicy
 
 pytest_plugins = ["ledger_backends"]
 

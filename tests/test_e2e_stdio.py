@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import pytest
-from commitgate.tools.demo import DECLINED_CARD
 from e2e_support import (
     CONSOLE_SCRIPT,
     SESSION_META,
@@ -32,6 +31,8 @@ from e2e_support import (
 )
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.types import CallToolResult
+
+from commitgate.tools.demo import DECLINED_CARD
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

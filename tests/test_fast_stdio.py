@@ -23,10 +23,11 @@ from typing import Any
 
 import anyio
 import pytest
-from commitgate.server.fast_stdio import _is_pipe_or_socket
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.subscriptions import ToolsListChanged
+
+from commitgate.server.serve.stdio import _is_pipe_or_socket
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -326,7 +327,7 @@ def test_only_pipes_and_sockets_take_the_fast_path(tmp_path: Path) -> None:
 
 
 def test_serve_uses_the_lean_transport_unless_told_otherwise() -> None:
-    from commitgate.server.cli import build_parser
+    from commitgate.server.cli.main import build_parser
 
     assert build_parser(serving_only=True).parse_args(["serve"]).stdio == "fast"
     assert build_parser(serving_only=True).parse_args(["serve", "--stdio", "sdk"]).stdio == "sdk"

@@ -17,11 +17,15 @@ from typing import Any
 
 import httpx2
 import pytest
-from commitgate.server.context import OperationContext
-from commitgate.server.model import ToolResult
-from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
-from commitgate.server.policy import PolicyError, loads_policy
-from commitgate.server.registry import ToolBuildError, build_tools
+from mcp.types import CallToolResult
+from support_wrapping import call, error_code, operation, serve
+
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.records import ToolResult
+from commitgate.server.policy.models import PolicyError, loads_policy
+from commitgate.server.serve.registry import build_tools
+from commitgate.tools.base import ToolBuildError
 from commitgate.tools.http import (
     HttpTool,
     Request,
@@ -31,8 +35,6 @@ from commitgate.tools.http import (
     transport_outcome,
 )
 from commitgate.tools.sandbox_api import SandboxProcess
-from mcp.types import CallToolResult
-from support_wrapping import call, error_code, operation, serve
 
 TOKEN = "sk_test_d0n7_l0g_m3_8c1f"  # the secret that must never reach a log
 CARD = "4242424242424242"

@@ -21,9 +21,6 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
-from commitgate.server.ledger import open_ledger
-from commitgate.server.model import State
-from commitgate.tools import demo
 from prometheus_client.parser import text_string_to_metric_families
 from support_http import (
     TOKEN_ENV,
@@ -40,6 +37,10 @@ from support_http import (
     start_server,
     write_policy,
 )
+
+from commitgate.server.ledger import open_ledger
+from commitgate.server.model.facts import State
+from commitgate.tools import demo
 
 TRANSPORTS = ["streamable-http", "sse"]
 SESSION = "commitgate/session"

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from commitgate.server.benchledger import run_ledger_bench
+
+from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
     Change,
     ClaimKind,
@@ -28,7 +29,8 @@ from commitgate.server.ledger.base import (
     OperationFilter,
 )
 from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 pytest_plugins = ["ledger_backends"]
 

@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server import logs
-from commitgate.server.gateway import Gateway
-from commitgate.server.logs import configure_logging, log_call, log_event
-from commitgate.server.metrics import Metrics, TimedLedger
-from commitgate.server.model import IdempotencyClass
-from commitgate.server.policy import loads_policy
-from commitgate.tools import demo
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.models import loads_policy
+from commitgate.server.serve import logs
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.logs import configure_logging, log_call, log_event
+from commitgate.server.serve.metrics import Metrics, TimedLedger
+from commitgate.tools import demo
 
 POLICY = """
 [server]

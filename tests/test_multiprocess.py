@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support_boundary import KEYED_CLASSES, SystemOfRecord
+
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS
-from commitgate.server.model import Operation
-from support_boundary import KEYED_CLASSES, SystemOfRecord
+from commitgate.server.model.records import Operation
 
 WORKER = Path(__file__).resolve().parent / "procs" / "worker.py"
 

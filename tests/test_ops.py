@@ -19,14 +19,15 @@ from typing import Any
 
 import anyio.to_thread
 import pytest
-from commitgate.server.gateway import Gateway
-from commitgate.server.ledger.base import ClaimRequest, this_owner
-from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model import IdempotencyClass
-from commitgate.server.policy import load_policy
-from commitgate.tools import demo
 from mcp.types import CallToolResult
 from support_policy import Run, run
+
+from commitgate.server.ledger.base import ClaimRequest, this_owner
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.models import load_policy
+from commitgate.server.serve.gateway import Gateway
+from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 
@@ -351,7 +352,7 @@ async def test_stats_through_the_console_script(
     script = Path(sys.executable).parent / "commitgate"
     probe = subprocess.run([str(script), "stats", "--help"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("cli.py does not wire commitgate.server.opscmd.register yet")
+        pytest.skip("cli.py does not wire commitgate.server.cli.ops.register yet")
     async with gateway(policy_file) as gw:
         op_id = await unknown_email(gw, monkeypatch)
     done = subprocess.run(
@@ -370,8 +371,9 @@ async def test_stats_adds_what_only_a_running_server_counts(
     import http.server
     import threading
 
-    from commitgate.server.metrics import Metrics
     from prometheus_client import generate_latest
+
+    from commitgate.server.serve.metrics import Metrics
 
     metrics = Metrics()
     for event in ("replay", "replay", "conflict", "retry"):

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from commitgate.server.checking import check_policy_file
-from commitgate.server.policy import (
+from support_policy import run
+
+from commitgate.server.cli.policy import schema_text
+from commitgate.server.policy.models import (
     Policy,
     PolicyError,
     Problem,
@@ -22,8 +24,7 @@ from commitgate.server.policy import (
     loads_policy,
     policy_json_schema,
 )
-from commitgate.server.policycmd import schema_text
-from support_policy import run
+from commitgate.server.serve.checking import check_policy_file
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ROOT / "policies"

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from commitgate.server.checking import check_policy_file
 from support_policy import run
+
+from commitgate.server.serve.checking import check_policy_file
 
 CORPUS = Path(__file__).parent / "policies_bad"
 FILES = sorted(CORPUS.glob("*.toml"))
@@ -98,7 +99,7 @@ def test_check_through_the_console_script() -> None:
     script = Path(sys.executable).parent / "commitgate"
     probe = subprocess.run([str(script), "policy", "check", "--help"], capture_output=True, text=True)
     if "--json" not in probe.stdout:
-        pytest.skip("cli.py does not wire commitgate.server.policycmd.register yet")
+        pytest.skip("cli.py does not wire commitgate.server.cli.policy.register yet")
     path = CORPUS / "bad_retry.toml"
     done = subprocess.run([str(script), "policy", "check", str(path)], capture_output=True, text=True)
     assert done.returncode == 1

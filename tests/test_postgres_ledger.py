@@ -18,6 +18,9 @@ from typing import Any
 
 import asyncpg
 import pytest
+from pg_support import fresh_url
+
+from commitgate.server.bench.pgledger import run_pg_bench
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import (
     Change,
@@ -27,10 +30,9 @@ from commitgate.server.ledger.base import (
     LedgerUnavailable,
     this_owner,
 )
-from commitgate.server.ledger.pgbench import run_pg_bench
 from commitgate.server.ledger.postgres import MIGRATION_LOCK, SCHEMA_VERSION, PostgresLedger, migrate
-from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
-from pg_support import fresh_url
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -59,7 +61,7 @@ _CLAIMER = """
 import asyncio, json, sys, time
 from commitgate.server.ledger.base import ClaimRequest
 from commitgate.server.ledger.postgres import PostgresLedger
-from commitgate.server.model import IdempotencyClass
+from commitgate.server.model.facts import IdempotencyClass
 
 async def main(url, tasks, owner):
     ledger = await PostgresLedger.open(url, min_size=tasks, max_size=tasks)

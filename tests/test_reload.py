@@ -20,14 +20,15 @@ from typing import Any
 
 import anyio
 import pytest
-from commitgate.server.checking import check_policy_file, format_report
-from commitgate.server.gateway import META_TOOLS, Gateway
-from commitgate.server.policy import load_policy
-from commitgate.server.reload import PolicyReloader, Verdict
-from commitgate.tools import demo
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.subscriptions import ToolsListChanged
+
+from commitgate.server.policy.models import load_policy
+from commitgate.server.serve.checking import check_policy_file, format_report
+from commitgate.server.serve.gateway import META_TOOLS, Gateway
+from commitgate.server.serve.reload import PolicyReloader, Verdict
+from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 
@@ -71,7 +72,7 @@ GATE_MODULE = '''
 from pathlib import Path
 
 import anyio
-from commitgate.server.context import OperationContext
+from commitgate.server.model.context import OperationContext
 
 BASE = Path({base!r})
 
@@ -458,8 +459,8 @@ async def test_an_edit_can_add_and_remove_an_upstream_server(policy_path: Path, 
 
 
 async def test_a_replaced_source_is_closed_only_after_its_calls_could_have_ended(policy_path: Path) -> None:
-    from commitgate.server.boundary import GuardedTool
-    from commitgate.server.registry import ServedTool, build_tools
+    from commitgate.server.core.boundary import GuardedTool
+    from commitgate.server.serve.registry import ServedTool, build_tools
 
     closed: list[str] = []
 

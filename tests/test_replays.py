@@ -9,11 +9,13 @@ import time
 from typing import Any
 
 import pytest
-from commitgate.server.boundary import Answer, CommitBoundary
-from commitgate.server.ledger.base import Change, ClaimRequest, Ledger
-from commitgate.server.model import ErrorCode, IdempotencyClass, Operation, State, ToolResult
-from commitgate.server.replays import FinalOutcomes
 from support_boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
+
+from commitgate.server.core.boundary import Answer, CommitBoundary
+from commitgate.server.core.replays import FinalOutcomes
+from commitgate.server.ledger.base import Change, ClaimRequest, Ledger
+from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 pytest_plugins = ["ledger_backends"]
 

@@ -28,13 +28,14 @@ import asyncpg
 import httpx2
 import pg_support
 import pytest
-from commitgate.server.gateway import Gateway
-from commitgate.server.ledger import LedgerUnavailable
-from commitgate.server.ledger.postgres import SCHEMA_VERSION, PostgresLedger
-from commitgate.server.policy import load_policy
-from commitgate.tools import demo
 from support_http import RoundRobin, Served, connect, error_code, operation_of
 from support_replicas import charge_of, cli, ports, replica, replicas, with_password, write_replica_policy
+
+from commitgate.server.ledger import LedgerUnavailable
+from commitgate.server.ledger.postgres import SCHEMA_VERSION, PostgresLedger
+from commitgate.server.policy.models import load_policy
+from commitgate.server.serve.gateway import Gateway
+from commitgate.tools import demo
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server.saga import TemplateError, render_arguments
-from commitgate.tools import demo
 from mcp import Client, StdioServerParameters
+
+from commitgate.server.core.saga import TemplateError, render_arguments
+from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 

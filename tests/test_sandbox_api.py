@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx2
 import pytest
+
 from commitgate.tools.sandbox_api import SandboxProcess
 
 TOKEN = "sk_test_sandbox"

@@ -18,10 +18,12 @@ from typing import Any
 
 import anyio
 import pytest
+
 from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest, Lease
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._steps import ApplyStep, ClaimStep, run_steps
-from commitgate.server.model import IdempotencyClass, Operation, State, ToolResult
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 T0 = 1_700_000_000.0
 OWNER = "elsewhere:1:aaaa"

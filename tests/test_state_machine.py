@@ -20,10 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from commitgate.server.boundary import Answer, CommitBoundary
-from commitgate.server.ledger.base import Ledger
-from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model import ErrorCode, Operation, State
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support_boundary import (
@@ -36,6 +32,12 @@ from support_boundary import (
     guarded,
     make_boundary,
 )
+
+from commitgate.server.core.boundary import Answer, CommitBoundary
+from commitgate.server.ledger.base import Ledger
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.facts import ErrorCode, State
+from commitgate.server.model.records import Operation
 
 LEASE = 10.0
 EXAMPLES = int(os.environ.get("COMMITGATE_SM_EXAMPLES", "60"))  # raise it to hunt harder

@@ -21,11 +21,6 @@ from typing import Any
 
 import anyio
 import pytest
-from commitgate.server.gateway import Gateway
-from commitgate.server.policy import load_policy
-from commitgate.server.registry import ToolBuildError
-from commitgate.tools import demo
-from commitgate.tools.upstream import inventory
 from mcp import Client, MCPError
 from mcp.shared.subscriptions import ToolsListChanged
 from support_wrapping import (
@@ -40,6 +35,12 @@ from support_wrapping import (
     serve,
     text,
 )
+
+from commitgate.server.policy.models import load_policy
+from commitgate.server.serve.gateway import Gateway
+from commitgate.tools import demo
+from commitgate.tools.base import ToolBuildError
+from commitgate.tools.upstream import inventory
 
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
 SERVER = """
@@ -458,7 +459,7 @@ async def test_a_reload_connects_the_new_declaration_before_retiring_the_old(stu
 
 @pytest.mark.anyio
 async def test_an_upstream_that_drops_a_declared_tool_leaves_the_served_tools_as_they_are(stub: Path) -> None:
-    from commitgate.server.reload import refresh_upstream_tools
+    from commitgate.server.serve.reload import refresh_upstream_tools
 
     gateway = await Gateway.open(load_policy(stub), stub)
     announced: list[bool] = []

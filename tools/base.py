@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from commitgate.server.context import OperationContext
-from commitgate.server.model import ToolResult
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.records import ToolResult
+from commitgate.server.policy.models import Problem
 
 
 class InvalidArguments(Exception):
     """Arguments do not match the tool's schema; the message names the field."""
+
+
+class ToolBuildError(Exception):
+    """A policy entry whose source cannot be built; each problem names its place in the policy."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
 
 
 class ToolSource(Protocol):

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from commitgate.server.outcomes import RetryableError
+from commitgate.server.model.outcomes import RetryableError
 
 ENV_CAPACITY = "COMMITGATE_BENCH_CAPACITY"
 DEFAULT_CAPACITY = 10

@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 import platformdirs
-from commitgate.server.context import OperationContext
-from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
+
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 
 T = TypeVar("T")
 

@@ -48,13 +48,14 @@ from urllib.parse import quote, urlsplit
 import anyio.to_thread
 import httpx2
 import jsonschema
-from commitgate.server.context import OperationContext
-from commitgate.server.model import IdempotencyClass, ToolResult
-from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
-from commitgate.server.policy import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
 
-from .base import InvalidArguments
-from .python import SourceLoadError, load_callable
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.records import ToolResult
+from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
+from commitgate.tools.base import InvalidArguments
+from commitgate.tools.python import SourceLoadError, load_callable
 
 log = logging.getLogger("commitgate.tools.http")
 

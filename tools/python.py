@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
-from commitgate.server.context import OperationContext
-from commitgate.server.model import ToolResult
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from .base import InvalidArguments
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.records import ToolResult
+from commitgate.tools.base import InvalidArguments
 
 
 class SourceLoadError(Exception):

@@ -46,17 +46,17 @@ from typing import Any
 import anyio
 import httpx2
 import mcp.types as types
-from commitgate.server.context import OperationContext
-from commitgate.server.model import ToolResult
-from commitgate.server.outcomes import AmbiguousError, PermanentError, RetryableError
-from commitgate.server.policy import Policy, Problem, ToolPolicy, UpstreamPolicy
-from commitgate.server.registry import ToolBuildError
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
-from .http import DeclarationError, SchemaValidator, StatusCheck, status_check_for
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.records import ToolResult
+from commitgate.server.policy.models import Policy, Problem, ToolPolicy, UpstreamPolicy
+from commitgate.tools.base import ToolBuildError
+from commitgate.tools.http import DeclarationError, SchemaValidator, StatusCheck, status_check_for
 
 log = logging.getLogger("commitgate.tools.upstream")
 

@@ -6,7 +6,16 @@ from pathlib import Path
 
 import platformdirs
 
-from .base import Change, Claim, ClaimKind, ClaimRequest, Lease, Ledger, LedgerUnavailable, OperationFilter
+from commitgate.server.ledger.base import (
+    Change,
+    Claim,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    Ledger,
+    LedgerUnavailable,
+    OperationFilter,
+)
 
 __all__ = [
     "Change",
@@ -31,12 +40,12 @@ def default_ledger_url() -> str:
 async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True) -> Ledger:
     url = url or default_ledger_url()
     if url.startswith("sqlite:///"):
-        from .sqlite import SQLiteLedger, path_from_url
+        from commitgate.server.ledger.sqlite import SQLiteLedger, path_from_url
 
         return await SQLiteLedger.open(path_from_url(url), synchronous=synchronous)
     if url.startswith(("postgresql://", "postgres://")):
         try:
-            from .postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
+            from commitgate.server.ledger.postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise LedgerUnavailable(
                 f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from ..model import IdempotencyClass, Operation, State, ToolResult
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 # The error recorded on an operation whose owner stopped before recording its outcome.
 LEASE_LOST: dict[str, str] = {

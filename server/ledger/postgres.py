@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from ..model import IdempotencyClass, Operation, State, ToolResult
-from .base import (
+from commitgate.server.ledger.base import (
     LEASE_LOST,
     AuditEntry,
     Change,
@@ -46,6 +45,8 @@ from .base import (
     OperationFilter,
     owner_known_dead,
 )
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 T = TypeVar("T")
 

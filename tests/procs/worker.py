@@ -27,10 +27,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from commitgate.server.boundary import Answer
-from commitgate.server.ledger.base import ClaimRequest
-from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model import IdempotencyClass
 from support_boundary import (
     ScriptedTool,
     SystemOfRecord,
@@ -39,6 +35,11 @@ from support_boundary import (
     guarded,
     make_boundary,
 )
+
+from commitgate.server.core.boundary import Answer
+from commitgate.server.ledger.base import ClaimRequest
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.facts import IdempotencyClass
 
 
 def touch(path: str | None) -> None:

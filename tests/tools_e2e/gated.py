@@ -7,7 +7,8 @@ tool source sees the real `OperationContext` type, as in the demo tools.
 from pathlib import Path
 
 import anyio
-from commitgate.server.context import OperationContext
+
+from commitgate.server.model.context import OperationContext
 from commitgate.tools import demo
 
 

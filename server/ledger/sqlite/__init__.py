@@ -35,8 +35,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from ...model import Operation, State
-from ..base import (
+from commitgate.server.ledger.base import (
     AuditEntry,
     Change,
     Claim,
@@ -47,9 +46,11 @@ from ..base import (
     OperationFilter,
     lease_over,
 )
-from ._schema import SELECT, decode, migrate
-from ._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
-from ._writer import Writer
+from commitgate.server.ledger.sqlite._schema import SELECT, decode, migrate
+from commitgate.server.ledger.sqlite._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
+from commitgate.server.ledger.sqlite._writer import Writer
+from commitgate.server.model.facts import State
+from commitgate.server.model.records import Operation
 
 T = TypeVar("T")
 
@@ -111,7 +112,7 @@ class SQLiteLedger:
             ran, value = self._writer.run_inline(step)
             if ran:
                 await asyncio.sleep(0)  # let other tasks in, so that company (and batching) can form
-                return value  # type: ignore[return-value]  # ran => the step's own value
+                return value  # ran => the step's own value
         return await self._writer.submit(step)
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:

@@ -7,8 +7,9 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ...model import IdempotencyClass, Operation, State, ToolResult
-from ..base import LedgerUnavailable
+from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
 
 MIGRATIONS: list[str] = [
     # 1: operations + audit trail

@@ -16,9 +16,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ...model import Operation, State
-from ..base import LEASE_LOST, Change, Claim, ClaimKind, ClaimRequest, Lease, lease_over
-from ._schema import AUDIT, INSERT, SELECT, decode, dump
+from commitgate.server.ledger.base import (
+    LEASE_LOST,
+    Change,
+    Claim,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    lease_over,
+)
+from commitgate.server.ledger.sqlite._schema import AUDIT, INSERT, SELECT, decode, dump
+from commitgate.server.model.facts import State
+from commitgate.server.model.records import Operation
 
 
 def _audit(

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..base import LedgerUnavailable
-from ._steps import run_steps
+from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.ledger.sqlite._steps import run_steps
 
 T = TypeVar("T")
 

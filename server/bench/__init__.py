@@ -1,0 +1,1 @@
+"""`commitgate bench`: experiments and overhead measurements through real server processes."""

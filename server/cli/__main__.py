@@ -1,0 +1,5 @@
+import sys
+
+from commitgate.server.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""`commitgate` commands. Nothing imports this module; it only wires arguments to the parts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from commitgate.server import __version__
+from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+
+
+def _load(path: str | None) -> tuple[Policy, Path | None]:
+    if path is None:
+        return default_policy(), None
+    return load_policy(path), Path(path).resolve()
+
+
+def _configure_logging(level: str, unredacted: bool = False) -> None:
+    from commitgate.server.serve.logs import configure_logging
+
+    # stdout belongs to the MCP protocol under stdio: logs only ever go to stderr, as JSON lines.
+    configure_logging(level, unredacted=unredacted)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from commitgate.server.serve.gateway import Gateway
+    from commitgate.server.serve.logs import log_event
+    from commitgate.server.serve.surface import serve_stdio
+
+    _configure_logging(args.log_level, args.debug_unredacted)
+    policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
+    if args.ledger:
+        policy.ledger.url = args.ledger
+
+    async def run() -> None:
+        gateway = await Gateway.open(policy, path, observe=log_event)
+        try:
+            if args.transport == "stdio":
+                await serve_stdio(gateway, __version__, args.stdio)
+            else:
+                from commitgate.server.serve.http import serve_http
+
+                await serve_http(
+                    gateway,
+                    args.transport,
+                    args.host,
+                    args.port,
+                    __version__,
+                    stateless=args.stateless,
+                    allowed_hosts=args.allowed_host,
+                )
+        finally:
+            await gateway.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from commitgate.server.demo.run import run_demo
+
+    return asyncio.run(run_demo(quick=args.quick))
+
+
+def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commitgate",
+        description="An MCP server that puts a commit boundary between AI agents and the side effects of their tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"commitgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the policy's tools over MCP")
+    serve.add_argument("--transport", choices=["stdio", "sse", "streamable-http"], default="stdio")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument(
+        "--policy", help="policy file (default: $COMMITGATE_POLICY, else the bundled demo policy)"
+    )
+    serve.add_argument("--ledger", help="ledger URL, overriding [ledger] url")
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--stdio",
+        choices=["fast", "sdk"],
+        default="fast",
+        help="stdio transport: a lean asyncio one (default; the SDK's on Windows) or the MCP SDK's own;"
+        " both behave the same on the wire",
+    )
+    serve.add_argument(
+        "--stateless",
+        action="store_true",
+        help="streamable-http without sessions: any replica behind a load balancer can answer any request",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a Host header to accept besides the loopback names, e.g. mcp.example.com (repeatable)",
+    )
+    serve.add_argument(
+        "--debug-unredacted",
+        action="store_true",
+        help="let logs show argument values and error messages (never in production)",
+    )
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="watch the guard work against a real server process")
+    demo.add_argument("--quick", action="store_true", help="a shorter run")
+    demo.set_defaults(func=cmd_demo)
+    if not serving_only:
+        for module in _COMMAND_MODULES:
+            importlib.import_module(module).register(sub)
+    return parser
+
+
+# Each of these adds its own subcommands; `serve` skips importing them (start-up time matters to
+# clients such as Claude Desktop that start the server often).
+_COMMAND_MODULES = (
+    "commitgate.server.cli.policy",
+    "commitgate.server.cli.ops",
+    "commitgate.server.bench.run",
+    "commitgate.tools.sandbox_api",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(serving_only=argv[:1] == ["serve"]).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except LedgerUnavailable as exc:
+        print(f"commitgate: ledger: {exc}", file=sys.stderr)
+        return 1

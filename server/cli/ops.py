@@ -1,0 +1,572 @@
+"""`commitgate ops list|show|resolve|purge|migrate` and `commitgate stats`: operating the ledger.
+
+These commands read and write the ledger directly (no server needs to run):
+the ledger is the system of record of what commitgate did. `resolve` is how a
+person closes an `UNKNOWN` operation after checking the downstream system;
+it is recorded in the audit trail with who and why, and a later retry of the
+same key replays the resolution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio.to_thread
+from rich.table import Table
+
+from commitgate.server.cli.policy import console
+from commitgate.server.core.views import status_view
+from commitgate.server.ledger import (
+    Change,
+    Ledger,
+    LedgerUnavailable,
+    OperationFilter,
+    default_ledger_url,
+    open_ledger,
+)
+from commitgate.server.ledger.base import lease_over, owner_known_dead
+from commitgate.server.model.durations import format_duration, parse_duration
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult, iso
+from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+
+EXIT_STALE = 2
+STALE_LIST_LIMIT = 1000
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed to stderr, exit status 1."""
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
+    where.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
+    where.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ops = subparsers.add_parser("ops", help="list, show, resolve and purge operations in the ledger")
+    actions = ops.add_subparsers(dest="action", required=True)
+
+    listing = actions.add_parser("list", parents=[where], help="list operations, newest first")
+    listing.add_argument("--state", type=str.upper, choices=[s.value for s in State])
+    listing.add_argument("--tool")
+    listing.add_argument("--session")
+    listing.add_argument("--principal")
+    listing.add_argument("--older-than", type=_duration, metavar="AGE", help="last changed at least AGE ago")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.set_defaults(func=cmd_list)
+
+    show = actions.add_parser("show", parents=[where], help="one operation with its audit history")
+    show.add_argument("operation_id")
+    show.set_defaults(func=cmd_show)
+
+    resolve = actions.add_parser(
+        "resolve", parents=[where], help="close an UNKNOWN operation after checking the system of record"
+    )
+    resolve.add_argument("operation_id")
+    outcome = resolve.add_mutually_exclusive_group(required=True)
+    outcome.add_argument("--succeeded", action="store_true", help="it took effect (replays --result)")
+    outcome.add_argument("--failed", action="store_true", help="it did not take effect")
+    resolve.add_argument("--result", help="succeeded: the tool's result as JSON, replayed to later retries")
+    resolve.add_argument(
+        "--retryable",
+        action="store_true",
+        help="failed: it certainly did not happen, so the same key may run again (FAILED_RETRYABLE)",
+    )
+    resolve.add_argument("--reason", help="why (required with --failed); kept in the audit trail")
+    resolve.add_argument("--by", help="who resolves it (default: the OS user)")
+    resolve.set_defaults(func=cmd_resolve)
+
+    purge = actions.add_parser("purge", parents=[where], help="delete records past their retention")
+    purge.set_defaults(func=cmd_purge)
+
+    migrate = actions.add_parser(
+        "migrate",
+        parents=[where],
+        help="bring a PostgreSQL ledger's schema up to date (safe to run concurrently)",
+    )
+    migrate.set_defaults(func=cmd_migrate)
+
+    stats = subparsers.add_parser("stats", parents=[where], help="counts by state and event; stale unknowns")
+    stats.add_argument(
+        "--unresolved-after",
+        type=_duration,
+        metavar="AGE",
+        help="exit 2 listing UNKNOWN operations unresolved for longer than AGE (for cron and monitoring)",
+    )
+    stats.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="also read replays, conflicts, retries and reconciliations from a running server's /metrics",
+    )
+    stats.add_argument(
+        "--token-env", metavar="NAME", help="environment variable holding the bearer token for --metrics"
+    )
+    stats.set_defaults(func=cmd_stats)
+
+
+# --- plumbing ------------------------------------------------------------------------------
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    return load_policy(path) if path else default_policy()
+
+
+def ledger_url(args: argparse.Namespace) -> str:
+    if args.ledger:
+        return str(args.ledger)
+    return _policy(args).ledger.url or default_ledger_url()
+
+
+@asynccontextmanager
+async def opened(url: str, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
+    """The ledger at `url`; None when it is a SQLite file that does not exist yet (never creates one)."""
+    if url.startswith("sqlite:///"):
+        from commitgate.server.ledger.sqlite import path_from_url
+
+        if not path_from_url(url).expanduser().exists():
+            if must_exist:
+                raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
+            yield None
+            return
+    ledger = await open_ledger(url)
+    try:
+        yield ledger
+    finally:
+        await ledger.close()
+
+
+def _run(args: argparse.Namespace, body: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    try:
+        return asyncio.run(body())
+    except CommandError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except (LedgerUnavailable, ValueError) as exc:
+        print(f"ledger: {exc}", file=sys.stderr)
+        return 1
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def ago(ts: float | None, now: float) -> str:
+    if ts is None:
+        return ""
+    seconds = max(0.0, now - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
+def op_view(op: Operation, now: float, *, details: bool = False) -> dict[str, Any]:
+    view = status_view(op, forwards_key=False, now=now)
+    view.pop("retry_advice")  # advice depends on the serving policy; the ledger alone cannot tell
+    view["principal"] = op.principal
+    view["lease_expired"] = lease_over(op, now)
+    if details:
+        view["arguments"] = op.arguments
+        view["completed_at"] = iso(op.completed_at)
+    return view
+
+
+def operations_table(ops: list[Operation], now: float, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("operation", "tool", "state", "principal", "session", "key", "attempts", "changed"):
+        table.add_column(column, overflow="fold")
+    for op in ops:
+        state = op.state.value + (" (lease expired)" if lease_over(op, now) else "")
+        table.add_row(
+            op.operation_id,
+            op.tool,
+            state,
+            op.principal,
+            op.session,
+            op.step,
+            str(op.attempts),
+            ago(op.updated_at, now),
+        )
+    return table
+
+
+# --- ops list / show ---------------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        now = time.time()
+        async with opened(ledger_url(args), must_exist=False) as ledger:
+            ops: list[Operation] = []
+            if ledger is not None:
+                older = now - args.older_than if args.older_than is not None else None
+                state = State(args.state) if args.state else None
+                where = OperationFilter(
+                    args.principal, args.session, state, args.tool, older, max(1, args.limit)
+                )
+                ops = await ledger.find(where)
+        if args.json:
+            _print_json({"operations": [op_view(op, now) for op in ops]})
+        elif not ops:
+            print("no operations match")
+        else:
+            console().print(operations_table(ops, now, f"{len(ops)} operation(s), newest first"))
+        return 0
+
+    return _run(args, body)
+
+
+async def _get(ledger: Ledger, operation_id: str) -> Operation:
+    op = await ledger.get_by_id(None, operation_id)
+    if op is None:
+        raise CommandError(f"no operation {operation_id} in the ledger (purged, or a typo?)")
+    return op
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        now = time.time()
+        async with opened(ledger_url(args)) as ledger:
+            assert ledger is not None
+            op = await _get(ledger, args.operation_id)
+            history = await ledger.history(op.operation_id)
+        view = op_view(op, now, details=True)
+        view["history"] = [
+            {
+                "at": iso(entry.at),
+                "event": entry.event,
+                "from_state": entry.from_state,
+                "to_state": entry.to_state,
+                "attempt_fence": entry.fence,
+                "actor": entry.actor,
+                "detail": entry.detail,
+            }
+            for entry in history
+        ]
+        if args.json:
+            _print_json(view)
+            return 0
+        out = console()
+        out.print(operations_table([op], now, f"operation {op.operation_id}"))
+        for key in ("idempotency_class", "arguments", "result", "error", "reconciliation", "expires_at"):
+            if view.get(key) is not None:
+                out.print(f"[bold]{key}[/bold]: {json.dumps(view[key], ensure_ascii=False)}")
+        table = Table(title="history", title_justify="left")
+        for column in ("at", "event", "from", "to", "fence", "actor", "detail"):
+            table.add_column(column, overflow="fold")
+        for entry in view["history"]:
+            detail = json.dumps(entry["detail"], ensure_ascii=False) if entry["detail"] else ""
+            table.add_row(
+                entry["at"],
+                entry["event"],
+                entry["from_state"] or "",
+                entry["to_state"] or "",
+                str(entry["attempt_fence"]),
+                entry["actor"] or "",
+                detail,
+            )
+        out.print(table)
+        return 0
+
+    return _run(args, body)
+
+
+# --- ops resolve ----------------------------------------------------------------------------------
+
+
+def _operator() -> str:
+    from commitgate.server.serve.gateway import local_principal
+
+    return local_principal()
+
+
+def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) -> Change:
+    reason = args.reason
+    note = {"by": "operator", "operator": by, "reason": reason, "at": now}
+    if args.succeeded:
+        if args.retryable:
+            raise CommandError("--retryable goes with --failed")
+        reason = reason or "an operator confirmed it took effect"
+        note["reason"] = reason
+        result = _result(args.result, by, reason)
+        if args.result is None and op.idempotency_class is IdempotencyClass.COMPENSABLE:
+            print(
+                "note: no --result given; a compensation that refers to {result.X} will not find it",
+                file=sys.stderr,
+            )
+        return Change(
+            State.SUCCEEDED,
+            frozenset({State.UNKNOWN}),
+            "resolved",
+            result=result,
+            reconciliation={**note, "verdict": "succeeded"},
+            actor=by,
+            detail={"resolution": "succeeded", "reason": reason},
+        )
+    if not reason:
+        raise CommandError("--failed needs --reason: say what you found in the system of record")
+    if args.result is not None:
+        raise CommandError("--result goes with --succeeded")
+    state = State.FAILED_RETRYABLE if args.retryable else State.FAILED_FINAL
+    error = {
+        "outcome": "retryable" if args.retryable else "permanent",
+        "type": "OperatorResolution",
+        "message": f"{reason} (resolved by {by})",
+    }
+    return Change(
+        state,
+        frozenset({State.UNKNOWN}),
+        "resolved",
+        error=error,
+        reconciliation={**note, "verdict": "failed"},
+        actor=by,
+        detail={"resolution": state.value, "reason": reason},
+    )
+
+
+def _result(text: str | None, by: str, reason: str) -> ToolResult:
+    if text is None:
+        return ToolResult.of({"resolved": "succeeded", "by": by, "reason": reason})
+    try:
+        return ToolResult.of(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"--result is not valid JSON: {exc}") from None
+
+
+async def _expire_if_lease_over(ledger: Ledger, op: Operation, now: float) -> Operation:
+    """A RUNNING operation whose owner is gone is UNKNOWN at the first touch (DESIGN 1.11)."""
+    if not lease_over(op, now):
+        return op
+    change = Change(
+        State.UNKNOWN,
+        frozenset({State.RUNNING}),
+        "lease_expired",
+        expect_fence=op.fence,
+        error={"code": "lease_expired", "message": "the process running this operation stopped answering"},
+    )
+    return await ledger.update(op.operation_id, change, now) or await _get(ledger, op.operation_id)
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        by = args.by or _operator()
+        now = time.time()
+        async with opened(ledger_url(args)) as ledger:
+            assert ledger is not None
+            op = await _expire_if_lease_over(ledger, await _get(ledger, args.operation_id), now)
+            if op.state is not State.UNKNOWN:
+                raise CommandError(
+                    f"{op.operation_id} is {op.state.value}: only UNKNOWN operations are resolved by hand"
+                )
+            resolved = await ledger.update(op.operation_id, _resolution(args, op, by, now), now)
+            if resolved is None:
+                raise CommandError(f"{op.operation_id} changed meanwhile; look again with `ops show`")
+        if args.json:
+            _print_json(op_view(resolved, now, details=True))
+        else:
+            print(f"{resolved.operation_id}: UNKNOWN -> {resolved.state.value} (by {by})")
+        return 0
+
+    return _run(args, body)
+
+
+# --- ops purge ------------------------------------------------------------------------------------
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        async with opened(ledger_url(args), must_exist=False) as ledger:
+            purged = 0 if ledger is None else await ledger.purge(time.time())
+        if args.json:
+            _print_json({"purged": purged})
+        else:
+            print(f"purged {purged} expired operation(s); UNKNOWN operations are never purged")
+        return 0
+
+    return _run(args, body)
+
+
+# --- ops migrate ----------------------------------------------------------------------------------
+
+
+async def _migrate(url: str) -> dict[str, Any]:
+    """Apply pending PostgreSQL migrations; the report never holds the URL's password."""
+    if url.startswith("sqlite:///"):
+        note = "a SQLite ledger creates and migrates its schema itself when it is opened; nothing to do"
+        return {"ledger": url, "backend": "sqlite", "applied": 0, "schema_version": None, "note": note}
+    if not url.startswith(("postgresql://", "postgres://")):
+        raise CommandError("unsupported ledger URL: use sqlite:///... or postgresql://...")
+    try:
+        from commitgate.server.ledger.postgres import SCHEMA_VERSION, migrate, redact
+    except ImportError as exc:
+        raise CommandError(
+            f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
+        ) from None
+    applied = await migrate(url)  # under an advisory lock: concurrent runs apply each migration once
+    return {
+        "ledger": redact(url),
+        "backend": "postgresql",
+        "applied": applied,
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        report = await _migrate(ledger_url(args))
+        if args.json:
+            _print_json(report)
+        elif report["backend"] == "sqlite":
+            print(f"{report['ledger']}: {report['note']}")
+        else:
+            print(
+                f"{report['ledger']}: applied {report['applied']} migration(s);"
+                f" schema version {report['schema_version']}"
+            )
+        return 0
+
+    return _run(args, body)
+
+
+# --- stats ------------------------------------------------------------------------------------------
+
+RETRY_EVENTS = ("retry", "rerun_claimed", "retry_claimed")
+RECONCILE_EVENTS = ("reconciled_found", "reconciled_not_found", "reconcile_undecided")
+
+
+async def stale_operations(ledger: Ledger, cutoff: float, now: float) -> list[Operation]:
+    """UNKNOWN since before `cutoff`, and RUNNING operations whose lease ran out before it."""
+    unknown = await ledger.find(
+        OperationFilter(None, state=State.UNKNOWN, older_than=cutoff, limit=STALE_LIST_LIMIT)
+    )
+    running = await ledger.find(OperationFilter(None, state=State.RUNNING, limit=STALE_LIST_LIMIT))
+    orphaned = [op for op in running if lease_over(op, now) and _orphaned_since(op) <= cutoff]
+    return sorted(unknown + orphaned, key=lambda op: op.updated_at)
+
+
+def _orphaned_since(op: Operation) -> float:
+    """When a RUNNING operation lost its owner: its last change if the owner is known dead, else its lease end."""
+    if owner_known_dead(op.lease_owner) or op.lease_expires_at is None:
+        return op.updated_at
+    return op.lease_expires_at
+
+
+def summarise(counts: dict[str, int]) -> dict[str, Any]:
+    events = {k.removeprefix("event:"): v for k, v in sorted(counts.items()) if k.startswith("event:")}
+    return {
+        "operations": {state.value: counts.get(state.value, 0) for state in State},
+        "events": events,
+        "retries": sum(events.get(e, 0) for e in RETRY_EVENTS),
+        "reconciliations": sum(events.get(e, 0) for e in RECONCILE_EVENTS),
+        "resolved_by_operator": events.get("resolved", 0),
+        "not_in_ledger": "replays and conflicts write nothing to the ledger; count them from /metrics",
+    }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        now = time.time()
+        async with opened(ledger_url(args), must_exist=False) as ledger:
+            counts = await ledger.counts() if ledger is not None else {}
+            stale: list[Operation] = []
+            if ledger is not None and args.unresolved_after is not None:
+                stale = await stale_operations(ledger, now - args.unresolved_after, now)
+        summary = summarise(counts)
+        if args.metrics:
+            summary["since_server_start"] = await anyio.to_thread.run_sync(
+                scrape_metrics, args.metrics, _token(args.token_env)
+            )
+        if args.unresolved_after is not None:
+            summary["unresolved_after_seconds"] = args.unresolved_after
+            summary["unresolved"] = [op_view(op, now) for op in stale]
+        if args.json:
+            _print_json(summary)
+        else:
+            _print_stats(summary, stale, now, args.unresolved_after)
+        return EXIT_STALE if stale else 0
+
+    return _run(args, body)
+
+
+# Counters a server keeps in memory (not in the ledger): from its `/metrics`.
+SERVER_COUNTERS = ("replays", "conflicts", "retries", "reconciliations", "lease_expiries", "attempts")
+
+
+def _token(env: str | None) -> str | None:
+    if env is None:
+        return None
+    token = os.environ.get(env)
+    if not token:
+        raise CommandError(f"--token-env {env}: that environment variable is not set")
+    return token
+
+
+def scrape_metrics(url: str, token: str | None) -> dict[str, float]:
+    """Totals of the server's event counters since it started (summed over tools and classes)."""
+    import httpx2
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx2.get(url, headers=headers, timeout=10.0)
+        response.raise_for_status()
+    except httpx2.HTTPError as exc:
+        raise CommandError(f"cannot read metrics from {url}: {exc}") from None
+    totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(response.text):
+        name = family.name.removeprefix("commitgate_")
+        if name in totals:
+            totals[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+def _print_stats(summary: dict[str, Any], stale: list[Operation], now: float, after: float | None) -> None:
+    out = console()
+    states = Table(title="operations by state", title_justify="left")
+    states.add_column("state")
+    states.add_column("count", justify="right")
+    for state, n in summary["operations"].items():
+        states.add_row(state, str(n))
+    out.print(states)
+    events = Table(title="audit events", title_justify="left")
+    events.add_column("event")
+    events.add_column("count", justify="right")
+    for event, n in summary["events"].items():
+        events.add_row(event, str(n))
+    out.print(events)
+    out.print(
+        f"from the ledger: retries {summary['retries']} · reconciliations {summary['reconciliations']}"
+        f" · resolved by an operator {summary['resolved_by_operator']}"
+    )
+    server = summary.get("since_server_start")
+    if server is None:
+        out.print(summary["not_in_ledger"] + " (pass --metrics URL)")
+    else:
+        out.print("since the server started: " + " · ".join(f"{k} {v:g}" for k, v in server.items()))
+    if after is None:
+        return
+    if not stale:
+        out.print(f"no operation unresolved for more than {format_duration(after)}")
+        return
+    title = f"{len(stale)} operation(s) unresolved for more than {format_duration(after)}: check, then `ops resolve`"
+    out.print(operations_table(stale, now, title))

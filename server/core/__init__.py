@@ -1,0 +1,1 @@
+"""The commit boundary: claim, execute, record, replay, reconcile, compensate."""

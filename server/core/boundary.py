@@ -1,0 +1,662 @@
+"""The commit boundary: fingerprint, claim, execute, record, replay, reconcile.
+
+Every keyed call is claimed in the ledger before its side effect runs and
+recorded after it, each in one ledger step. The work of an owned operation
+runs in a task owned by the boundary, not by the request: a caller that gives
+up (client timeout, cancellation, `respond_within`) never stops the work from
+recording its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from commitgate.server.core import errors
+from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
+from commitgate.server.core.errors import GateError
+from commitgate.server.core.replays import FinalOutcomes
+from commitgate.server.core.retry import Backoff, Outcome, classify, error_record
+from commitgate.server.ledger.base import (
+    LEASE_LOST,
+    Change,
+    ClaimKind,
+    ClaimRequest,
+    Lease,
+    Ledger,
+    LedgerUnavailable,
+    lease_over,
+    this_owner,
+)
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import ToolOutcomeError
+from commitgate.server.model.records import Operation, ToolResult
+from commitgate.server.policy.models import ServerPolicy, ToolPolicy
+
+log = logging.getLogger("commitgate.boundary")
+
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,255}$")
+
+
+class Source(Protocol):
+    has_status_check: bool
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult: ...
+
+    async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedTool:
+    name: str
+    policy: ToolPolicy
+    source: Source
+
+    @property
+    def cls(self) -> IdempotencyClass:
+        return self.policy.idempotency_class
+
+
+@dataclass(frozen=True, slots=True)
+class CallRequest:
+    tool: GuardedTool
+    arguments: dict[str, Any]  # validated, normalised, without the key
+    key: str | None
+    session: str
+    principal: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    result: ToolResult | None
+    operation: Operation | None
+    replayed: bool
+    error: GateError | None = None
+
+
+class Observer(Protocol):
+    """Instrumentation hook (metrics, logs): called on every notable event; must not raise."""
+
+    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None: ...
+
+
+def _ignore(event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    return None
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def fingerprint(tool: str, arguments_json: str) -> str:
+    """SHA-256 of canonical JSON {"arguments": ..., "tool": ...} (keys sorted, no whitespace, UTF-8)."""
+    document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
+    return hashlib.sha256(document.encode("utf-8")).hexdigest()
+
+
+def check_key(key: str | None, tool: GuardedTool) -> str | None:
+    if not tool.cls.keyed:
+        return None
+    if key is None or key == "":
+        raise errors.key_required(tool.name)
+    if not isinstance(key, str):
+        raise errors.invalid_key("it must be a string")
+    if len(key) > 255:
+        raise errors.invalid_key(f"it is {len(key)} characters long; at most 255 are allowed")
+    if not KEY_PATTERN.match(key):
+        raise errors.invalid_key("it contains characters outside the allowed set")
+    return key
+
+
+class Verdict(Enum):
+    FOUND = "found"
+    NOT_FOUND = "not_found"
+    CANNOT_TELL = "cannot_tell"
+
+
+@dataclass(slots=True)
+class _Attempt:
+    outcome: Outcome
+    result: ToolResult | None = None
+    error: BaseException | None = None
+    immediate: bool = False  # the status check proved it did not happen: no reason to wait
+
+    @property
+    def retry_after(self) -> float | None:
+        return self.error.retry_after if isinstance(self.error, ToolOutcomeError) else None
+
+
+@dataclass
+class CommitBoundary:
+    ledger: Ledger
+    settings: ServerPolicy
+    tools: Mapping[str, GuardedTool] = field(default_factory=dict)
+    observe: Observer = _ignore
+    clock: Callable[[], float] = time.time
+    rng: random.Random = field(default_factory=random.Random)
+    owner: str = field(default_factory=this_owner)
+    _inflight: dict[str, asyncio.Task[Answer]] = field(default_factory=dict)
+    _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
+    final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
+
+    # --- entry point ---------------------------------------------------------------
+
+    async def call(self, request: CallRequest) -> Answer:
+        try:
+            if not request.tool.cls.keyed:
+                return await self._unguarded(request)
+            return await self._guarded(request)
+        except GateError as exc:
+            return Answer(None, exc.operation, False, exc)
+
+    async def _guarded(self, request: CallRequest) -> Answer:
+        tool = request.tool
+        arguments_json = canonical_json(request.arguments)
+        if len(arguments_json.encode()) > self.settings.limits.max_argument_bytes:
+            raise errors.invalid_arguments(
+                f"the arguments are larger than {self.settings.limits.max_argument_bytes} bytes"
+            )
+        step = request.key if request.key is not None else _missing_key(tool)
+        digest = fingerprint(tool.name, arguments_json)
+        known = self.final.get(request.principal, request.session, step, self.clock())
+        if known is not None and known.tool == tool.name and known.fingerprint == digest:
+            return await self._on_existing(request, known, waited=False)
+        claim_request = ClaimRequest(
+            principal=request.principal,
+            session=request.session,
+            step=step,
+            tool=tool.name,
+            idempotency_class=tool.cls,
+            fingerprint=digest,
+            arguments_json=arguments_json,
+            owner=self.owner,
+            lease_seconds=self.settings.lease,
+            retention_seconds=tool.policy.retention or self.settings.retention,
+        )
+        try:
+            claim = await self.ledger.claim(claim_request, self.clock())
+        except LedgerUnavailable as exc:
+            self.observe("ledger_unavailable", tool.name, tool.cls)
+            raise errors.ledger_unavailable(str(exc)) from None
+        if claim.kind is ClaimKind.CONFLICT:
+            self.observe("conflict", tool.name, tool.cls, operation_id=claim.operation.operation_id)
+            raise errors.key_reused(claim.operation, tool.name)
+        if claim.kind is ClaimKind.NEW:
+            return await self._own(request, claim.operation)
+        self.final.remember(claim.operation)
+        return await self._on_existing(request, claim.operation, waited=False)
+
+    # --- an operation someone already recorded -----------------------------------------
+
+    async def _on_existing(self, request: CallRequest, op: Operation, *, waited: bool) -> Answer:
+        tool = request.tool
+        action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
+        if action is OnExisting.REPLAY:
+            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
+            return Answer(op.result, op, True)
+        if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
+            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
+            return Answer(None, op, True, errors.failed(_message(op), op))
+        if action is OnExisting.WAIT:
+            if waited:
+                raise errors.in_progress(op)
+            return await self._on_existing(request, await self._wait(op), waited=True)
+        if action is OnExisting.RECONCILE:
+            return await self._reconcile_in_call(request, op)
+        if action is OnExisting.RERUN:  # from UNKNOWN (forwards_key) an earlier attempt may have applied
+            return await self._rerun(request, op, maybe_applied=op.state is State.UNKNOWN)
+        return Answer(None, op, True, errors.outcome_unknown(op))
+
+    async def _wait(self, op: Operation) -> Operation:
+        """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
+        deadline = self.clock() + self.settings.in_progress_wait
+        task = self._inflight.get(op.operation_id)
+        if task is not None:  # the owner is this process: no polling needed
+            with contextlib.suppress(TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), self.settings.in_progress_wait)
+            return await self._reread(op)
+        delay = 0.005
+        while True:
+            current = await self._reread(op)
+            if current.state not in (State.RUNNING, State.PENDING):
+                return current
+            if lease_over(current, self.clock()):
+                return await self.expire(current)
+            if self.clock() + delay > deadline:
+                return current
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    async def _reread(self, op: Operation) -> Operation:
+        try:
+            current = await self.ledger.get_by_id(op.principal, op.operation_id)
+        except LedgerUnavailable as exc:
+            raise errors.ledger_unavailable(str(exc)) from None
+        if current is None:  # purged meanwhile; nothing more is known
+            return op
+        return current
+
+    async def expire(self, op: Operation) -> Operation:
+        change = Change(
+            State.UNKNOWN,
+            frozenset({State.RUNNING}),
+            "lease_expired",
+            expect_fence=op.fence,
+            error=dict(LEASE_LOST),
+        )
+        expired = await self.ledger.update(op.operation_id, change, self.clock())
+        if expired is None:
+            return await self._reread(op)
+        self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        return expired
+
+    async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
+        """Run again with the same key: the operation certainly did not apply, or the downstream dedups."""
+        change = Change(  # only from exactly what was seen: a newer attempt may have moved it since
+            State.RUNNING,
+            frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
+            "rerun_claimed",
+            expect_fence=op.fence,
+            lease=Lease(self.owner, self.clock() + self.settings.lease),
+        )
+        taken = await self.ledger.update(op.operation_id, change, self.clock())
+        if taken is None:  # someone else moved it first: answer from what they did
+            return await self._on_existing(request, await self._reread(op), waited=False)
+        return await self._own(request, taken, maybe_applied=maybe_applied)
+
+    async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
+        verdict, found, note = await self._status_check(request.tool, op)
+        if verdict is Verdict.FOUND:
+            recorded = await self._record_reconciled(op, found, note)
+            return Answer(recorded.result, recorded, True)
+        if verdict is Verdict.NOT_FOUND:
+            return await self._rerun(request, op)
+        await self._note_reconciliation(op, note)
+        raise errors.outcome_unknown(op)
+
+    # --- reconciliation -------------------------------------------------------------------
+
+    async def _status_check(
+        self, tool: GuardedTool, op: Operation, attempt: int | None = None
+    ) -> tuple[Verdict, ToolResult | None, dict[str, Any]]:
+        ctx = OperationContext(
+            op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
+        )
+        note: dict[str, Any] = {"by": "status_check", "at": self.clock()}
+        try:
+            async with asyncio.timeout(tool.policy.timeout):
+                found = await tool.source.status(op.arguments, ctx)
+        except Exception as exc:
+            note.update(verdict=Verdict.CANNOT_TELL.value, error=str(exc) or type(exc).__name__)
+            self.observe(
+                "reconciliation",
+                tool.name,
+                tool.cls,
+                verdict=Verdict.CANNOT_TELL.value,
+                operation_id=op.operation_id,
+            )
+            return Verdict.CANNOT_TELL, None, note
+        verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
+        note["verdict"] = verdict.value
+        self.observe(
+            "reconciliation", tool.name, tool.cls, verdict=verdict.value, operation_id=op.operation_id
+        )
+        return verdict, found, note
+
+    async def _record_reconciled(
+        self, op: Operation, found: ToolResult | None, note: dict[str, Any]
+    ) -> Operation:
+        change = Change(
+            State.SUCCEEDED,
+            frozenset({State.UNKNOWN}),
+            "reconciled_found",
+            result=found,
+            reconciliation=note,
+        )
+        return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
+
+    async def _note_reconciliation(self, op: Operation, note: dict[str, Any]) -> None:
+        change = Change(State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note)
+        with contextlib.suppress(LedgerUnavailable):
+            await self.ledger.update(op.operation_id, change, self.clock())
+
+    async def poll(self, op: Operation) -> Operation:
+        """A poll is a touch: an expired lease turns UNKNOWN; a status-check tool then reconciles it."""
+        if lease_over(op, self.clock()):
+            op = await self.expire(op)
+        if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK:
+            return op
+        tool = self.tools.get(op.tool)
+        if op.state is not State.UNKNOWN or tool is None or not tool.source.has_status_check:
+            return op
+        verdict, found, note = await self._status_check(tool, op)
+        if verdict is Verdict.FOUND:
+            return await self._record_reconciled(op, found, note)
+        if verdict is Verdict.NOT_FOUND:
+            change = Change(
+                State.FAILED_RETRYABLE,
+                frozenset({State.UNKNOWN}),
+                "reconciled_not_found",
+                expect_fence=op.fence,  # the check covered attempts up to this one only
+                reconciliation=note,
+                error={"outcome": "retryable", "message": "the status check found no trace of it"},
+            )
+            return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
+        await self._note_reconciliation(op, note)
+        return await self._reread(op)
+
+    # --- owning an operation: run, retry, record -------------------------------------------
+
+    async def _own(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
+        task = asyncio.create_task(
+            self._execute(request, op, maybe_applied), name=f"commitgate:{op.operation_id}"
+        )
+        self._inflight[op.operation_id] = task
+        task.add_done_callback(lambda _: self._inflight.pop(op.operation_id, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.settings.respond_within)
+        except TimeoutError:
+            raise errors.in_progress(op) from None
+
+    async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
+        tool, policy = request.tool, request.tool.policy
+        backoff = Backoff(policy.retry, self.rng)
+        deadline = self.clock() + policy.retry.deadline
+        last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
+        self._leases[op.operation_id] = op.fence
+        try:
+            while True:
+                ctx = OperationContext(
+                    request.key, request.session, op.operation_id, op.attempts, request.principal, tool.name
+                )
+                attempt = await self._attempt(tool, request.arguments, ctx)
+                step = after_attempt(tool.cls, attempt.outcome, policy.forwards_key)
+                self.observe(
+                    "attempt",
+                    tool.name,
+                    tool.cls,
+                    outcome=attempt.outcome.value,
+                    operation_id=op.operation_id,
+                )
+                maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and step is Next.RETRY
+                if step is Next.RECONCILE:
+                    verdict, found, note = await self._status_check(tool, op, op.attempts)
+                    if verdict is Verdict.FOUND:
+                        return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
+                    if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
+                        step, attempt = (
+                            Next.RETRY,
+                            _Attempt(Outcome.RETRYABLE, error=attempt.error, immediate=True),
+                        )
+                        maybe_applied = False  # the check covers every attempt under this key
+                    else:
+                        return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error, note)
+                if step is Next.RECORD_SUCCESS:
+                    return await self._finish(op, State.SUCCEEDED, "succeeded", attempt.result, None)
+                if step is Next.RECORD_FAILED_FINAL:
+                    return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
+                if step is Next.RECORD_UNKNOWN:
+                    return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error)
+                retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
+                if retried is None:
+                    state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
+                    return await self._finish(op, state, "retries_exhausted", None, attempt.error)
+                op = retried
+        finally:
+            self._leases.pop(op.operation_id, None)
+
+    async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
+        try:
+            async with asyncio.timeout(tool.policy.timeout):
+                return _Attempt(Outcome.SUCCESS, await tool.source.call(arguments, ctx))
+        except Exception as exc:  # every failure is an outcome to classify, never a crash of the server
+            return _Attempt(classify(exc), error=exc)
+
+    async def _next_attempt(
+        self, op: Operation, attempt: _Attempt, backoff: Backoff, deadline: float, last_attempt: int
+    ) -> Operation | None:
+        """Sleep the backoff and take the next attempt in the ledger; None when out of attempts or time."""
+        if op.attempts >= last_attempt:
+            return None
+        delay = 0.0 if attempt.immediate else backoff.delay(op.attempts, attempt.retry_after)
+        if self.clock() + delay > deadline:
+            return None
+        await asyncio.sleep(delay)
+        error = error_record(attempt.error, attempt.outcome) if attempt.error else None
+        change = Change(
+            State.RUNNING,
+            frozenset({State.RUNNING}),
+            "retry",
+            expect_fence=op.fence,
+            lease=Lease(self.owner, self.clock() + self.settings.lease),
+            error=error,
+        )
+        retried = await self.ledger.update(op.operation_id, change, self.clock())
+        if retried is None:
+            raise errors.in_progress(await self._reread(op))  # fenced out: a newer attempt owns it
+        self._leases[op.operation_id] = retried.fence
+        self.observe("retry", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        return retried
+
+    async def _finish(
+        self,
+        op: Operation,
+        state: State,
+        event: str,
+        result: ToolResult | None,
+        error: BaseException | None,
+        reconciliation: dict[str, Any] | None = None,
+    ) -> Answer:
+        error_json = error_record(error, classify(error)) if error is not None else None
+        if result is not None:
+            result = self._bounded(result, op)
+        change = Change(
+            state,
+            frozenset({State.RUNNING}),
+            event,
+            expect_fence=op.fence,
+            result=result,
+            error=error_json,
+            reconciliation=reconciliation,
+        )
+        recorded = await self._record(op, change)
+        if recorded is None:
+            recorded = await self._record_late(op, change)
+        if recorded is not None:
+            self.final.remember(recorded)
+        self.observe(
+            "completed",
+            op.tool,
+            op.idempotency_class,
+            state=state.value,
+            operation_id=op.operation_id,
+            seconds=self.clock() - op.created_at,
+        )
+        if recorded is None:  # fenced out: a newer attempt's outcome wins; answer from the ledger
+            current = await self._reread(op)
+            if current.state is State.SUCCEEDED:
+                return Answer(current.result, current, True)
+            return self._error_answer(current)
+        replayed = reconciliation is not None
+        if state is State.SUCCEEDED:
+            return Answer(recorded.result, recorded, replayed)
+        return self._error_answer(recorded)
+
+    def _bounded(self, result: ToolResult, op: Operation) -> ToolResult:
+        """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
+        size = len(result.to_json().encode())
+        limit = self.settings.limits.max_result_bytes
+        if size <= limit:
+            return result
+        self.observe("result_too_large", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        text = (
+            f"The action succeeded, but its result was {size} bytes, over the limit of {limit}, so it was not "
+            "stored or returned. Do not repeat the action; read the details you need with a read-only tool."
+        )
+        return ToolResult(
+            [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
+        )
+
+    async def _record(self, op: Operation, change: Change) -> Operation | None:
+        """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
+        for delay in (0.05, 0.2, 1.0, None):
+            try:
+                return await self.ledger.update(op.operation_id, change, self.clock(), current=op)
+            except LedgerUnavailable:
+                if delay is None:
+                    log.error(
+                        "could not record the outcome of %s; its lease will expire into UNKNOWN",
+                        op.operation_id,
+                    )
+                    self._leases.pop(op.operation_id, None)
+                    raise errors.outcome_unknown(op) from None
+                await asyncio.sleep(delay)
+        return None
+
+    async def _record_late(self, op: Operation, change: Change) -> Operation | None:
+        """Record a certain outcome that arrived after our lease ran out (a stall, not a crash).
+
+        The lease expiry turned the operation UNKNOWN (or a status check that ran before our
+        effect was visible called it FAILED_RETRYABLE); if no newer attempt took it since (the
+        fence is still ours), we are the best witness of how it ended, and saying so keeps it
+        from staying UNKNOWN or from being run a second time. A newer attempt, or an operator's
+        resolution, wins. An ambiguous outcome adds nothing and is not recorded.
+        """
+        if change.to_state not in (State.SUCCEEDED, State.FAILED_FINAL, State.FAILED_RETRYABLE):
+            return None
+        late = dataclasses.replace(
+            change,
+            expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
+            event="late_outcome",
+            reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
+        )
+        try:
+            recorded = await self.ledger.update(op.operation_id, late, self.clock())
+        except LedgerUnavailable:
+            return None
+        if recorded is not None:
+            log.warning(
+                "%s: recorded its outcome (%s) after its lease had expired",
+                op.operation_id,
+                recorded.state.value,
+            )
+        return recorded
+
+    def _error_answer(self, op: Operation) -> Answer:
+        tool = self.tools.get(op.tool)
+        return Answer(None, op, False, error_for_state(op, bool(tool and tool.policy.forwards_key)))
+
+    # --- safe-retry: no ledger -------------------------------------------------------------------
+
+    async def _unguarded(self, request: CallRequest) -> Answer:
+        tool = request.tool
+        retry = tool.policy.retry
+        backoff = Backoff(retry, self.rng)
+        deadline = self.clock() + retry.deadline
+        attempt_number = 1
+        while True:
+            ctx = OperationContext(
+                request.key, request.session, None, attempt_number, request.principal, tool.name
+            )
+            attempt = await self._attempt(tool, request.arguments, ctx)
+            if attempt.outcome is Outcome.SUCCESS:
+                return Answer(attempt.result, None, False)
+            message = _exception_message(attempt.error)
+            if attempt.outcome is Outcome.PERMANENT:
+                raise errors.failed(message, None)
+            delay = backoff.delay(attempt_number, attempt.retry_after)
+            if attempt_number >= retry.attempts or self.clock() + delay > deadline:
+                raise errors.retries_exhausted(message, None)
+            self.observe("retry", tool.name, tool.cls)
+            await asyncio.sleep(delay)
+            attempt_number += 1
+
+    # --- lifecycle: lease renewal, lease expiry, retention ------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(
+        self, *, sweep_every: float | None = None, purge_every: float = 60.0
+    ) -> AsyncIterator[None]:
+        """Background duties while serving; on exit, in-flight work gets a moment to record its outcome."""
+        with contextlib.suppress(LedgerUnavailable):
+            await self.ledger.expire_leases(self.clock())
+        loops = [
+            asyncio.create_task(self._every(self.settings.lease / 3, self._renew_leases)),
+            asyncio.create_task(self._every(sweep_every or self.settings.lease / 2, self._sweep)),
+            asyncio.create_task(self._every(purge_every, self._purge)),
+        ]
+        try:
+            yield
+        finally:
+            await self.drain()
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        pending = list(self._inflight.values())
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+    async def _every(self, period: float, duty: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await duty()
+            except Exception:  # a failing duty must not stop the others; it is logged and retried
+                log.exception("background duty %s failed", getattr(duty, "__name__", duty))
+
+    async def _renew_leases(self) -> None:
+        for operation_id, fence in list(self._leases.items()):
+            lease = Lease(self.owner, self.clock() + self.settings.lease)
+            await self.ledger.renew_lease(operation_id, fence, lease)
+
+    async def _sweep(self) -> None:
+        for op in await self.ledger.expire_leases(self.clock()):
+            self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
+
+    async def _purge(self) -> None:
+        await self.ledger.purge(self.clock())
+
+
+def _missing_key(tool: GuardedTool) -> str:
+    """The gateway checks keys first; a keyed call without one reaching here is still refused."""
+    raise errors.key_required(tool.name)
+
+
+def _message(op: Operation) -> str:
+    return str((op.error or {}).get("message") or "no reason recorded")
+
+
+def _exception_message(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, ToolOutcomeError):
+        return exc.message
+    if isinstance(exc, TimeoutError):
+        return "the tool did not answer within its timeout"
+    return str(exc) or type(exc).__name__
+
+
+def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
+    if op.state is State.FAILED_FINAL:
+        return errors.failed(_message(op), op)
+    if op.state is State.FAILED_RETRYABLE:
+        return errors.retries_exhausted(_message(op), op)
+    if op.state is State.UNKNOWN:
+        return errors.outcome_unknown(op, retry_is_safe=forwards_key)
+    return errors.in_progress(op)

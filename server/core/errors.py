@@ -1,0 +1,120 @@
+"""One exception type for every way a guarded call can end without a result.
+
+Each carries its DESIGN 1.5 code and a message that tells the model what to do next.
+"""
+
+from __future__ import annotations
+
+from commitgate.server.model.facts import ErrorCode, IdempotencyClass
+from commitgate.server.model.records import Operation
+
+
+class GateError(Exception):
+    def __init__(self, code: ErrorCode, message: str, operation: Operation | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.operation = operation
+
+
+def _reason(op: Operation) -> str:
+    if op.error and op.error.get("message"):
+        return f" ({op.error['message']})"
+    return ""
+
+
+def invalid_arguments(detail: str) -> GateError:
+    return GateError(
+        ErrorCode.INVALID_ARGUMENTS,
+        f"Invalid arguments: {detail}. Nothing was executed or recorded; fix the arguments and call again.",
+    )
+
+
+def key_required(tool: str) -> GateError:
+    return GateError(
+        ErrorCode.IDEMPOTENCY_KEY_REQUIRED,
+        f"{tool} changes something in the world and needs an `idempotency_key`: choose a new unique value "
+        "for this action (e.g. 'refund-order-1234-1') and reuse exactly that value if you retry it. "
+        "Nothing was executed.",
+    )
+
+
+def invalid_key(detail: str) -> GateError:
+    return GateError(
+        ErrorCode.INVALID_IDEMPOTENCY_KEY,
+        f"Invalid idempotency_key: {detail}. Use 1-255 characters of letters, digits and . _ : @ / + = -. "
+        "Nothing was executed.",
+    )
+
+
+def key_reused(op: Operation, tool: str) -> GateError:
+    what = f"the tool {op.tool}" if op.tool != tool else "other arguments"
+    return GateError(
+        ErrorCode.IDEMPOTENCY_KEY_REUSED,
+        f"The idempotency_key {op.step!r} was already used with {what} in this session. Nothing was executed. "
+        "If this is a new action, call again with a new idempotency_key; if it is a retry, resend the "
+        "original arguments unchanged.",
+        op,
+    )
+
+
+def in_progress(op: Operation) -> GateError:
+    return GateError(
+        ErrorCode.OPERATION_IN_PROGRESS,
+        f"This operation ({op.operation_id}) is still running. Do not call the tool again with a new key; poll "
+        f"get_operation_status with idempotency_key {op.step!r} until it finishes.",
+        op,
+    )
+
+
+def outcome_unknown(op: Operation, *, retry_is_safe: bool = False) -> GateError:
+    if retry_is_safe:
+        advice = (
+            "Its downstream deduplicates on the idempotency_key, so calling again later with the same "
+            f"idempotency_key {op.step!r} is safe; never use a new key for it."
+        )
+    elif op.idempotency_class is IdempotencyClass.COMPENSABLE:
+        advice = (
+            "Do not retry it. Either undo the session with compensate_session, or ask a person to check "
+            "and resolve it."
+        )
+    else:
+        advice = (
+            "It was not executed again, and must not be retried blindly: poll get_operation_status later, "
+            "or ask a person to check the system of record and resolve it."
+        )
+    return GateError(
+        ErrorCode.OPERATION_OUTCOME_UNKNOWN,
+        f"The outcome of this operation is unknown: it may or may not have taken effect{_reason(op)}. {advice}",
+        op,
+    )
+
+
+def failed(message: str, op: Operation | None) -> GateError:
+    return GateError(
+        ErrorCode.OPERATION_FAILED,
+        f"The operation failed and was not applied: {message}. Retrying with the same key returns this same "
+        "failure; change the request (and use a new idempotency_key) only if the failure says how.",
+        op,
+    )
+
+
+def retries_exhausted(message: str, op: Operation | None) -> GateError:
+    again = (
+        "You may call again later with the same idempotency_key."
+        if op is not None
+        else "You may call again later."
+    )
+    return GateError(
+        ErrorCode.RETRIES_EXHAUSTED,
+        f"The tool kept failing with transient errors and was certainly not applied ({message}). {again}",
+        op,
+    )
+
+
+def ledger_unavailable(detail: str) -> GateError:
+    return GateError(
+        ErrorCode.LEDGER_UNAVAILABLE,
+        "The operation ledger could not record this call, so it was NOT executed. Try again shortly with the "
+        f"same idempotency_key. ({detail})",
+    )

@@ -1,0 +1,1 @@
+"""`commitgate demo` and the sandbox harness it shares with the benchmark."""

@@ -1,0 +1,1 @@
+"""Facts every layer shares: classes, states, codes, records, the tool-facing context and outcomes."""

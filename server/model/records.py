@@ -1,0 +1,73 @@
+"""The records every layer passes around: a tool's answer and one operation of the ledger."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from commitgate.server.model.facts import IdempotencyClass, State
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A tool's answer in MCP wire shape: content blocks (dicts) and optional structured content."""
+
+    content: list[dict[str, Any]]
+    structured: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"content": self.content, "structuredContent": self.structured}, separators=(",", ":")
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ToolResult:
+        data = json.loads(text)
+        return cls(content=data["content"], structured=data.get("structuredContent"))
+
+    @classmethod
+    def of(cls, value: Any) -> ToolResult:
+        """Wrap a plain Python value: objects become structured content, anything else `{"result": v}`."""
+        if isinstance(value, ToolResult):
+            return value
+        structured = value if isinstance(value, dict) else {"result": value}
+        text = json.dumps(value, separators=(",", ":"), default=str, ensure_ascii=False)
+        return cls(content=[{"type": "text", "text": text}], structured=structured)
+
+
+@dataclass(slots=True)
+class Operation:
+    """One row of the ledger: a logical action, unique on (principal, session, step)."""
+
+    operation_id: str
+    principal: str
+    session: str
+    step: str
+    tool: str
+    idempotency_class: IdempotencyClass
+    fingerprint: str
+    state: State
+    attempts: int
+    fence: int
+    arguments: dict[str, Any]
+    created_at: float
+    updated_at: float
+    lease_owner: str | None = None
+    lease_expires_at: float | None = None
+    completed_at: float | None = None
+    expires_at: float | None = None
+    result: ToolResult | None = None
+    error: dict[str, Any] | None = None
+    reconciliation: dict[str, Any] | None = None
+    downstream_ref: str | None = None
+    retention: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def iso(ts: float | None) -> str | None:
+    """Timestamps cross the wire as ISO 8601 UTC with milliseconds."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

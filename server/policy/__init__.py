@@ -1,0 +1,1 @@
+"""The policy file: its models, its rules and how it is loaded."""

@@ -1,0 +1,333 @@
+"""The gateway: one policy, one ledger, one commit boundary, and the MCP calls that reach them.
+
+This is what the MCP surface talks to. It turns a `tools/call` into a guarded
+call (session, step, key and argument checks), answers the meta tools, and
+renders every answer in the DESIGN 1.5 shape. It knows nothing of transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import mcp.types as types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from commitgate.server.core import errors
+from commitgate.server.core.boundary import (
+    Answer,
+    CallRequest,
+    CommitBoundary,
+    Observer,
+    _ignore,
+    check_key,
+    error_for_state,
+)
+from commitgate.server.core.errors import GateError
+from commitgate.server.core.saga import Saga
+from commitgate.server.core.views import operation_meta, status_view
+from commitgate.server.ledger import Ledger, LedgerUnavailable, OperationFilter, open_ledger
+from commitgate.server.ledger.base import lease_over
+from commitgate.server.model.facts import State
+from commitgate.server.model.records import Operation
+from commitgate.server.policy.models import Policy
+from commitgate.server.serve.registry import ServedTool, build_tools
+
+if TYPE_CHECKING:
+    from commitgate.tools.upstream import UpstreamManager
+
+log = logging.getLogger("commitgate.gateway")
+M = TypeVar("M", bound=BaseModel)
+
+SESSION_META = "commitgate/session"
+STEP_META = "commitgate/step"
+OPERATION_META = "commitgate/operation"
+
+
+class _StatusArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    idempotency_key: str | None = Field(None, min_length=1, max_length=255)
+    session: str | None = Field(None, min_length=1, max_length=255)
+    operation_id: str | None = Field(None, min_length=1, max_length=100)
+
+
+class _ListArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session: str | None = Field(None, min_length=1, max_length=255)
+    state: State | None = None
+    tool: str | None = Field(None, min_length=1, max_length=128)
+    limit: int = Field(50, ge=1)
+
+
+class _CompensateArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session: str | None = Field(None, min_length=1, max_length=255)
+    idempotency_keys: list[str] | None = Field(None, min_length=1)
+    reason: str | None = Field(None, max_length=1000)
+
+
+def _meta_tool(name: str, description: str, model: type[BaseModel], read_only: bool = True) -> types.Tool:
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    return types.Tool(
+        name=name,
+        description=description,
+        input_schema=schema,
+        annotations=types.ToolAnnotations(
+            read_only_hint=read_only, idempotent_hint=True, destructive_hint=not read_only
+        ),
+    )
+
+
+META_TOOLS: dict[str, types.Tool] = {
+    "get_operation_status": _meta_tool(
+        "get_operation_status",
+        "Look up an operation you started: pass its idempotency_key (and session if you set one) or its "
+        "operation_id. Answers its state, result or error, and retry_advice: 'done', 'wait_and_poll', "
+        "'safe_to_retry_same_key' or 'do_not_retry'. Poll this instead of calling a tool again.",
+        _StatusArgs,
+    ),
+    "list_operations": _meta_tool(
+        "list_operations",
+        "List the operations you already ran, newest first (optionally of one session, state or tool): "
+        "how to find out what was already done after losing track.",
+        _ListArgs,
+    ),
+    "compensate_session": _meta_tool(
+        "compensate_session",
+        "Undo what a session did: runs the declared compensating action (cancel, refund, release...) of each "
+        "succeeded compensable operation, newest first, each exactly once (calling this again never undoes "
+        "twice; it finishes what is left). Optionally only the given idempotency_keys. Use it when a later step "
+        "failed and the earlier ones must not stand; do not retry the failed forward calls instead.",
+        _CompensateArgs,
+        read_only=False,
+    ),
+}
+
+
+def local_principal() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry (containers): still one stable local identity
+        return "local"
+
+
+@dataclass
+class Gateway:
+    policy: Policy
+    ledger: Ledger
+    boundary: CommitBoundary
+    served: dict[str, ServedTool]
+    policy_path: Path | None = None
+    default_principal: str = field(default_factory=local_principal)
+    upstreams: UpstreamManager | None = None  # upstream MCP connections, closed with the gateway
+    # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
+    rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    async def open(
+        cls,
+        policy: Policy,
+        policy_path: Path | None = None,
+        *,
+        ledger: Ledger | None = None,
+        observe: Observer = _ignore,
+        extra_sources: Mapping[str, Any] | None = None,
+    ) -> Gateway:
+        from commitgate.tools.upstream import UpstreamManager
+
+        upstreams = UpstreamManager()  # connects the upstream MCP servers the policy uses
+        try:
+            sources = {**await upstreams.update(policy), **(extra_sources or {})}
+            served = build_tools(policy, policy_path.parent if policy_path else None, sources)
+            ledger = ledger or await open_ledger(
+                policy.ledger.url,
+                synchronous=policy.ledger.synchronous,
+                auto_migrate=policy.ledger.auto_migrate,
+            )
+        except BaseException:
+            await upstreams.aclose()
+            raise
+        tools = {name: s.guard for name, s in served.items()}
+        boundary = CommitBoundary(ledger, policy.server, tools, observe=observe)
+        principal = policy.server.principal or local_principal()
+        return cls(policy, ledger, boundary, served, policy_path, principal, upstreams=upstreams)
+
+    async def close(self) -> None:
+        from commitgate.tools.http import aclose_shared_client
+
+        if self.upstreams is not None:
+            await self.upstreams.aclose()
+        await aclose_shared_client()
+        await self.ledger.close()
+
+    def apply(self, policy: Policy, served: dict[str, ServedTool]) -> None:
+        """Serve a new policy for new calls; calls in flight keep the tool they started with."""
+        self.policy, self.served = policy, served
+        self.boundary.settings = policy.server
+        self.boundary.tools = {name: s.guard for name, s in served.items()}
+
+    # --- MCP requests -------------------------------------------------------------------------
+
+    def list_tools(self) -> list[types.Tool]:
+        exposed = [s.definition for s in self.served.values() if s.exposed]
+        return exposed + list(META_TOOLS.values())
+
+    def has_tool(self, name: str) -> bool:
+        return name in META_TOOLS or (name in self.served and self.served[name].exposed)
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None,
+        principal: str | None,
+    ) -> types.CallToolResult:
+        principal = principal or self.default_principal
+        meta = meta or {}
+        try:
+            session = self._session(meta)
+            args = dict(arguments or {})
+            if name == "get_operation_status":
+                return _structured(await self._get_operation_status(args, session, principal))
+            if name == "list_operations":
+                return _structured(await self._list_operations(args, principal))
+            if name == "compensate_session":
+                return _structured(await self._compensate_session(args, session, principal))
+            served = self.served[name]
+            request = self._request(served, args, meta, session, principal)
+            return render(await self.boundary.call(request))
+        except GateError as exc:
+            return render_error(exc, replayed=False)
+        except LedgerUnavailable as exc:
+            return render_error(errors.ledger_unavailable(str(exc)), replayed=False)
+
+    def _session(self, meta: Mapping[str, Any]) -> str:
+        session = meta.get(SESSION_META)
+        if session is None:
+            return self.policy.server.session
+        if not isinstance(session, str) or not 1 <= len(session) <= 255:
+            raise errors.invalid_arguments(f"_meta[{SESSION_META!r}] must be a string of 1-255 characters")
+        return session
+
+    def _request(
+        self, served: ServedTool, args: dict[str, Any], meta: Mapping[str, Any], session: str, principal: str
+    ) -> CallRequest:
+        tool = served.guard
+        key = args.pop("idempotency_key", None)
+        step = meta.get(STEP_META)
+        if key is not None and step is not None and key != step:
+            raise errors.invalid_key(
+                f"the argument ({key!r}) and _meta['{STEP_META}'] ({step!r}) differ; send one, or the same value"
+            )
+        key = key if key is not None else step
+        if key is not None and not isinstance(key, str):
+            raise errors.invalid_key("it must be a string")
+        checked = check_key(key, tool)
+        size = len(json.dumps(args, separators=(",", ":"), default=str).encode())
+        limit = self.policy.server.limits.max_argument_bytes
+        if size > limit:
+            raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
+        try:
+            validated = served.guard.source.validate(args)
+        except GateError:
+            raise
+        except Exception as exc:
+            raise errors.invalid_arguments(str(exc)) from None
+        return CallRequest(tool, validated, checked, session, principal)
+
+    # --- meta tools ------------------------------------------------------------------------------
+
+    def _forwards_key(self, op: Operation) -> bool:
+        served = self.served.get(op.tool)
+        return bool(served and served.guard.policy.forwards_key)
+
+    async def _get_operation_status(
+        self, args: dict[str, Any], session: str, principal: str
+    ) -> dict[str, Any]:
+        parsed = _parse(_StatusArgs, args)
+        if parsed.operation_id is not None:
+            op = await self.ledger.get_by_id(principal, parsed.operation_id)
+        elif parsed.idempotency_key is not None:
+            op = await self.ledger.get(principal, parsed.session or session, parsed.idempotency_key)
+        else:
+            raise errors.invalid_arguments("pass idempotency_key (and optionally session) or operation_id")
+        if op is None:
+            return {"found": False, "operation": None}
+        op = await self.boundary.poll(op)
+        return {"found": True, "operation": status_view(op, self._forwards_key(op))}
+
+    async def _list_operations(self, args: dict[str, Any], principal: str) -> dict[str, Any]:
+        parsed = _parse(_ListArgs, args)
+        limit = self.policy.server.limits.list_limit
+        if parsed.limit > limit:
+            raise errors.invalid_arguments(f"limit: at most {limit}")
+        where = OperationFilter(principal, parsed.session, parsed.state, parsed.tool, limit=parsed.limit)
+        now = time.time()
+        operations = []
+        for op in await self.ledger.find(where):
+            if lease_over(op, now):
+                op = await self.boundary.expire(op)  # an expired lease turns UNKNOWN at the next touch
+            operations.append(status_view(op, self._forwards_key(op), now))
+        return {"operations": operations}
+
+    async def _compensate_session(self, args: dict[str, Any], session: str, principal: str) -> dict[str, Any]:
+        parsed = _parse(_CompensateArgs, args)
+        saga = Saga(self.ledger, self.boundary, self.boundary.tools)
+        return await saga.compensate(
+            principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
+        )
+
+
+def _parse(model: type[M], args: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(args)
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: "
+            f"{'unknown argument' if e['type'] == 'extra_forbidden' else e['msg']}"
+            for e in exc.errors()
+        )
+        raise errors.invalid_arguments(detail) from None
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def render(answer: Answer) -> types.CallToolResult:
+    if answer.error is not None:
+        return render_error(answer.error, answer.replayed)
+    if answer.result is None:  # a success always carries a result; never pretend otherwise
+        assert answer.operation is not None
+        return render_error(error_for_state(answer.operation), answer.replayed)
+    meta = {OPERATION_META: operation_meta(answer.operation, answer.replayed)} if answer.operation else None
+    return types.CallToolResult(
+        content=answer.result.content,  # validated into content blocks by pydantic
+        structured_content=answer.result.structured,
+        _meta=meta,
+    )
+
+
+def render_error(error: GateError, replayed: bool) -> types.CallToolResult:
+    op = error.operation
+    op_view = operation_meta(op, replayed) if op is not None else None
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"[{error.code.value}] {error.message}")],
+        structured_content={
+            "error": {"code": error.code.value, "message": error.message, "operation": op_view}
+        },
+        is_error=True,
+        _meta={OPERATION_META: op_view} if op_view else None,
+    )
+
+
+def _structured(value: dict[str, Any]) -> types.CallToolResult:
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=value)

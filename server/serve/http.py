@@ -1,0 +1,435 @@
+"""The HTTP transports: streamable HTTP (`/mcp`) and SSE (`/sse` + `/messages/`), with bearer auth.
+
+Both MCP protocol eras are served at once (the SDK routes each request). Next
+to MCP: `/healthz` (process up and ledger writable; no auth, for probes) and
+`/metrics` (Prometheus text; needs a token when `[auth]` has tokens).
+
+Safety rules enforced here, before anything listens:
+- a non-loopback bind needs `[auth]` tokens (ServeRefused says why otherwise);
+- loopback binds check Host/Origin headers (DNS-rebinding protection), also
+  on `/healthz` and `/metrics`;
+- request bodies are capped (HTTP 413) above what the argument limit needs.
+
+Per call (an SDK middleware around `tools/call`): at most
+`limits.max_concurrent_per_principal` calls of one principal at a time (the
+next one is answered `retries_exhausted`, nothing executed), and one metrics
+sample and one log line with the answer code.
+
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting and closes streams; the
+work of every operation already claimed runs in tasks owned by the commit
+boundary, not by requests, so `boundary.running()` then drains it and each
+records its outcome in the ledger before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import mcp.types as types
+import uvicorn
+from mcp.server import Server
+from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
+from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend, RequireAuthMiddleware
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.sse import SseServerTransport
+from mcp.server.transport_security import (
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    TransportSecurityMiddleware,
+    TransportSecuritySettings,
+)
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, request_response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from commitgate.server.core.errors import GateError
+from commitgate.server.model.facts import ErrorCode
+from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier
+from commitgate.server.serve.gateway import META_TOOLS, OPERATION_META, Gateway, render_error
+from commitgate.server.serve.logs import extra, log_call, unredacted
+from commitgate.server.serve.metrics import CONTENT_TYPE, UNKNOWN_TOOL, Metrics
+from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
+from commitgate.server.serve.surface import build_server, initialization_options, principal_of_request
+
+log = logging.getLogger("commitgate.transports")
+
+TRANSPORTS = ("sse", "streamable-http")
+MCP_PATH, SSE_PATH, MESSAGES_PATH = "/mcp", "/sse", "/messages/"
+BODY_MARGIN = 64 * 1024  # JSON-RPC envelope and _meta around the arguments
+HEALTH_TIMEOUT = 5.0
+LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*")
+
+
+class ServeRefused(SystemExit):
+    """The server will not start as asked; the message (printed on exit, status 1) says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"commitgate: {message}")
+
+
+# --- start-up checks -------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def token_verifier(gateway: Gateway, environ: Mapping[str, str] | None = None) -> PolicyTokenVerifier | None:
+    """The verifier for the policy's `[[auth.tokens]]`, or None when there are none."""
+    try:
+        verifier = PolicyTokenVerifier(lambda: gateway.policy.auth, environ)
+    except AuthConfigError as exc:
+        raise ServeRefused(str(exc)) from None
+    return verifier if verifier.table else None
+
+
+def check_bind(host: str, authenticated: bool) -> None:
+    if authenticated or is_loopback(host):
+        return
+    raise ServeRefused(
+        f"refusing to listen on {host!r} without authentication: anyone who can reach that address could "
+        "act with this server's tools. Add [[auth.tokens]] to the policy (principal + token_env or "
+        "token_sha256), or bind a loopback address such as 127.0.0.1."
+    )
+
+
+def security_settings(host: str, allowed_hosts: Sequence[str] = ()) -> TransportSecuritySettings:
+    """Host/Origin checks: always on loopback binds; elsewhere only for the hosts the operator names."""
+    hosts = list(allowed_hosts)
+    if is_loopback(host):
+        hosts += LOOPBACK_HOSTS
+    if not hosts:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    origins = [f"{scheme}://{h}" for h in hosts for scheme in ("http", "https")]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
+    )
+
+
+def max_body_bytes(gateway: Gateway) -> int:
+    return max(DEFAULT_MAX_REQUEST_BODY_SIZE, gateway.policy.server.limits.max_argument_bytes + BODY_MARGIN)
+
+
+# --- per call: limit, metrics, log ---------------------------------------------------------------
+
+
+def _tool_name(ctx: ServerRequestContext[Any, Any]) -> str | None:
+    name = ctx.params.get("name") if ctx.params else None
+    return name if isinstance(name, str) else None
+
+
+def _principal(gateway: Gateway) -> str:
+    return principal_of_request() or gateway.default_principal
+
+
+def _labels(gateway: Gateway, name: str | None) -> tuple[str, str]:
+    if name is not None and name in META_TOOLS:
+        return name, "meta"
+    served = gateway.served.get(name) if name else None
+    if served is None or not served.exposed:
+        return UNKNOWN_TOOL, "none"
+    return name or UNKNOWN_TOOL, served.guard.cls.value
+
+
+def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | None]:
+    """(answer code, operation meta, error message) of a tools/call answer, without copying its content."""
+    if isinstance(result, types.CallToolResult):
+        parts: tuple[Any, Any, Any] = (result.is_error, result.meta, result.structured_content)
+    elif isinstance(result, dict):
+        parts = (result.get("isError"), result.get("_meta"), result.get("structuredContent"))
+    else:
+        return "ok", None, None
+    is_error, meta, structured = parts
+    operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
+    if not is_error:
+        return "ok", operation, None
+    error = (structured or {}).get("error") or {}
+    return str(error.get("code") or "error"), operation, error.get("message")
+
+
+class CallRecorder:
+    """SDK middleware: one metrics sample and one log line per tools/call, whatever its end."""
+
+    def __init__(self, gateway: Gateway, metrics: Metrics) -> None:
+        self.gateway, self.metrics = gateway, metrics
+
+    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        if ctx.method != "tools/call":
+            return await call_next(ctx)
+        tool, cls = _labels(self.gateway, _tool_name(ctx))
+        code, operation, message = "protocol_error", None, None
+        start = time.perf_counter()
+        self.metrics.in_progress.inc()
+        try:
+            result = await call_next(ctx)
+            code, operation, message = _outcome(result)
+            return result
+        except asyncio.CancelledError:
+            code = "cancelled"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            self.metrics.in_progress.dec()
+            self.metrics.call_finished(tool, cls, code, seconds)
+            arguments = (ctx.params or {}).get("arguments") if unredacted() else None
+            log_call(tool, cls, _principal(self.gateway), code, seconds, operation, message, arguments)
+
+
+class PrincipalLimit:
+    """SDK middleware: at most `limits.max_concurrent_per_principal` tool calls of one principal at once.
+
+    Meta tools are not limited: polling must stay possible while work runs.
+    One event loop serves all requests, so a plain dict needs no lock.
+    """
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.active: dict[str, int] = {}
+
+    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        name = _tool_name(ctx)
+        if ctx.method != "tools/call" or name is None or name in META_TOOLS:
+            return await call_next(ctx)
+        principal = _principal(self.gateway)
+        limit = self.gateway.policy.server.limits.max_concurrent_per_principal
+        running = self.active.get(principal, 0)
+        if running >= limit:
+            return limit_error(limit)
+        self.active[principal] = running + 1
+        try:
+            return await call_next(ctx)
+        finally:
+            left = self.active[principal] - 1
+            if left:
+                self.active[principal] = left
+            else:
+                del self.active[principal]
+
+
+def limit_error(limit: int) -> types.CallToolResult:
+    message = (
+        f"Too many calls at once: {limit} of your calls are already running (limits.max_concurrent_per_principal). "
+        "Nothing was executed or recorded. Wait for one to finish, then call again with the same "
+        "idempotency_key; poll get_operation_status for the ones in progress."
+    )
+    # DESIGN 1.5 has no code of its own for this: like retries_exhausted it is transient and
+    # certainly not applied, so clients that already handle that code do the right thing.
+    return render_error(GateError(ErrorCode.RETRIES_EXHAUSTED, message), replayed=False)
+
+
+def mcp_server(
+    gateway: Gateway, metrics: Metrics, version: str, announcer: ToolListAnnouncer | None = None
+) -> Server[Any]:
+    server = build_server(gateway, version)
+    if announcer is not None:  # a policy edit announces tools/list_changed (server/reload.py)
+        announcer.install(server)
+    server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
+    return server
+
+
+# --- the ASGI app --------------------------------------------------------------------------------
+
+
+class _App:
+    """An ASGI app as an object: Starlette's Route takes a plain function for a request handler."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def protect(app: ASGIApp, authenticated: bool) -> ASGIApp:
+    """With tokens configured, 401 unless the request carried a valid one."""
+    return RequireAuthMiddleware(app, []) if authenticated else _App(app)
+
+
+def ops_routes(
+    gateway: Gateway, metrics: Metrics, settings: TransportSecuritySettings, authenticated: bool
+) -> list[Route]:
+    guard = TransportSecurityMiddleware(settings)
+
+    async def healthz(request: Request) -> Response:
+        refusal = await guard.validate_request(request)
+        if refusal is not None:
+            return refusal
+        try:
+            await asyncio.wait_for(gateway.ledger.check_writable(), HEALTH_TIMEOUT)
+        except Exception:
+            return JSONResponse({"status": "unavailable", "ledger": "not writable"}, status_code=503)
+        return JSONResponse({"status": "ok", "ledger": "writable"})
+
+    async def metrics_text(request: Request) -> Response:
+        refusal = await guard.validate_request(request)
+        if refusal is not None:
+            return refusal
+        return Response(await metrics.exposition(gateway.ledger), media_type=CONTENT_TYPE)
+
+    metrics_app = protect(request_response(metrics_text), authenticated)
+    return [Route("/healthz", healthz, methods=["GET"]), Route("/metrics", metrics_app, methods=["GET"])]
+
+
+def auth_middleware(verifier: PolicyTokenVerifier) -> list[Middleware]:
+    return [
+        Middleware(AuthenticationMiddleware, backend=BearerAuthBackend(verifier)),
+        Middleware(AuthContextMiddleware),
+    ]
+
+
+def auth_settings() -> AuthSettings:
+    # The SDK requires an issuer even for static tokens; no OAuth route is served from it.
+    return AuthSettings(issuer_url="http://localhost", resource_server_url=None, required_scopes=[])
+
+
+def build_app(
+    gateway: Gateway,
+    transport: str,
+    *,
+    host: str = "127.0.0.1",
+    version: str = "",
+    stateless: bool = False,
+    allowed_hosts: Sequence[str] = (),
+    metrics: Metrics | None = None,
+    verifier: PolicyTokenVerifier | None = None,
+    announcer: ToolListAnnouncer | None = None,
+) -> Starlette:
+    if transport not in TRANSPORTS:
+        raise ServeRefused(f"unknown HTTP transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+    if stateless and transport != "streamable-http":
+        raise ServeRefused(
+            "--stateless applies to --transport streamable-http only (SSE keeps a stream open)"
+        )
+    metrics = metrics or Metrics()
+    settings = security_settings(host, allowed_hosts)
+    server = mcp_server(gateway, metrics, version, announcer)
+    routes = ops_routes(gateway, metrics, settings, verifier is not None)
+    if transport == "streamable-http":
+        return server.streamable_http_app(
+            streamable_http_path=MCP_PATH,
+            stateless_http=stateless,
+            max_request_body_size=max_body_bytes(gateway),
+            transport_security=settings,
+            host=host,
+            auth=auth_settings() if verifier else None,
+            token_verifier=verifier,
+            custom_starlette_routes=routes,
+        )
+    return _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)
+
+
+def _sse_app(
+    server: Server[Any],
+    settings: TransportSecuritySettings,
+    max_body: int,
+    routes: list[Route],
+    verifier: PolicyTokenVerifier | None,
+) -> Starlette:
+    sse = SseServerTransport(MESSAGES_PATH, security_settings=settings, max_request_body_size=max_body)
+    guard = TransportSecurityMiddleware(settings)
+
+    async def handle_sse(scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = await guard.validate_request(Request(scope, receive))
+        if refusal is not None:  # checked here so connect_sse never has to refuse mid-stream
+            await refusal(scope, receive, send)
+            return
+        async with sse.connect_sse(scope, receive, send) as (read, write):
+            await server.run(read, write, initialization_options(server))
+
+    mcp_routes: list[Route | Mount] = [
+        Route(SSE_PATH, protect(handle_sse, verifier is not None), methods=["GET"]),
+        Mount(MESSAGES_PATH, app=protect(sse.handle_post_message, verifier is not None)),
+    ]
+    return Starlette(routes=[*routes, *mcp_routes], middleware=auth_middleware(verifier) if verifier else [])
+
+
+# --- serving -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _signals_end_serving() -> Iterator[None]:
+    """uvicorn re-raises the signal that stopped it; make that a no-op so the drain still runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in caught}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def serve_http(
+    gateway: Gateway,
+    transport: str,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    version: str = "",
+    *,
+    stateless: bool = False,
+    allowed_hosts: Sequence[str] = (),
+    metrics: Metrics | None = None,
+    shutdown_grace: int = 5,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM, then let in-flight operations record their outcome."""
+    verifier = token_verifier(gateway, environ)
+    check_bind(host, verifier is not None)
+    metrics = metrics or Metrics()
+    metrics.attach(gateway)
+    announcer = ToolListAnnouncer()
+    app = build_app(
+        gateway,
+        transport,
+        host=host,
+        version=version,
+        stateless=stateless,
+        allowed_hosts=allowed_hosts,
+        metrics=metrics,
+        verifier=verifier,
+        announcer=announcer,
+    )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # our JSON handler on the root logger formats uvicorn's records too
+        timeout_graceful_shutdown=shutdown_grace,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    path = MCP_PATH if transport == "streamable-http" else SSE_PATH
+    url = f"http://{host}:{port}{path}"
+    log.info(
+        "serving", extra=extra(url=url, transport=transport, auth=verifier is not None, stateless=stateless)
+    )
+    try:
+        async with (
+            gateway.boundary.running(),
+            policy_watcher(gateway, announcer.announce),
+            upstream_refresher(gateway, announcer.announce),
+        ):
+            with _signals_end_serving():
+                await server.serve()
+            log.info("stopped accepting requests; letting in-flight operations record their outcome")
+    finally:
+        announcer.close()

@@ -1,0 +1,241 @@
+"""Prometheus metrics: the boundary's events, calls, ledger latency, and operations by state.
+
+`Metrics` is an `Observer` (pass it to `Gateway.open(observe=...)`, or let
+`attach` chain it onto a running gateway). Per event it does one dict lookup
+and one `inc()` on a pre-resolved labelled child: no locks beyond
+prometheus_client's own, no I/O. Operations by state are not counted as they
+happen (several processes may share one ledger): they are read from
+`ledger.counts()` when `/metrics` is scraped.
+
+Label values are bounded: tools come from the policy, classes, codes, states,
+outcomes and verdicts from fixed sets. A call to a tool the policy does not
+serve is counted as `tool="(unknown)"` so clients cannot grow the series.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from commitgate.server.ledger.base import (
+    AuditEntry,
+    Change,
+    Claim,
+    ClaimRequest,
+    Lease,
+    Ledger,
+    OperationFilter,
+)
+from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.records import Operation
+
+if TYPE_CHECKING:
+    from commitgate.server.serve.gateway import Gateway
+
+log = logging.getLogger("commitgate.metrics")
+T = TypeVar("T")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNKNOWN_TOOL = "(unknown)"
+CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TC = ("tool", "idempotency_class")
+
+# `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
+disable_created_metrics()
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.calls = Counter(
+            "commitgate_calls", "tools/call requests by answer code", [*_TC, "code"], registry=r
+        )
+        self.call_seconds = Histogram(
+            "commitgate_call_seconds", "Time to answer a tools/call", _TC, buckets=CALL_BUCKETS, registry=r
+        )
+        self.in_progress = Gauge(
+            "commitgate_calls_in_progress", "tools/call requests being answered", registry=r
+        )
+        counter = self._event_counter
+        # event name -> (counter, name of the extra label taken from the event's fields, or None)
+        self._by_event: dict[str, tuple[Counter, str | None]] = {
+            "replay": (counter("replays", "Answers replayed from the ledger"), None),
+            "conflict": (counter("conflicts", "Keys reused with another tool or other arguments"), None),
+            "retry": (counter("retries", "Automatic retries after a failed attempt"), None),
+            "attempt": (counter("attempts", "Executions by outcome", "outcome"), "outcome"),
+            "reconciliation": (counter("reconciliations", "Status checks by verdict", "verdict"), "verdict"),
+            "lease_expired": (counter("lease_expiries", "RUNNING operations whose owner stopped"), None),
+            "completed": (counter("completions", "Operations recorded by final state", "state"), "state"),
+            "ledger_unavailable": (counter("ledger_unavailable", "Calls refused: ledger not writable"), None),
+        }
+        self.operation_seconds = Histogram(
+            "commitgate_operation_seconds",
+            "Time from claim to the recorded outcome (time spent RUNNING)",
+            [*_TC, "state"],
+            buckets=CALL_BUCKETS,
+            registry=r,
+        )
+        self.ledger_seconds = Histogram(
+            "commitgate_ledger_seconds", "Ledger step latency", ["method"], buckets=LEDGER_BUCKETS, registry=r
+        )
+        self.operations = Gauge(
+            "commitgate_operations", "Operations in the ledger by state", ["state"], registry=r
+        )
+        self.ledger_events = Gauge(
+            "commitgate_ledger_events", "Audit trail entries by event (all processes)", ["event"], registry=r
+        )
+        self.ledger_up = Gauge(
+            "commitgate_ledger_up", "1 when the last scrape could read the ledger", registry=r
+        )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _event_counter(self, name: str, doc: str, extra: str | None = None) -> Counter:
+        labels = [*_TC, extra] if extra else list(_TC)
+        return Counter(f"commitgate_{name}", doc, labels, registry=self.registry)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    # --- the Observer hook -------------------------------------------------------------------
+
+    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+        try:
+            spec = self._by_event.get(event)
+            if spec is None:
+                return
+            counter, extra = spec
+            labels = (tool, cls.value, str(fields.get(extra, ""))) if extra else (tool, cls.value)
+            self._child(counter, *labels).inc()
+            seconds = fields.get("seconds")
+            if event == "completed" and isinstance(seconds, int | float):
+                self._child(self.operation_seconds, *labels).observe(seconds)
+        except Exception:  # instrumentation must never break a call
+            log.debug("metrics observer failed for %s", event, exc_info=True)
+
+    # --- calls (recorded by the MCP surface) ----------------------------------------------------
+
+    def call_finished(self, tool: str, cls: str, code: str, seconds: float) -> None:
+        self._child(self.calls, tool, cls, code).inc()
+        self._child(self.call_seconds, tool, cls).observe(seconds)
+
+    def ledger_step(self, method: str, seconds: float) -> None:
+        self._child(self.ledger_seconds, method).observe(seconds)
+
+    # --- exposition --------------------------------------------------------------------------
+
+    async def exposition(self, ledger: Ledger) -> bytes:
+        """The Prometheus text format, with operations by state read from the ledger now."""
+        try:
+            counts = await ledger.counts()
+        except Exception:
+            log.warning("metrics: could not read operation counts from the ledger")
+            self.ledger_up.set(0)
+        else:
+            self.ledger_up.set(1)
+            for name, value in counts.items():
+                if name.startswith("event:"):
+                    self._child(self.ledger_events, name.removeprefix("event:")).set(value)
+                else:
+                    self._child(self.operations, name).set(value)
+        return generate_latest(self.registry)
+
+    def attach(self, gateway: Gateway) -> None:
+        """Observe a gateway that was opened without these metrics: chain the observer, time the ledger."""
+        current = gateway.boundary.observe
+        attached = current is self or (isinstance(current, _Both) and current.second is self)
+        if not attached:
+            gateway.boundary.observe = self if _is_noop(current) else _Both(current, self)
+        if not isinstance(gateway.ledger, TimedLedger):
+            timed = TimedLedger(gateway.ledger, self)
+            gateway.ledger = timed
+            gateway.boundary.ledger = timed
+
+
+def _is_noop(observer: Any) -> bool:
+    from commitgate.server.core.boundary import _ignore
+
+    return observer is _ignore
+
+
+class _Both:
+    """Two observers in turn; each is already required not to raise."""
+
+    def __init__(self, first: Any, second: Metrics) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+        self.first(event, tool, cls, **fields)
+        self.second(event, tool, cls, **fields)
+
+
+class TimedLedger:
+    """A Ledger that reports the latency of every step it delegates."""
+
+    def __init__(self, inner: Ledger, metrics: Metrics) -> None:
+        self.inner = inner
+        self._metrics = metrics
+
+    async def _timed(self, method: str, step: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await step
+        finally:
+            self._metrics.ledger_step(method, time.perf_counter() - start)
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        return await self._timed("claim", self.inner.claim(request, now))
+
+    async def update(
+        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        return await self._timed("update", self.inner.update(operation_id, change, now, current=current))
+
+    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
+        return await self._timed("renew_lease", self.inner.renew_lease(operation_id, fence, lease))
+
+    async def get(self, principal: str, session: str, step: str) -> Operation | None:
+        return await self._timed("get", self.inner.get(principal, session, step))
+
+    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
+        return await self._timed("get_by_id", self.inner.get_by_id(principal, operation_id))
+
+    async def find(self, where: OperationFilter) -> list[Operation]:
+        return await self._timed("find", self.inner.find(where))
+
+    async def history(self, operation_id: str) -> list[AuditEntry]:
+        return await self._timed("history", self.inner.history(operation_id))
+
+    async def expire_leases(self, now: float) -> Sequence[Operation]:
+        return await self._timed("expire_leases", self.inner.expire_leases(now))
+
+    async def purge(self, now: float) -> int:
+        return await self._timed("purge", self.inner.purge(now))
+
+    async def counts(self) -> dict[str, int]:
+        return await self._timed("counts", self.inner.counts())
+
+    async def check_writable(self) -> None:
+        await self._timed("check_writable", self.inner.check_writable())
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (e.g. group_commit_stats) stay reachable
+        return getattr(self.inner, name)

@@ -1,0 +1,144 @@
+"""From a policy to the served tools: a tool source per entry, its MCP definition, its guard.
+
+The MCP definition follows the class (DESIGN 1.3, 1.5): keyed tools get the
+required `idempotency_key` argument and one sentence on how to use it, and
+their annotations say what kind of action they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mcp.types as types
+
+from commitgate.server.core.boundary import GuardedTool
+from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.models import Policy, Problem, ToolPolicy
+from commitgate.tools.base import ToolBuildError
+
+KEY_PROPERTY: dict[str, Any] = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 255,
+    "pattern": r"^[A-Za-z0-9._:@/+=\-]+$",
+    "description": (
+        "Idempotency key for this action. Choose a new unique value for each new action (e.g. "
+        "'refund-order-1234'); when retrying the same action, reuse exactly the same value so it is not done twice."
+    ),
+}
+
+KEY_SENTENCE = {
+    IdempotencyClass.KEY_REQUIRED: (
+        "Pass a new idempotency_key for each new action and the same one when retrying it: a retry returns "
+        "the first outcome instead of acting twice."
+    ),
+    IdempotencyClass.KEY_AND_STATUS_CHECK: (
+        "Pass a new idempotency_key for each new action and the same one when retrying it; if an answer is "
+        "lost, poll get_operation_status with that key instead of calling again."
+    ),
+    IdempotencyClass.COMPENSABLE: (
+        "Pass a new idempotency_key for each new action and the same one when retrying it; if a later step "
+        "fails, undo it with compensate_session rather than retrying."
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedTool:
+    guard: GuardedTool
+    definition: types.Tool
+    exposed: bool
+
+
+def build_source(name: str, policy: ToolPolicy, whole: Policy) -> Any:
+    """The tool source for one policy entry.
+
+    Upstream tools normally come in `extra_sources`, built by the gateway's `UpstreamManager` from
+    live connections; built here (e.g. by `policy check`) they are offline: structure is checked,
+    nothing is started, and a call would answer that the upstream is not connected.
+    """
+    if policy.python is not None:
+        from commitgate.tools.python import PythonTool
+
+        status = policy.status_check.python if policy.status_check else None
+        if policy.status_check is not None and policy.status_check.http is not None:
+            raise ValueError(
+                'a python tool\'s status check is python too (`status_check = "module:function"`)'
+            )
+        return PythonTool(policy.python, status, policy.description)
+    if policy.http is not None:
+        from commitgate.tools.http import HttpTool
+
+        return HttpTool(name, policy, whole)
+    from commitgate.tools.upstream import UpstreamTool
+
+    return UpstreamTool(name, policy, whole, connection=None)
+
+
+def input_schema_for(source_schema: Mapping[str, Any], cls: IdempotencyClass) -> dict[str, Any]:
+    schema = copy.deepcopy(dict(source_schema))
+    schema.setdefault("type", "object")
+    if cls.keyed:
+        schema.setdefault("properties", {})["idempotency_key"] = KEY_PROPERTY
+        schema["required"] = [
+            *[r for r in schema.get("required", []) if r != "idempotency_key"],
+            "idempotency_key",
+        ]
+    return schema
+
+
+def annotations_for(policy: ToolPolicy) -> types.ToolAnnotations:
+    if policy.idempotency_class is IdempotencyClass.SAFE_RETRY:
+        return types.ToolAnnotations(read_only_hint=True, idempotent_hint=True, destructive_hint=False)
+    return types.ToolAnnotations(
+        read_only_hint=False, idempotent_hint=True, destructive_hint=policy.destructive
+    )
+
+
+def definition_for(name: str, policy: ToolPolicy, source: Any) -> types.Tool:
+    description = policy.description or source.description or name
+    sentence = KEY_SENTENCE.get(policy.idempotency_class)
+    if sentence:
+        description = f"{description.rstrip()} {sentence}"
+    return types.Tool(
+        name=name,
+        title=policy.title,
+        description=description,
+        input_schema=input_schema_for(source.input_schema, policy.idempotency_class),
+        output_schema=source.output_schema,
+        annotations=annotations_for(policy),
+    )
+
+
+def build_tools(
+    policy: Policy, policy_dir: Path | None, extra_sources: Mapping[str, Any] | None = None
+) -> dict[str, ServedTool]:
+    """Every tool of the policy, each with its source; problems are collected, not raised one by one."""
+    if policy_dir is not None and str(policy_dir) not in sys.path:
+        sys.path.insert(0, str(policy_dir))  # `python = "mytools:fn"` next to the policy file just works
+    served: dict[str, ServedTool] = {}
+    problems: list[Problem] = []
+    for name, tool_policy in policy.tools.items():
+        try:
+            source = (extra_sources or {}).get(name) or build_source(name, tool_policy, policy)
+        except Exception as exc:  # a declaration mistake knows its own place in the file
+            location = getattr(exc, "location", None) or f"tools.{name}.{tool_policy.source_kind}"
+            problems.append(Problem(location, getattr(exc, "message", None) or str(exc)))
+            continue
+        if (
+            tool_policy.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK
+            and not source.has_status_check
+        ):
+            problems.append(
+                Problem(f"tools.{name}.status_check", "the source could not provide a status check")
+            )
+        guard = GuardedTool(name, tool_policy, source)
+        served[name] = ServedTool(guard, definition_for(name, tool_policy, source), tool_policy.expose)
+    if problems:
+        raise ToolBuildError(problems)
+    return served

@@ -1,0 +1,398 @@
+"""Hot reload: a running server follows edits of its policy file.
+
+A valid edit is applied to the gateway for new calls and announced to
+clients; an invalid one is rejected with the messages `policy check` prints,
+and the previous policy keeps serving. Calls already in flight hold the
+`GuardedTool` they started with, so an edit never changes an operation under
+way; a removed tool's records stay in the ledger and stay answerable.
+
+Changes arrive through `watchfiles` (inotify and friends); a slow tick
+compares the file's stat signature too, so an edit made while the watcher was
+starting, or on a filesystem without notifications, is not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mcp.types as types
+from mcp.server import Server, ServerRequestContext
+from mcp.server.context import CallNext, HandlerResult
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from watchfiles import Change, awatch
+
+from commitgate.server.core.boundary import GuardedTool
+from commitgate.server.policy.models import Policy, PolicyReport, Problem, analyse_text, with_lines
+from commitgate.server.serve.checking import check_report, format_report, served_schemas, source_problems
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.registry import ServedTool, build_tools
+from commitgate.tools.base import ToolBuildError
+
+log = logging.getLogger("commitgate.reload")
+
+OnApplied = Callable[[], Awaitable[None]]
+Builder = Callable[[Policy, Path, Mapping[str, Any]], dict[str, ServedTool]]
+
+
+def default_builder(policy: Policy, policy_dir: Path, reuse: Mapping[str, Any]) -> dict[str, ServedTool]:
+    """Build every tool of `policy`, reusing the given sources of tools that did not change."""
+    return build_tools(policy, policy_dir, reuse)
+
+
+# --- announcing the change -------------------------------------------------------------------
+
+
+class ToolListAnnouncer:
+    """Tells connected clients that the tool list changed, in both protocol eras.
+
+    Handshake-era clients get `notifications/tools/list_changed` on their
+    connection; 2026-07-28 clients get it on their `subscriptions/listen`
+    streams (the only place that era carries it). `install` adds both to a
+    low-level server: the listen handler, and a middleware that remembers
+    handshake-era connections.
+    """
+
+    def __init__(self) -> None:
+        self.bus = InMemorySubscriptionBus()
+        self.listen = ListenHandler(self.bus)
+        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def install(self, server: Server[Any]) -> None:
+        server.add_request_handler(
+            "subscriptions/listen", types.SubscriptionsListenRequestParams, self.listen
+        )
+        server.middleware.append(self._remember)
+
+    async def _remember(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            # The SDK keeps the connection behind the per-request session; it has no public accessor.
+            connection = getattr(ctx.session, "_connection", None)
+            if connection is not None:
+                self._connections.add(connection)
+        return await call_next(ctx)
+
+    async def announce(self) -> None:
+        await self.bus.publish(ToolsListChanged())
+        for connection in list(self._connections):
+            await connection.send_tool_list_changed()  # best effort: never raises
+
+    def close(self) -> None:
+        self.listen.close()
+
+
+# --- one reload ---------------------------------------------------------------------------------
+
+
+class Verdict(StrEnum):
+    APPLIED = "applied"
+    REJECTED = "rejected"
+    UNCHANGED = "unchanged"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    verdict: Verdict
+    problems: list[Problem] = field(default_factory=list)
+    announced: bool = False
+
+
+@dataclass
+class PolicyReloader:
+    """Reads the policy file, validates and builds it, and applies it to the gateway."""
+
+    gateway: Gateway
+    path: Path
+    on_applied: OnApplied
+    build: Builder = default_builder
+    clock: Callable[[], float] = time.monotonic
+    _text: str | None = None
+    _stat: tuple[int, int, int] | None = None
+    _file_ledger: Any = None
+    _retiring: list[tuple[float, list[GuardedTool]]] = field(default_factory=list)
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def prime(self) -> None:
+        """Remember the file when it is what serves now; otherwise the first tick reloads it."""
+        signature = self._signature()
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return
+        report = analyse_text(text, str(self.path))
+        if report.policy is not None:
+            self._file_ledger = report.policy.ledger
+            if self._with_running_ledger(report.policy) == self.gateway.policy:
+                self._text, self._stat = text, signature
+
+    def changed_on_disk(self) -> bool:
+        return self._signature() != self._stat
+
+    async def reload(self) -> ReloadResult:
+        self._stat = self._signature()
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("cannot read policy %s (%s); the current policy keeps serving", self.path, exc)
+            return ReloadResult(Verdict.UNREADABLE)
+        if text == self._text:
+            return ReloadResult(Verdict.UNCHANGED)
+        if not text.strip():  # an editor truncating before it writes: wait for the content
+            log.info("policy %s is empty; the current policy keeps serving", self.path)
+            return ReloadResult(Verdict.UNREADABLE)
+        self._text = text
+        async with self.gateway.rebuilding:
+            policy, served, problems = await self._validate(text)
+            if policy is None or served is None:
+                await self._retire_upstreams(self.gateway.policy)  # whatever the rejected edit connected
+                log.error(
+                    "policy edit rejected; the previous policy keeps serving.\n%s",
+                    format_report(str(self.path), problems),
+                )
+                return ReloadResult(Verdict.REJECTED, problems)
+            changed = self._apply(policy, served)
+            await self._retire_upstreams(policy)
+        if changed:
+            await _announce(self.on_applied)
+        return ReloadResult(Verdict.APPLIED, [], changed)
+
+    async def _validate(self, text: str) -> tuple[Policy | None, dict[str, ServedTool] | None, list[Problem]]:
+        report = analyse_text(text, str(self.path))
+        if report.policy is None:
+            return None, None, check_report(report, self.path.parent)  # every problem, as `check` finds them
+        self._note_restart_only_changes(report.policy)
+        policy = self._with_running_ledger(report.policy)
+        try:
+            sources = {**await self._upstream_sources(policy), **self._reusable(policy)}
+            served = self.build(policy, self.path.parent, sources)
+        except ToolBuildError as exc:
+            return None, None, self._all_problems(report, exc.problems)
+        problems = source_problems(policy.tools, served_schemas(served))
+        return (None, None, self._all_problems(report, problems)) if problems else (policy, served, [])
+
+    def _all_problems(self, report: PolicyReport, found: list[Problem]) -> list[Problem]:
+        """What `check` reports, plus what only live upstream connections could reveal."""
+        checked = check_report(report, self.path.parent)
+        return list(dict.fromkeys(checked + with_lines(found, report.text or "")))
+
+    async def _upstream_sources(self, policy: Policy) -> dict[str, Any]:
+        """Upstream tools of the edit: new upstreams connect now, while the current policy still serves."""
+        if self.gateway.upstreams is None:
+            return {}
+        return dict(await self.gateway.upstreams.update(policy, retire=False))
+
+    async def _retire_upstreams(self, serving: Policy) -> None:
+        if self.gateway.upstreams is not None:
+            await self.gateway.upstreams.retire(serving)
+
+    def _with_running_ledger(self, policy: Policy) -> Policy:
+        # The ledger is opened once: `--ledger` and the file's [ledger] both apply only at start.
+        return policy.model_copy(update={"ledger": self.gateway.policy.ledger})
+
+    def _note_restart_only_changes(self, policy: Policy) -> None:
+        if self._file_ledger is not None and policy.ledger != self._file_ledger:
+            log.warning("[ledger] changed in %s: it takes effect at the next restart", self.path)
+        self._file_ledger = policy.ledger
+        if policy.server.name != self.gateway.policy.server.name:
+            log.warning("[server] name changed in %s: it takes effect at the next restart", self.path)
+
+    def _reusable(self, policy: Policy) -> dict[str, Any]:
+        """Sources of tools whose declaration did not change: kept, not rebuilt."""
+        current, old_policy = self.gateway.served, self.gateway.policy
+        reuse: dict[str, Any] = {}
+        for name, tool in policy.tools.items():
+            served = current.get(name)
+            if served is None or served.guard.policy != tool:
+                continue
+            if tool.upstream and old_policy.upstreams.get(tool.upstream) != policy.upstreams.get(
+                tool.upstream
+            ):
+                continue
+            reuse[name] = served.guard.source
+        return reuse
+
+    def _apply(self, policy: Policy, served: dict[str, ServedTool]) -> bool:
+        kept = {id(s.guard.source) for s in served.values()}
+        retired = [s.guard for s in self.gateway.served.values() if id(s.guard.source) not in kept]
+        before = self.gateway.list_tools()
+        self.gateway.apply(policy, served)
+        changed = self.gateway.list_tools() != before
+        if retired:
+            grace = max(t.policy.retry.deadline + 2 * t.policy.timeout for t in retired)
+            self._retiring.append((self.clock() + grace, retired))
+        log.warning(
+            "policy %s applied: %d tool(s)%s",
+            self.path,
+            len(served),
+            "; tool list changed" if changed else "; tool list unchanged",
+        )
+        return changed
+
+    async def close_retired(self) -> None:
+        """Close sources of replaced tools once no call that started with them can still use them."""
+        now = self.clock()
+        due = [tools for when, tools in self._retiring if when <= now]
+        self._retiring = [(when, tools) for when, tools in self._retiring if when > now]
+        for tools in due:
+            for tool in tools:
+                close = getattr(tool.source, "aclose", None)
+                if close is None:
+                    continue
+                try:
+                    await close()
+                except Exception:
+                    log.warning("closing the replaced source of %s failed", tool.name, exc_info=True)
+
+
+# --- watching ----------------------------------------------------------------------------------
+
+
+async def watch_policy(
+    gateway: Gateway,
+    path: Path,
+    on_applied: OnApplied,
+    *,
+    build: Builder = default_builder,
+    stop: anyio.Event | None = None,
+    tick: float = 1.0,
+) -> None:
+    """Follow edits of `path` until `stop` is set (or the task is cancelled)."""
+    target = path.resolve()
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)  # one "change detected" line per save is noise
+    reloader = PolicyReloader(gateway, target, on_applied, build)
+    reloader.prime()
+
+    def ours(change: Change, changed: str) -> bool:
+        return Path(changed) == target
+
+    log.info("watching %s for policy edits", target)
+    # Polled, not inotify: the directory may also hold the ledger, whose every commit would wake
+    # the watcher (about 0.15 ms of a 2-core machine per guarded call, measured).
+    async for changes in awatch(
+        target.parent,
+        watch_filter=ours,
+        stop_event=stop,
+        rust_timeout=max(1, int(tick * 1000)),
+        yield_on_timeout=True,
+        recursive=False,
+        force_polling=True,
+        poll_delay_ms=max(50, int(tick * 500)),
+    ):
+        if changes or reloader.changed_on_disk():
+            try:
+                await reloader.reload()
+            except Exception:  # an unexpected failure rejects this edit, not the watching
+                log.exception("reloading %s failed; the current policy keeps serving", target)
+        await reloader.close_retired()
+
+
+async def _announce(on_applied: OnApplied) -> None:
+    """Tell clients the tool list changed; best effort: what was applied stays applied."""
+    try:
+        await on_applied()
+    except Exception:
+        log.exception("could not announce the changed tool list")
+
+
+# --- an upstream's tools changed --------------------------------------------------------------------
+
+
+async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> bool:
+    """Rebuild the upstream tools of the serving policy from what the upstreams offer now.
+
+    An upstream that was down at start is served from the policy alone (a permissive schema
+    unless it declares one, and no key forwarding); one that comes back with other tools has
+    stale schemas. Other tools keep their sources. True when clients were told of a change.
+    """
+    upstreams = gateway.upstreams
+    if upstreams is None:
+        return False
+    async with gateway.rebuilding:
+        policy = gateway.policy
+        try:
+            fresh = upstreams.sources(policy)
+            kept = {name: s.guard.source for name, s in gateway.served.items() if name not in fresh}
+            policy_dir = gateway.policy_path.parent if gateway.policy_path else None
+            served = build_tools(policy, policy_dir, {**kept, **fresh})
+        except ToolBuildError as exc:  # e.g. it no longer offers a declared tool: keep what serves
+            log.error(
+                "an upstream's tools changed and no longer fit the policy; keeping the current tools.\n%s",
+                exc,
+            )
+            return False
+        before = gateway.list_tools()
+        gateway.apply(policy, served)
+        changed = gateway.list_tools() != before
+    if changed:
+        log.warning("upstream tools refreshed: the tool list changed")
+        await _announce(on_applied)
+    return changed
+
+
+@contextlib.asynccontextmanager
+async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIterator[None]:
+    """Run `refresh_upstream_tools` whenever an upstream lists other tools, beside the body."""
+    upstreams = gateway.upstreams
+    if upstreams is None:
+        yield
+        return
+
+    async def follow() -> None:
+        while True:
+            await upstreams.tools_changed.wait()
+            upstreams.tools_changed.clear()
+            try:
+                await refresh_upstream_tools(gateway, on_applied)
+            except Exception:  # refreshing must never take the server down
+                log.exception("refreshing upstream tools failed; the current tools keep serving")
+
+    task = asyncio.create_task(follow(), name="commitgate-upstream-refresh")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
+async def policy_watcher(
+    gateway: Gateway, on_applied: OnApplied, *, build: Builder = default_builder
+) -> AsyncIterator[None]:
+    """Run `watch_policy` beside the body when the gateway serves a policy file."""
+    path = gateway.policy_path
+    if path is None:
+        yield
+        return
+    stop = anyio.Event()
+
+    async def guarded() -> None:
+        try:
+            await watch_policy(gateway, path, on_applied, build=build, stop=stop)
+        except Exception:  # losing reload must never take the server down
+            log.exception("policy reload stopped; restart to pick up further edits")
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(guarded)
+        try:
+            yield
+        finally:
+            stop.set()  # wakes the watcher thread at its next step
+            tasks.cancel_scope.cancel()

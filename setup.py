@@ -1,0 +1,18 @@
+"""Maps the top-level folders onto the `commitgate` namespace and finds their subpackages.
+
+pyproject.toml holds everything else; setuptools cannot discover packages under a renamed
+directory from pyproject alone, so this is the one place that does it.
+"""
+
+from setuptools import find_packages, setup
+
+_ROOTS = {"commitgate.server": "server", "commitgate.tools": "tools", "commitgate.policies": "policies"}
+
+setup(
+    package_dir=_ROOTS,
+    packages=[
+        f"{name}.{sub}" if sub else name
+        for name, folder in _ROOTS.items()
+        for sub in ["", *find_packages(folder)]
+    ],
+)

@@ -1,0 +1,149 @@
+"""The import rule: a layer may import its own layer and the layers below it, never one above.
+
+The flow of a call is transport → MCP surface → commit boundary → tool source → ledger, and the
+folders say so (docs/architecture.md). Every import counts, including those inside functions,
+so a lazy import cannot hide an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"commitgate.server": ROOT / "server", "commitgate.tools": ROOT / "tools"}
+
+# Lowest first. A module belongs to the first layer whose prefix matches its name.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("model", ("commitgate.server.model", "commitgate.server")),
+    ("ledger", ("commitgate.server.ledger",)),
+    ("policy", ("commitgate.server.policy",)),
+    (
+        "sources",
+        (
+            "commitgate.tools.base",
+            "commitgate.tools.python",
+            "commitgate.tools.http",
+            "commitgate.tools.upstream",
+        ),
+    ),
+    ("core", ("commitgate.server.core",)),
+    ("serve", ("commitgate.server.serve",)),
+    ("commands", ("commitgate.server.cli", "commitgate.server.demo", "commitgate.server.bench")),
+]
+# The bundled example tools are user code: they see only the public names of commitgate.server.
+BUNDLED = ("commitgate.tools.demo", "commitgate.tools.sandbox_api", "commitgate.tools.benchtools")
+BUNDLED_MAY_IMPORT = ("commitgate.server", "commitgate.server.model")
+# Among the commands: the demo holds the harness the benchmark uses, never the other way round.
+FORBIDDEN_PAIRS = [
+    ("commitgate.server.demo", "commitgate.server.bench"),
+    ("commitgate.server.demo", "commitgate.server.cli"),
+    ("commitgate.server.bench", "commitgate.server.cli"),
+]
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer index): the longest prefix wins
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _within(module, prefix) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def modules(folders: dict[str, Path]) -> Iterator[tuple[str, Path]]:
+    for package, folder in folders.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join([package, *parts]), path
+
+
+def imports_of(module: str, path: Path) -> Iterator[tuple[int, str]]:
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            # `from pkg import sub` may name a submodule: judge the most specific name.
+            for alias in node.names:
+                yield node.lineno, f"{target}.{alias.name}"
+
+
+def violations(folders: dict[str, Path]) -> list[str]:
+    found = []
+    for module, path in modules(folders):
+        own = layer_of(module)
+        for line, target in imports_of(module, path):
+            if not target.startswith("commitgate."):
+                continue
+            where = f"{path.relative_to(path.parents[1])}:{line}: {module} imports {target}"
+            if any(_within(module, b) for b in BUNDLED):
+                public = any(_within(target, p) and layer_of(target) == 0 for p in BUNDLED_MAY_IMPORT)
+                if not public and not any(_within(target, b) for b in BUNDLED):
+                    found.append(f"{where} (bundled tools use only the public names)")
+                continue
+            if any(_within(target, b) for b in BUNDLED) and (own is None or own < len(LAYERS) - 1):
+                found.append(f"{where} (only the commands may use the bundled tools)")
+                continue
+            theirs = layer_of(target)
+            if own is not None and theirs is not None and theirs > own:
+                found.append(f"{where} ({LAYERS[own][0]} is below {LAYERS[theirs][0]})")
+            for low, high in FORBIDDEN_PAIRS:
+                if _within(module, low) and _within(target, high):
+                    found.append(f"{where} ({low} must not depend on {high})")
+    return found
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    assert violations(FOLDERS) == []
+
+
+def test_every_layer_has_its_folder() -> None:
+    for name in ("model", "ledger", "policy", "core", "serve", "cli", "demo", "bench"):
+        assert (ROOT / "server" / name / "__init__.py").is_file(), name
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "reason"),
+    [
+        (
+            "ledger/base.py",
+            "from commitgate.server.core.boundary import CommitBoundary\n",
+            "ledger is below core",
+        ),
+        (
+            "core/saga.py",
+            "def f():\n    from commitgate.server.serve import gateway\n",
+            "core is below serve",
+        ),
+        ("model/facts.py", "from ..policy.models import Policy\n", "model is below policy"),
+        ("demo/run.py", "from commitgate.server.bench.run import main\n", "must not depend on"),
+    ],
+)
+def test_the_rule_catches_an_upward_import(tmp_path: Path, module: str, source: str, reason: str) -> None:
+    """A deliberate violation planted in a copy of the layout fails the rule."""
+    server = tmp_path / "server"
+    for package in ("model", "ledger", "policy", "core", "serve", "demo", "bench"):
+        (server / package).mkdir(parents=True)
+        (server / package / "__init__.py").write_text("")
+    (server / "__init__.py").write_text("")
+    (server / module).write_text(source)
+    found = violations({"commitgate.server": server})
+    assert len(found) == 1 and reason in found[0], found
