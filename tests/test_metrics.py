@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.policy.models import loads_policy
 from commitgate.server.serve import logs
@@ -140,10 +141,10 @@ async def test_retries_and_reconciliations_are_counted(
 
 def test_the_observer_ignores_what_it_does_not_know_and_never_raises() -> None:
     metrics = Metrics()
-    metrics("no_such_event", "t", KEYED, whatever=object())
-    metrics("completed", "t", KEYED, state="SUCCEEDED", seconds="not a number")
-    metrics("lease_expired", "t", KEYED)
-    metrics("completed", "t", KEYED, state="SUCCEEDED", seconds=1.5)
+    metrics("no_such_event", "t", KEYED, whatever=object())  # type: ignore[arg-type]
+    metrics(Event.COMPLETED, "t", KEYED, state="SUCCEEDED", seconds="not a number")
+    metrics(Event.LEASE_EXPIRED, "t", KEYED)
+    metrics(Event.COMPLETED, "t", KEYED, state="SUCCEEDED", seconds=1.5)
     scraped = samples(generate_latest(metrics.registry).decode())
     labels = {"tool": "t", "idempotency_class": "key-required"}
     assert value(scraped, "commitgate_lease_expiries_total", **labels) == 1
@@ -151,12 +152,25 @@ def test_the_observer_ignores_what_it_does_not_know_and_never_raises() -> None:
     assert value(scraped, "commitgate_operation_seconds_count", state="SUCCEEDED", **labels) == 1
 
 
+def test_every_boundary_event_has_a_metric() -> None:
+    """A new event without a counter would be invisible to operators; this fails until it has one."""
+    metrics = Metrics()
+    for event in Event:
+        metrics(event, "t", KEYED, outcome="x", verdict="x", state="x")
+    scraped = samples(generate_latest(metrics.registry).decode())
+    counted = {name for name, _ in scraped if name.endswith("_total")}
+    assert len(counted) >= len(Event), sorted(counted)
+    assert (
+        value(scraped, "commitgate_results_too_large_total", tool="t", idempotency_class="key-required") == 1
+    )
+
+
 @pytest.mark.anyio
 async def test_attach_chains_the_existing_observer_once(tmp_path: Path) -> None:
     seen: list[str] = []
     policy = loads_policy(POLICY)
     policy.ledger.url = f"sqlite:///{tmp_path / 'chained.db'}"
-    gw = await Gateway.open(policy, None, observe=lambda event, tool, cls, **f: seen.append(event))
+    gw = await Gateway.open(policy, None, observers=[lambda event, tool, cls, **f: seen.append(event)])
     try:
         metrics = Metrics()
         metrics.attach(gw)
@@ -226,7 +240,7 @@ async def test_boundary_events_are_json_lines_without_argument_values(
     gateway: Gateway, logged: io.StringIO
 ) -> None:
     configure_logging("debug", stream=logged)
-    gateway.boundary.observe = log_event
+    gateway.boundary.observers = [log_event]
     args = {"card": "4242", "amount_cents": 500, "description": SECRET, "idempotency_key": "k6"}
     await gateway.call_tool("charge_card", args, {}, "alice")
     await gateway.call_tool("charge_card", args, {}, "alice")

@@ -38,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policy.ledger.url = args.ledger
 
     async def run() -> None:
-        gateway = await Gateway.open(policy, path, observe=log_event)
+        gateway = await Gateway.open(policy, path, observers=[log_event])
         try:
             if args.transport == "stdio":
                 await serve_stdio(gateway, __version__, args.stdio)

@@ -40,6 +40,7 @@ from commitgate.server.ledger.base import (
     this_owner,
 )
 from commitgate.server.model.context import OperationContext
+from commitgate.server.model.events import Event, Observer
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import ToolOutcomeError
 from commitgate.server.model.records import Operation, ToolResult
@@ -86,16 +87,6 @@ class Answer:
     operation: Operation | None
     replayed: bool
     error: GateError | None = None
-
-
-class Observer(Protocol):
-    """Instrumentation hook (metrics, logs): called on every notable event; must not raise."""
-
-    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None: ...
-
-
-def _ignore(event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
-    return None
 
 
 def canonical_json(value: Any) -> str:
@@ -145,13 +136,17 @@ class CommitBoundary:
     ledger: Ledger
     settings: ServerPolicy
     tools: Mapping[str, GuardedTool] = field(default_factory=dict)
-    observe: Observer = _ignore
+    observers: list[Observer] = field(default_factory=list)  # metrics, logs: each told every event
     clock: Callable[[], float] = time.time
     rng: random.Random = field(default_factory=random.Random)
     owner: str = field(default_factory=this_owner)
     _inflight: dict[str, asyncio.Task[Answer]] = field(default_factory=dict)
     _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
+
+    def _emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+        for observer in self.observers:
+            observer(event, tool, cls, **fields)
 
     # --- entry point ---------------------------------------------------------------
 
@@ -190,10 +185,10 @@ class CommitBoundary:
         try:
             claim = await self.ledger.claim(claim_request, self.clock())
         except LedgerUnavailable as exc:
-            self.observe("ledger_unavailable", tool.name, tool.cls)
+            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.cls)
             raise errors.ledger_unavailable(str(exc)) from None
         if claim.kind is ClaimKind.CONFLICT:
-            self.observe("conflict", tool.name, tool.cls, operation_id=claim.operation.operation_id)
+            self._emit(Event.CONFLICT, tool.name, tool.cls, operation_id=claim.operation.operation_id)
             raise errors.key_reused(claim.operation, tool.name)
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
@@ -206,10 +201,10 @@ class CommitBoundary:
         tool = request.tool
         action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
         if action is OnExisting.REPLAY:
-            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
+            self._emit(Event.REPLAY, tool.name, tool.cls, operation_id=op.operation_id)
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
-            self.observe("replay", tool.name, tool.cls, operation_id=op.operation_id)
+            self._emit(Event.REPLAY, tool.name, tool.cls, operation_id=op.operation_id)
             return Answer(None, op, True, errors.failed(_message(op), op))
         if action is OnExisting.WAIT:
             if waited:
@@ -261,7 +256,7 @@ class CommitBoundary:
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:
             return await self._reread(op)
-        self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self._emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return expired
 
     async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
@@ -302,8 +297,8 @@ class CommitBoundary:
                 found = await tool.source.status(op.arguments, ctx)
         except Exception as exc:
             note.update(verdict=Verdict.CANNOT_TELL.value, error=str(exc) or type(exc).__name__)
-            self.observe(
-                "reconciliation",
+            self._emit(
+                Event.RECONCILIATION,
                 tool.name,
                 tool.cls,
                 verdict=Verdict.CANNOT_TELL.value,
@@ -312,8 +307,8 @@ class CommitBoundary:
             return Verdict.CANNOT_TELL, None, note
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note["verdict"] = verdict.value
-        self.observe(
-            "reconciliation", tool.name, tool.cls, verdict=verdict.value, operation_id=op.operation_id
+        self._emit(
+            Event.RECONCILIATION, tool.name, tool.cls, verdict=verdict.value, operation_id=op.operation_id
         )
         return verdict, found, note
 
@@ -385,8 +380,8 @@ class CommitBoundary:
                 )
                 attempt = await self._attempt(tool, request.arguments, ctx)
                 step = after_attempt(tool.cls, attempt.outcome, policy.forwards_key)
-                self.observe(
-                    "attempt",
+                self._emit(
+                    Event.ATTEMPT,
                     tool.name,
                     tool.cls,
                     outcome=attempt.outcome.value,
@@ -449,7 +444,7 @@ class CommitBoundary:
         if retried is None:
             raise errors.in_progress(await self._reread(op))  # fenced out: a newer attempt owns it
         self._leases[op.operation_id] = retried.fence
-        self.observe("retry", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self._emit(Event.RETRY, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return retried
 
     async def _finish(
@@ -478,8 +473,8 @@ class CommitBoundary:
             recorded = await self._record_late(op, change)
         if recorded is not None:
             self.final.remember(recorded)
-        self.observe(
-            "completed",
+        self._emit(
+            Event.COMPLETED,
             op.tool,
             op.idempotency_class,
             state=state.value,
@@ -502,7 +497,7 @@ class CommitBoundary:
         limit = self.settings.limits.max_result_bytes
         if size <= limit:
             return result
-        self.observe("result_too_large", op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self._emit(Event.RESULT_TOO_LARGE, op.tool, op.idempotency_class, operation_id=op.operation_id)
         text = (
             f"The action succeeded, but its result was {size} bytes, over the limit of {limit}, so it was not "
             "stored or returned. Do not repeat the action; read the details you need with a read-only tool."
@@ -581,7 +576,7 @@ class CommitBoundary:
             delay = backoff.delay(attempt_number, attempt.retry_after)
             if attempt_number >= retry.attempts or self.clock() + delay > deadline:
                 raise errors.retries_exhausted(message, None)
-            self.observe("retry", tool.name, tool.cls)
+            self._emit(Event.RETRY, tool.name, tool.cls)
             await asyncio.sleep(delay)
             attempt_number += 1
 
@@ -627,7 +622,7 @@ class CommitBoundary:
 
     async def _sweep(self) -> None:
         for op in await self.ledger.expire_leases(self.clock()):
-            self.observe("lease_expired", op.tool, op.idempotency_class, operation_id=op.operation_id)
+            self._emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
 
     async def _purge(self) -> None:
         await self.ledger.purge(self.clock())

@@ -12,7 +12,7 @@ import getpass
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,8 +25,6 @@ from commitgate.server.core.boundary import (
     Answer,
     CallRequest,
     CommitBoundary,
-    Observer,
-    _ignore,
     check_key,
     error_for_state,
 )
@@ -35,6 +33,7 @@ from commitgate.server.core.saga import Saga
 from commitgate.server.core.views import operation_meta, status_view
 from commitgate.server.ledger import Ledger, LedgerUnavailable, OperationFilter, open_ledger
 from commitgate.server.ledger.base import lease_over
+from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
@@ -138,7 +137,7 @@ class Gateway:
         policy_path: Path | None = None,
         *,
         ledger: Ledger | None = None,
-        observe: Observer = _ignore,
+        observers: Sequence[Observer] = (),
         extra_sources: Mapping[str, Any] | None = None,
     ) -> Gateway:
         from commitgate.tools.upstream import UpstreamManager
@@ -156,7 +155,7 @@ class Gateway:
             await upstreams.aclose()
             raise
         tools = {name: s.guard for name, s in served.items()}
-        boundary = CommitBoundary(ledger, policy.server, tools, observe=observe)
+        boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
         return cls(policy, ledger, boundary, served, policy_path, principal, upstreams=upstreams)
 

@@ -24,6 +24,7 @@ import traceback
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
 
 EVENTS = logging.getLogger("commitgate.events")
@@ -33,8 +34,13 @@ _OURS = "commitgate"
 _TRUSTED = frozenset({"uvicorn.error", "py.warnings"})  # lifecycle messages and warnings from code
 _FIELD = "commitgate"  # the `extra` attribute carrying structured fields
 _UNSAFE_FIELDS = frozenset({"arguments", "result", "error", "message", "token", "idempotency_key", "key"})
-_WARNING_EVENTS = frozenset({"lease_expired", "ledger_unavailable"})
-_DEBUG_EVENTS = frozenset({"attempt"})
+# Every event at INFO but these: a person should look at the first, the second is one per attempt.
+_LEVELS = {
+    Event.LEASE_EXPIRED: logging.WARNING,
+    Event.LEDGER_UNAVAILABLE: logging.WARNING,
+    Event.RESULT_TOO_LARGE: logging.WARNING,
+    Event.ATTEMPT: logging.DEBUG,
+}
 
 _state = {"unredacted": False}
 
@@ -122,15 +128,9 @@ def _safe(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def log_event(event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
-    """An `Observer` (server/boundary.py): each boundary event as one JSON line on commitgate.events."""
-    level = (
-        logging.WARNING
-        if event in _WARNING_EVENTS
-        else logging.DEBUG
-        if event in _DEBUG_EVENTS
-        else logging.INFO
-    )
+def log_event(event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    """An `Observer`: each boundary event as one JSON line on commitgate.events."""
+    level = _LEVELS.get(event, logging.INFO)
     if not EVENTS.isEnabledFor(level):
         return
     record = {"event": event, "tool": tool, "class": cls.value, **_safe(fields)}

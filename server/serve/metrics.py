@@ -1,6 +1,6 @@
 """Prometheus metrics: the boundary's events, calls, ledger latency, and operations by state.
 
-`Metrics` is an `Observer` (pass it to `Gateway.open(observe=...)`, or let
+`Metrics` is an `Observer` (pass it to `Gateway.open(observers=[...])`, or let
 `attach` chain it onto a running gateway). Per event it does one dict lookup
 and one `inc()` on a pre-resolved labelled child: no locks beyond
 prometheus_client's own, no I/O. Operations by state are not counted as they
@@ -38,6 +38,7 @@ from commitgate.server.ledger.base import (
     Ledger,
     OperationFilter,
 )
+from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.records import Operation
 
@@ -71,15 +72,25 @@ class Metrics:
         )
         counter = self._event_counter
         # event name -> (counter, name of the extra label taken from the event's fields, or None)
-        self._by_event: dict[str, tuple[Counter, str | None]] = {
-            "replay": (counter("replays", "Answers replayed from the ledger"), None),
-            "conflict": (counter("conflicts", "Keys reused with another tool or other arguments"), None),
-            "retry": (counter("retries", "Automatic retries after a failed attempt"), None),
-            "attempt": (counter("attempts", "Executions by outcome", "outcome"), "outcome"),
-            "reconciliation": (counter("reconciliations", "Status checks by verdict", "verdict"), "verdict"),
-            "lease_expired": (counter("lease_expiries", "RUNNING operations whose owner stopped"), None),
-            "completed": (counter("completions", "Operations recorded by final state", "state"), "state"),
-            "ledger_unavailable": (counter("ledger_unavailable", "Calls refused: ledger not writable"), None),
+        self._by_event: dict[Event, tuple[Counter, str | None]] = {
+            Event.REPLAY: (counter("replays", "Answers replayed from the ledger"), None),
+            Event.CONFLICT: (counter("conflicts", "Keys reused with another tool or other arguments"), None),
+            Event.RETRY: (counter("retries", "Automatic retries after a failed attempt"), None),
+            Event.ATTEMPT: (counter("attempts", "Executions by outcome", "outcome"), "outcome"),
+            Event.RECONCILIATION: (
+                counter("reconciliations", "Status checks by verdict", "verdict"),
+                "verdict",
+            ),
+            Event.LEASE_EXPIRED: (counter("lease_expiries", "RUNNING operations whose owner stopped"), None),
+            Event.COMPLETED: (counter("completions", "Operations recorded by final state", "state"), "state"),
+            Event.LEDGER_UNAVAILABLE: (
+                counter("ledger_unavailable", "Calls refused: ledger not writable"),
+                None,
+            ),
+            Event.RESULT_TOO_LARGE: (
+                counter("results_too_large", "Results over the ledger's size limit, recorded as failures"),
+                None,
+            ),
         }
         self.operation_seconds = Histogram(
             "commitgate_operation_seconds",
@@ -115,7 +126,7 @@ class Metrics:
 
     # --- the Observer hook -------------------------------------------------------------------
 
-    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def __call__(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
         try:
             spec = self._by_event.get(event)
             if spec is None:
@@ -124,7 +135,7 @@ class Metrics:
             labels = (tool, cls.value, str(fields.get(extra, ""))) if extra else (tool, cls.value)
             self._child(counter, *labels).inc()
             seconds = fields.get("seconds")
-            if event == "completed" and isinstance(seconds, int | float):
+            if event is Event.COMPLETED and isinstance(seconds, int | float):
                 self._child(self.operation_seconds, *labels).observe(seconds)
         except Exception:  # instrumentation must never break a call
             log.debug("metrics observer failed for %s", event, exc_info=True)
@@ -157,32 +168,13 @@ class Metrics:
         return generate_latest(self.registry)
 
     def attach(self, gateway: Gateway) -> None:
-        """Observe a gateway that was opened without these metrics: chain the observer, time the ledger."""
-        current = gateway.boundary.observe
-        attached = current is self or (isinstance(current, _Both) and current.second is self)
-        if not attached:
-            gateway.boundary.observe = self if _is_noop(current) else _Both(current, self)
+        """Observe a gateway that was opened without these metrics, and time its ledger."""
+        if self not in gateway.boundary.observers:
+            gateway.boundary.observers.append(self)
         if not isinstance(gateway.ledger, TimedLedger):
             timed = TimedLedger(gateway.ledger, self)
             gateway.ledger = timed
             gateway.boundary.ledger = timed
-
-
-def _is_noop(observer: Any) -> bool:
-    from commitgate.server.core.boundary import _ignore
-
-    return observer is _ignore
-
-
-class _Both:
-    """Two observers in turn; each is already required not to raise."""
-
-    def __init__(self, first: Any, second: Metrics) -> None:
-        self.first, self.second = first, second
-
-    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
-        self.first(event, tool, cls, **fields)
-        self.second(event, tool, cls, **fields)
 
 
 class TimedLedger:
