@@ -180,8 +180,8 @@ async def test_bulk_ledger_rows_are_real_operations(tmp_path: Path) -> None:
     ledger = await SQLiteLedger.open(path)
     try:
         counts = await ledger.counts()
-        assert counts[State.SUCCEEDED.value] == 1000
-        assert counts["event:claimed"] == counts["event:succeeded"] == 1000
+        assert counts.states[State.SUCCEEDED.value] == 1000
+        assert counts.events["claimed"] == counts.events["succeeded"] == 1000
         op = await ledger.get("bench", "session-0", "order-1-charge")
         assert op is not None and op.state is State.SUCCEEDED and op.result is not None
         assert op.result.structured == {

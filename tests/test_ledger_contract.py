@@ -122,7 +122,7 @@ async def test_claim_of_a_known_key_returns_the_existing_operation(ledger: Ledge
         1,
         OWNER,
     )
-    assert (await ledger.counts())[State.RUNNING.value] == 1
+    assert (await ledger.counts()).states[State.RUNNING.value] == 1
 
 
 @pytest.mark.anyio
@@ -143,7 +143,7 @@ async def test_keys_are_scoped_by_principal_and_session(ledger: Ledger) -> None:
         for s in ("s1", "s2")
     }
     assert len(ids) == 4
-    assert (await ledger.counts())[State.RUNNING.value] == 4
+    assert (await ledger.counts()).states[State.RUNNING.value] == 4
 
 
 @pytest.mark.anyio
@@ -152,7 +152,7 @@ async def test_concurrent_claims_of_one_key_make_exactly_one_owner(ledger: Ledge
     kinds = [c.kind for c in claims]
     assert kinds.count(ClaimKind.NEW) == 1 and kinds.count(ClaimKind.EXISTING) == 39
     assert len({c.operation.operation_id for c in claims}) == 1
-    assert (await ledger.counts())["event:claimed"] == 1
+    assert (await ledger.counts()).events["claimed"] == 1
 
 
 @pytest.mark.anyio
@@ -336,7 +336,7 @@ async def test_expire_leases_turns_only_expired_running_operations_unknown(ledge
         "done": State.SUCCEEDED,
     }
     assert await ledger.expire_leases(T0 + 10.0) == []
-    assert (await ledger.counts())["event:lease_expired"] == 2
+    assert (await ledger.counts()).events["lease_expired"] == 2
 
 
 @pytest.mark.anyio
@@ -427,9 +427,10 @@ async def test_counts_operations_by_state_and_events_by_kind(ledger: Ledger) -> 
     await completed(ledger, "b", State.FAILED_FINAL)
     await new_op(ledger, "c")
     counts = await ledger.counts()
-    assert set(State).issubset({State(k) for k in counts if not k.startswith("event:")})
-    assert (counts["SUCCEEDED"], counts["FAILED_FINAL"], counts["RUNNING"], counts["UNKNOWN"]) == (1, 1, 1, 0)
-    assert (counts["event:claimed"], counts["event:succeeded"], counts["event:failed_final"]) == (3, 1, 1)
+    assert set(State).issubset({State(k) for k in counts.states})
+    states, events = counts.states, counts.events
+    assert (states["SUCCEEDED"], states["FAILED_FINAL"], states["RUNNING"], states["UNKNOWN"]) == (1, 1, 1, 0)
+    assert (events["claimed"], events["succeeded"], events["failed_final"]) == (3, 1, 1)
 
 
 @pytest.mark.anyio
@@ -507,7 +508,11 @@ async def test_sqlite_a_failing_step_takes_only_itself_down(tmp_path: Path) -> N
         assert isinstance(failure, ValueError)
         assert all(not isinstance(r, BaseException) and r.kind is ClaimKind.NEW for r in results)
         counts = await ledger.counts()
-        assert (counts["RUNNING"], counts["event:claimed"], counts.get("event:half-done", 0)) == (30, 30, 0)
+        assert (counts.states["RUNNING"], counts.events["claimed"], counts.events.get("half-done", 0)) == (
+            30,
+            30,
+            0,
+        )
     finally:
         await ledger.close()
 

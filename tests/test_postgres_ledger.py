@@ -316,7 +316,7 @@ async def test_purge_deletes_in_small_batches_and_never_unknown_or_running() -> 
         await new_op(ledger, "running", lease=1e9)
         assert await ledger.purge(T0 + 100, batch=10) == 25
         counts = await ledger.counts()
-        assert (counts["SUCCEEDED"], counts["UNKNOWN"], counts["RUNNING"]) == (0, 1, 1)
+        assert (counts.states["SUCCEEDED"], counts.states["UNKNOWN"], counts.states["RUNNING"]) == (0, 1, 1)
         assert await ledger.purge(T0 + 1e10) == 0
         events = await scalar(url, "SELECT array_agg(event ORDER BY id) FROM commitgate_audit")
         assert events == ["claimed", "lease_expired", "claimed"]  # the purged records took theirs along

@@ -24,6 +24,7 @@ from typing import Any
 
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import Change, ClaimKind, ClaimRequest, Ledger
+from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
 
@@ -123,8 +124,7 @@ async def _concurrent(ledger: Ledger, ops: int, tasks: int) -> dict[str, float]:
 
 
 def _group_stats(ledger: Ledger) -> tuple[int, int] | None:
-    stats = getattr(ledger, "group_commit_stats", None)
-    return stats if isinstance(stats, tuple) else None
+    return ledger.group_commit_stats if isinstance(ledger, SQLiteLedger) else None
 
 
 async def run_ledger_bench(

@@ -32,7 +32,8 @@ from commitgate.server.ledger import (
     default_ledger_url,
     open_ledger,
 )
-from commitgate.server.ledger.base import lease_over, owner_known_dead
+from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
+from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult, iso
@@ -137,14 +138,15 @@ def ledger_url(args: argparse.Namespace) -> str:
 @asynccontextmanager
 async def opened(url: str, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
     """The ledger at `url`; None when it is a SQLite file that does not exist yet (never creates one)."""
-    if url.startswith("sqlite:///"):
-        from commitgate.server.ledger.sqlite import path_from_url
-
-        if not path_from_url(url).expanduser().exists():
-            if must_exist:
-                raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
-            yield None
-            return
+    try:
+        where = parse_ledger_url(url)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
+        if must_exist:
+            raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
+        yield None
+        return
     ledger = await open_ledger(url)
     try:
         yield ledger
@@ -411,11 +413,13 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 async def _migrate(url: str) -> dict[str, Any]:
     """Apply pending PostgreSQL migrations; the report never holds the URL's password."""
-    if url.startswith("sqlite:///"):
+    try:
+        where = parse_ledger_url(url)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if where.backend is Backend.SQLITE:
         note = "a SQLite ledger creates and migrates its schema itself when it is opened; nothing to do"
         return {"ledger": url, "backend": "sqlite", "applied": 0, "schema_version": None, "note": note}
-    if not url.startswith(("postgresql://", "postgres://")):
-        raise CommandError("unsupported ledger URL: use sqlite:///... or postgresql://...")
     try:
         from commitgate.server.ledger.postgres import SCHEMA_VERSION, migrate, redact
     except ImportError as exc:
@@ -471,10 +475,10 @@ def _orphaned_since(op: Operation) -> float:
     return op.lease_expires_at
 
 
-def summarise(counts: dict[str, int]) -> dict[str, Any]:
-    events = {k.removeprefix("event:"): v for k, v in sorted(counts.items()) if k.startswith("event:")}
+def summarise(counts: Counts) -> dict[str, Any]:
+    events = dict(sorted(counts.events.items()))
     return {
-        "operations": {state.value: counts.get(state.value, 0) for state in State},
+        "operations": {state.value: counts.states.get(state.value, 0) for state in State},
         "events": events,
         "retries": sum(events.get(e, 0) for e in RETRY_EVENTS),
         "reconciliations": sum(events.get(e, 0) for e in RECONCILE_EVENTS),
@@ -487,7 +491,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     async def body() -> int:
         now = time.time()
         async with opened(ledger_url(args), must_exist=False) as ledger:
-            counts = await ledger.counts() if ledger is not None else {}
+            counts = await ledger.counts() if ledger is not None else Counts({}, {})
             stale: list[Operation] = []
             if ledger is not None and args.unresolved_after is not None:
                 stale = await stale_operations(ledger, now - args.unresolved_after, now)

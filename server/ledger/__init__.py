@@ -16,6 +16,7 @@ from commitgate.server.ledger.base import (
     LedgerUnavailable,
     OperationFilter,
 )
+from commitgate.server.ledger.urls import Backend, LedgerURL, parse_ledger_url
 
 __all__ = [
     "Change",
@@ -24,10 +25,12 @@ __all__ = [
     "ClaimRequest",
     "Lease",
     "Ledger",
+    "LedgerURL",
     "LedgerUnavailable",
     "OperationFilter",
     "default_ledger_url",
     "open_ledger",
+    "parse_ledger_url",
 ]
 
 
@@ -38,20 +41,19 @@ def default_ledger_url() -> str:
 
 
 async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True) -> Ledger:
-    url = url or default_ledger_url()
-    if url.startswith("sqlite:///"):
-        from commitgate.server.ledger.sqlite import SQLiteLedger, path_from_url
+    try:
+        where = parse_ledger_url(url or default_ledger_url())
+    except ValueError as exc:
+        raise LedgerUnavailable(str(exc)) from None
+    if where.backend is Backend.SQLITE:
+        from commitgate.server.ledger.sqlite import SQLiteLedger
 
-        return await SQLiteLedger.open(path_from_url(url), synchronous=synchronous)
-    if url.startswith(("postgresql://", "postgres://")):
-        try:
-            from commitgate.server.ledger.postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
-        except ImportError as exc:
-            raise LedgerUnavailable(
-                f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
-            ) from exc
-        ledger: Ledger = await PostgresLedger.open(url, auto_migrate=auto_migrate)
-        return ledger
-    raise LedgerUnavailable(
-        f"unsupported ledger URL {url!r}: use sqlite:///relative.db, sqlite:////absolute.db or postgresql://..."
-    )
+        return await SQLiteLedger.open(where.sqlite_path, synchronous=synchronous)
+    try:
+        from commitgate.server.ledger.postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise LedgerUnavailable(
+            f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
+        ) from exc
+    ledger: Ledger = await PostgresLedger.open(where.url, auto_migrate=auto_migrate)
+    return ledger

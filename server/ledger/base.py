@@ -91,20 +91,13 @@ class OperationFilter:
     older_than: float | None = None
     limit: int = 50
 
-    def conditions(self) -> list[tuple[str, Any]]:
-        """What the filter asks for: (SQL with one `{}` for the backend's placeholder, value)."""
-        equal = (
-            ("principal", self.principal),
-            ("session", self.session),
-            ("state", self.state.value if self.state else None),
-            ("tool", self.tool),
-        )
-        terms: list[tuple[str, Any]] = [
-            (f"{column} = {{}}", value) for column, value in equal if value is not None
-        ]
-        if self.older_than is not None:
-            terms.append(("updated_at <= {}", self.older_than))
-        return terms
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """What the ledger holds now: operations by state (every state present), audit records by event."""
+
+    states: dict[str, int]
+    events: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +144,8 @@ class Ledger(Protocol):
         """Delete completed operations past their retention; UNKNOWN is never purged."""
         ...
 
-    async def counts(self) -> dict[str, int]:
-        """Operations by state, and audit events by kind (`event:NAME`)."""
+    async def counts(self) -> Counts:
+        """Operations by state, and audit records by event."""
         ...
 
     async def check_writable(self) -> None: ...

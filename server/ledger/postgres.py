@@ -40,11 +40,13 @@ from commitgate.server.ledger.base import (
     Claim,
     ClaimKind,
     ClaimRequest,
+    Counts,
     Lease,
     LedgerUnavailable,
     OperationFilter,
     owner_known_dead,
 )
+from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -503,7 +505,7 @@ class PostgresLedger:
         return op if principal is None or op.principal == principal else None
 
     async def find(self, where: OperationFilter) -> list[Operation]:
-        terms = where.conditions()
+        terms = filter_terms(where)
         clauses = [condition.format(f"${n}") for n, (condition, _) in enumerate(terms, 1)]
         params = [value for _, value in terms] + [where.limit]
         sql = _SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
@@ -553,13 +555,12 @@ class PostgresLedger:
             if gone < batch:
                 return total
 
-    async def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in State}
+    async def counts(self) -> Counts:
+        states = {state.value: 0 for state in State}
         for state, n in await self._fetch("SELECT state, count(*) FROM commitgate_operations GROUP BY state"):
-            counts[state] = n
-        for event, n in await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"):
-            counts[f"event:{event}"] = n
-        return counts
+            states[state] = n
+        events = dict(await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"))
+        return Counts(states, events)
 
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.

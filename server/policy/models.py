@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from commitgate.server.ledger.urls import parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import IdempotencyClass
 
@@ -289,8 +290,8 @@ class LedgerPolicy(_Strict):
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
-            raise ValueError("use sqlite:///relative.db, sqlite:////absolute/path.db or postgresql://...")
+        if url is not None:
+            parse_ledger_url(url)  # ValueError names the accepted forms
         return url
 
 

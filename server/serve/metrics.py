@@ -34,6 +34,7 @@ from commitgate.server.ledger.base import (
     Change,
     Claim,
     ClaimRequest,
+    Counts,
     Lease,
     Ledger,
     OperationFilter,
@@ -160,11 +161,10 @@ class Metrics:
             self.ledger_up.set(0)
         else:
             self.ledger_up.set(1)
-            for name, value in counts.items():
-                if name.startswith("event:"):
-                    self._child(self.ledger_events, name.removeprefix("event:")).set(value)
-                else:
-                    self._child(self.operations, name).set(value)
+            for state, value in counts.states.items():
+                self._child(self.operations, state).set(value)
+            for event, value in counts.events.items():
+                self._child(self.ledger_events, event).set(value)
         return generate_latest(self.registry)
 
     def attach(self, gateway: Gateway) -> None:
@@ -220,7 +220,7 @@ class TimedLedger:
     async def purge(self, now: float) -> int:
         return await self._timed("purge", self.inner.purge(now))
 
-    async def counts(self) -> dict[str, int]:
+    async def counts(self) -> Counts:
         return await self._timed("counts", self.inner.counts())
 
     async def check_writable(self) -> None:
@@ -228,6 +228,3 @@ class TimedLedger:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (e.g. group_commit_stats) stay reachable
-        return getattr(self.inner, name)

@@ -41,11 +41,13 @@ from commitgate.server.ledger.base import (
     Claim,
     ClaimKind,
     ClaimRequest,
+    Counts,
     Lease,
     LedgerUnavailable,
     OperationFilter,
     lease_over,
 )
+from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import SELECT, decode, migrate
 from commitgate.server.ledger.sqlite._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
 from commitgate.server.ledger.sqlite._writer import Writer
@@ -53,15 +55,6 @@ from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
 T = TypeVar("T")
-
-
-def path_from_url(url: str) -> Path:
-    """`sqlite:///relative.db` and `sqlite:////absolute.db` (the SQLAlchemy convention)."""
-    if not url.startswith("sqlite:///"):
-        raise ValueError(
-            f"not a sqlite URL: {url!r} (expected sqlite:///relative.db or sqlite:////abs/path.db)"
-        )
-    return Path(url[len("sqlite:///") :])
 
 
 def _create_private(path: Path) -> None:
@@ -196,7 +189,7 @@ class SQLiteLedger:
         return op if principal is None or op.principal == principal else None
 
     async def find(self, where: OperationFilter) -> list[Operation]:
-        terms = where.conditions()
+        terms = filter_terms(where)
         clauses = [condition.format("?") for condition, _ in terms]
         params = [value for _, value in terms]
         sql = SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
@@ -234,13 +227,12 @@ class SQLiteLedger:
 
         return await self._write(step)
 
-    async def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in State}
+    async def counts(self) -> Counts:
+        states = {state.value: 0 for state in State}
         for state, n in await self._read("SELECT state, count(*) FROM operations GROUP BY state", ()):
-            counts[state] = n
-        for event, n in await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()):
-            counts[f"event:{event}"] = n
-        return counts
+            states[state] = n
+        events = dict(await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()))
+        return Counts(states, events)
 
     async def check_writable(self) -> None:
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
