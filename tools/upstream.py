@@ -52,6 +52,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from commitgate.server.model.context import OperationContext
+from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy, UpstreamPolicy
@@ -60,8 +61,6 @@ from commitgate.tools.http import DeclarationError, SchemaValidator, StatusCheck
 
 log = logging.getLogger("commitgate.tools.upstream")
 
-SESSION_META = "commitgate/session"  # the names the gateway reads (DESIGN 1.2)
-STEP_META = "commitgate/step"
 KEY_ARGUMENT = "idempotency_key"
 
 CONNECT_TIMEOUT = 10.0

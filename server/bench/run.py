@@ -58,10 +58,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from commitgate.server.demo.sandbox import server_pids
+from commitgate.server.model.facts import OPERATION_META, SESSION_META
 
 SECTIONS = ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory")
-OPERATION_META = "commitgate/operation"
-SESSION_META = "commitgate/session"
 
 
 class BenchError(Exception):

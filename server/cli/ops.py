@@ -141,7 +141,7 @@ async def opened(url: str, must_exist: bool = True) -> AsyncIterator[Ledger | No
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(f"unsupported ledger URL {url!r}: {exc}") from None
     if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
         if must_exist:
             raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
@@ -416,7 +416,7 @@ async def _migrate(url: str) -> dict[str, Any]:
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(f"unsupported ledger URL {url!r}: {exc}") from None
     if where.backend is Backend.SQLITE:
         note = "a SQLite ledger creates and migrates its schema itself when it is opened; nothing to do"
         return {"ledger": url, "backend": "sqlite", "applied": 0, "schema_version": None, "note": note}

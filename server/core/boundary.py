@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,14 +40,12 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import Event, Observer
-from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, IdempotencyClass, State
 from commitgate.server.model.outcomes import ToolOutcomeError
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy, ToolPolicy
 
 log = logging.getLogger("commitgate.boundary")
-
-KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,255}$")
 
 
 class Source(Protocol):
@@ -106,9 +103,9 @@ def check_key(key: str | None, tool: GuardedTool) -> str | None:
         raise errors.key_required(tool.name)
     if not isinstance(key, str):
         raise errors.invalid_key("it must be a string")
-    if len(key) > 255:
-        raise errors.invalid_key(f"it is {len(key)} characters long; at most 255 are allowed")
-    if not KEY_PATTERN.match(key):
+    if len(key) > KEY_MAX_LENGTH:
+        raise errors.invalid_key(f"it is {len(key)} characters long; at most {KEY_MAX_LENGTH} are allowed")
+    if not KEY_PATTERN.fullmatch(key):
         raise errors.invalid_key("it contains characters outside the allowed set")
     return key
 

@@ -18,11 +18,10 @@ from typing import Any
 from commitgate.server.core import errors
 from commitgate.server.core.boundary import Answer, CallRequest, CommitBoundary, GuardedTool
 from commitgate.server.ledger.base import Change, Ledger, OperationFilter
-from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import CompensateSpec
 
-_PLACEHOLDER = re.compile(r"\{(arguments|result)((?:\.[A-Za-z0-9_\-]+)+)\}")
 _SESSION_SCAN_LIMIT = 10_000
 
 
@@ -59,10 +58,10 @@ def render_arguments(template: Any, arguments: Mapping[str, Any], result: Any) -
     def value_of(match: re.Match[str]) -> Any:
         return _lookup(roots[match.group(1)], match.group(2).split(".")[1:], match.group(0))
 
-    whole = _PLACEHOLDER.fullmatch(template)
+    whole = REFERENCE.fullmatch(template)
     if whole:
         return value_of(whole)
-    return _PLACEHOLDER.sub(lambda m: str(value_of(m)), template)
+    return REFERENCE.sub(lambda m: str(value_of(m)), template)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from commitgate.server.demo.sandbox import NAIVE_POLICY, Sandbox, connect, kill_servers
+from commitgate.server.model.facts import OPERATION_META
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
 
@@ -36,7 +37,7 @@ class Step:
 
 
 def _op(result: Any) -> dict[str, Any]:
-    return dict((result.meta or {}).get("commitgate/operation") or {})
+    return dict((result.meta or {}).get(OPERATION_META) or {})
 
 
 def _code(result: Any) -> str:

@@ -44,7 +44,7 @@ async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrat
     try:
         where = parse_ledger_url(url or default_ledger_url())
     except ValueError as exc:
-        raise LedgerUnavailable(str(exc)) from None
+        raise LedgerUnavailable(f"unsupported ledger URL: {exc}") from None
     if where.backend is Backend.SQLITE:
         from commitgate.server.ledger.sqlite import SQLiteLedger
 

@@ -39,4 +39,4 @@ def parse_ledger_url(url: str) -> LedgerURL:
         return LedgerURL(url, Backend.SQLITE)
     if url.startswith(_POSTGRES):
         return LedgerURL(url, Backend.POSTGRESQL)
-    raise ValueError(f"unsupported ledger URL: use {FORMS}")
+    raise ValueError(f"use {FORMS}")

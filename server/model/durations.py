@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+DURATION_PATTERN = r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$"  # also the JSON schema's
+_PATTERN = re.compile(DURATION_PATTERN)
 
 
 def parse_duration(value: object) -> float:

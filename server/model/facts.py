@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 
@@ -51,3 +52,17 @@ class RetryAdvice(StrEnum):
     WAIT_AND_POLL = "wait_and_poll"
     SAFE_TO_RETRY_SAME_KEY = "safe_to_retry_same_key"
     DO_NOT_RETRY = "do_not_retry"
+
+
+# The `_meta` names a client or orchestrator may send, and the one every guarded result carries.
+SESSION_META = "commitgate/session"
+STEP_META = "commitgate/step"
+OPERATION_META = "commitgate/operation"
+
+# An idempotency key: 1 to KEY_MAX_LENGTH of these characters, matched against the whole string.
+KEY_CHARACTERS = r"[A-Za-z0-9._:@/+=\-]"
+KEY_MAX_LENGTH = 255
+KEY_PATTERN = re.compile(rf"{KEY_CHARACTERS}{{1,{KEY_MAX_LENGTH}}}")
+
+# `{arguments.X}` / `{result.X}` in a compensation's arguments: a field of the forward call.
+REFERENCE = re.compile(r"\{(arguments|result)((?:\.[A-Za-z0-9_\-]+)+)\}")

@@ -37,10 +37,8 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from commitgate.server.ledger.urls import parse_ledger_url
-from commitgate.server.model.durations import format_duration, parse_duration
-from commitgate.server.model.facts import IdempotencyClass
-
-DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)\s*$"
+from commitgate.server.model.durations import DURATION_PATTERN, format_duration, parse_duration
+from commitgate.server.model.facts import REFERENCE, IdempotencyClass
 
 
 def _dump_duration(seconds: float) -> str:
@@ -69,7 +67,6 @@ PositiveDuration = Annotated[Duration, Field(gt=0)]
 # `${NAME}` or `${NAME:-default}` in any string of the file, resolved at load time.
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # `{arguments.X}` / `{result.X}` with nested paths, as the saga and http sources fill them.
-REFERENCE = re.compile(r"\{(arguments|result)((?:\.[A-Za-z0-9_\-]+)+)\}")
 _BRACED = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)((?:\.[A-Za-z0-9_\-]*)*)\}")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 RESERVED_TOOL_NAMES = frozenset({"get_operation_status", "list_operations", "compensate_session"})

@@ -34,7 +34,7 @@ from commitgate.server.core.views import operation_meta, status_view
 from commitgate.server.ledger import Ledger, LedgerUnavailable, OperationFilter, open_ledger
 from commitgate.server.ledger.base import lease_over
 from commitgate.server.model.events import Observer
-from commitgate.server.model.facts import State
+from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve.registry import ServedTool, build_tools
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commitgate.gateway")
 M = TypeVar("M", bound=BaseModel)
-
-SESSION_META = "commitgate/session"
-STEP_META = "commitgate/step"
-OPERATION_META = "commitgate/operation"
 
 
 class _StatusArgs(BaseModel):

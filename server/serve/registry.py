@@ -17,15 +17,15 @@ from typing import Any
 import mcp.types as types
 
 from commitgate.server.core.boundary import GuardedTool
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy
 from commitgate.tools.base import ToolBuildError
 
 KEY_PROPERTY: dict[str, Any] = {
     "type": "string",
     "minLength": 1,
-    "maxLength": 255,
-    "pattern": r"^[A-Za-z0-9._:@/+=\-]+$",
+    "maxLength": KEY_MAX_LENGTH,
+    "pattern": f"^{KEY_CHARACTERS}+$",
     "description": (
         "Idempotency key for this action. Choose a new unique value for each new action (e.g. "
         "'refund-order-1234'); when retrying the same action, reuse exactly the same value so it is not done twice."
