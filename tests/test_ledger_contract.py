@@ -476,10 +476,31 @@ async def test_sqlite_migrations_are_versioned_and_idempotent(tmp_path: Path) ->
         await ledger.claim(request(), T0)
         await ledger.close()
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,), (2,)]
         conn.execute("INSERT INTO schema_version (version) VALUES (99)")
     with pytest.raises(LedgerUnavailable, match="newer"):
         await SQLiteLedger.open(path)
+
+
+@pytest.mark.anyio
+async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operations(tmp_path: Path) -> None:
+    """The unused downstream_ref column is dropped from a ledger written by an earlier release."""
+    path = tmp_path / "ledger.db"
+    ledger = await SQLiteLedger.open(path)
+    claim = await ledger.claim(request(), T0)
+    await ledger.close()
+    with sqlite3.connect(path) as conn:  # back to version 1, as an earlier release left it
+        conn.execute("ALTER TABLE operations ADD COLUMN downstream_ref TEXT")
+        conn.execute("DELETE FROM schema_version WHERE version > 1")
+    ledger = await SQLiteLedger.open(path)
+    try:
+        kept = await ledger.get_by_id(None, claim.operation.operation_id)
+        assert kept is not None and kept.state is State.RUNNING
+    finally:
+        await ledger.close()
+    with sqlite3.connect(path) as conn:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(operations)")]
+        assert "downstream_ref" not in columns
 
 
 @pytest.mark.anyio

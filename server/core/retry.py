@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from enum import StrEnum
 
-from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError, ToolOutcomeError
+from commitgate.server.model.outcomes import PermanentError, RetryableError, ToolOutcomeError
 from commitgate.server.policy.models import RetryPolicy
 
 
@@ -23,9 +23,7 @@ def classify(exc: BaseException) -> Outcome:
         return Outcome.RETRYABLE
     if isinstance(exc, PermanentError):
         return Outcome.PERMANENT
-    if isinstance(exc, AmbiguousError):
-        return Outcome.AMBIGUOUS
-    return Outcome.AMBIGUOUS
+    return Outcome.AMBIGUOUS  # AmbiguousError, and anything undeclared
 
 
 def error_record(exc: BaseException, outcome: Outcome) -> dict[str, object]:

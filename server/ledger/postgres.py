@@ -210,6 +210,8 @@ MIGRATIONS: list[str] = [
         RETURN NEXT r;
     END $$;
     """,
+    # downstream_ref was never written
+    "ALTER TABLE commitgate_operations DROP COLUMN downstream_ref",
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -288,7 +290,6 @@ def _decode(row: asyncpg.Record) -> Operation:
         result=ToolResult.from_json(row["result"]) if row["result"] else None,
         error=json.loads(row["error"]) if row["error"] else None,
         reconciliation=json.loads(row["reconciliation"]) if row["reconciliation"] else None,
-        downstream_ref=row["downstream_ref"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         completed_at=row["completed_at"],

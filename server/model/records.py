@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -61,9 +61,7 @@ class Operation:
     result: ToolResult | None = None
     error: dict[str, Any] | None = None
     reconciliation: dict[str, Any] | None = None
-    downstream_ref: str | None = None
     retention: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def iso(ts: float | None) -> str | None:

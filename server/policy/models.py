@@ -254,17 +254,13 @@ class ServerPolicy(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _limits_shorthand(cls, data: Any) -> Any:
-        # DESIGN 1.11 names `[server] max_argument_bytes`; it lives in `limits`.
+        # `[server] max_argument_bytes` is accepted as a shorthand; the value lives in `limits`.
         if isinstance(data, dict) and "max_argument_bytes" in data:
             data = dict(data)
             limits = data.get("limits", {})
             if isinstance(limits, dict):
                 data["limits"] = {**limits, "max_argument_bytes": data.pop("max_argument_bytes")}
         return data
-
-    @property
-    def max_argument_bytes(self) -> int:
-        return self.limits.max_argument_bytes
 
 
 class LedgerPolicy(_Strict):
@@ -935,10 +931,6 @@ def _valid(report: PolicyReport) -> Policy:
     if report.policy is None:
         raise PolicyError(report.source, report.problems)
     return report.policy
-
-
-def parse_policy(data: dict[str, Any], source: str = "<policy>") -> Policy:
-    return _valid(analyse_data(data, source))
 
 
 def load_policy(path: Path | str) -> Policy:

@@ -48,7 +48,15 @@ from commitgate.server.ledger.base import (
     lease_over,
 )
 from commitgate.server.ledger.filters import filter_terms
-from commitgate.server.ledger.sqlite._schema import SELECT, decode, migrate
+from commitgate.server.ledger.sqlite._schema import (
+    EXPIRES_AT,
+    FINGERPRINT,
+    SELECT,
+    STATE,
+    TOOL,
+    decode,
+    migrate,
+)
 from commitgate.server.ledger.sqlite._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
 from commitgate.server.ledger.sqlite._writer import Writer
 from commitgate.server.model.facts import State
@@ -138,11 +146,11 @@ class SQLiteLedger:
             )
         except sqlite3.Error:
             return None
-        if row is None or (row[20] is not None and row[20] <= now):  # none, or past retention
+        if row is None or (row[EXPIRES_AT] is not None and row[EXPIRES_AT] <= now):  # none, or past retention
             return None
-        if row[4] != request.tool or row[6] != request.fingerprint:
+        if row[TOOL] != request.tool or row[FINGERPRINT] != request.fingerprint:
             return Claim(ClaimKind.CONFLICT, decode(row))
-        if row[7] in SETTLED:
+        if row[STATE] in SETTLED:
             return Claim(ClaimKind.EXISTING, decode(row))
         return None
 

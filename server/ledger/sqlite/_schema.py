@@ -55,14 +55,20 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX audit_operation ON audit (operation_id, id);
     """,
+    # 2: downstream_ref was never written
+    "ALTER TABLE operations DROP COLUMN downstream_ref",
 ]
 
 _COLUMNS = (
     "operation_id, principal, session, step, tool, idempotency_class, fingerprint, state, attempts, fence, "
-    "arguments, lease_owner, lease_expires_at, result, error, reconciliation, downstream_ref, created_at, "
+    "arguments, lease_owner, lease_expires_at, result, error, reconciliation, created_at, "
     "updated_at, completed_at, expires_at, retention"
 )
 SELECT = f"SELECT {_COLUMNS} FROM operations"
+# Positions in a SELECT row that the claim and purge steps read without decoding the row.
+TOOL, FINGERPRINT, STATE, EXPIRES_AT = (
+    _COLUMNS.split(", ").index(c) for c in ("tool", "fingerprint", "state", "expires_at")
+)
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
     " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
@@ -92,12 +98,11 @@ def decode(row: Sequence[Any]) -> Operation:
         result=ToolResult.from_json(row[13]) if row[13] else None,
         error=json.loads(row[14]) if row[14] else None,
         reconciliation=json.loads(row[15]) if row[15] else None,
-        downstream_ref=row[16],
-        created_at=row[17],
-        updated_at=row[18],
-        completed_at=row[19],
-        expires_at=row[20],
-        retention=row[21],
+        created_at=row[16],
+        updated_at=row[17],
+        completed_at=row[18],
+        expires_at=row[19],
+        retention=row[20],
     )
 
 

@@ -25,7 +25,7 @@ from commitgate.server.ledger.base import (
     Lease,
     lease_over,
 )
-from commitgate.server.ledger.sqlite._schema import AUDIT, INSERT, SELECT, decode, dump
+from commitgate.server.ledger.sqlite._schema import AUDIT, EXPIRES_AT, INSERT, SELECT, decode, dump
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -212,7 +212,7 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
         f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
         (request.principal, request.session, request.step),
     ).fetchone()
-    if row is not None and row[20] is not None and row[20] <= now:  # past retention: gone
+    if row is not None and row[EXPIRES_AT] is not None and row[EXPIRES_AT] <= now:  # past retention: gone
         conn.execute("DELETE FROM audit WHERE operation_id = ?", (row[0],))
         conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
         row = None
