@@ -20,13 +20,13 @@ import pytest
 
 from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
-    Change,
     ClaimKind,
     ClaimRequest,
     Lease,
     Ledger,
     LedgerUnavailable,
     OperationFilter,
+    Transition,
 )
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -71,8 +71,8 @@ def request(
     )
 
 
-def finish(op: Operation, state: State = State.SUCCEEDED, **fields: object) -> Change:
-    return Change(state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields)  # type: ignore[arg-type]
+def finish(op: Operation, state: State = State.SUCCEEDED, **fields: object) -> Transition:
+    return Transition(state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields)  # type: ignore[arg-type]
 
 
 async def new_op(ledger: Ledger, step: str = "k1", now: float = T0, **kw: object) -> Operation:
@@ -280,7 +280,7 @@ async def test_update_keeps_the_error_record(ledger: Ledger) -> None:
 @pytest.mark.anyio
 async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None:
     op = await new_op(ledger)
-    wrong = Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT)
+    wrong = Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT)
     assert await ledger.update(op.operation_id, wrong, T0) is None
     assert await ledger.update("op_missing", finish(op), T0) is None
     assert await ledger.get("alice", "s1", "k1") == op
@@ -290,7 +290,7 @@ async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None
 @pytest.mark.anyio
 async def test_a_stale_fence_can_never_overwrite_a_newer_attempt(ledger: Ledger) -> None:
     first = await new_op(ledger)
-    retry = Change(
+    retry = Transition(
         State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OTHER, T0 + 20)
     )
     newer = await ledger.update(first.operation_id, retry, T0 + 1)
@@ -400,7 +400,7 @@ async def test_get_by_id_hides_other_principals_operations(ledger: Ledger) -> No
 @pytest.mark.anyio
 async def test_history_has_every_attempt_and_state_change(ledger: Ledger) -> None:
     op = await new_op(ledger)
-    retry = Change(
+    retry = Transition(
         State.RUNNING,
         frozenset({State.RUNNING}),
         "retry",

@@ -23,11 +23,11 @@ from pg_support import fresh_url
 from commitgate.server.bench.pgledger import run_pg_bench
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import (
-    Change,
     ClaimKind,
     ClaimRequest,
     Lease,
     LedgerUnavailable,
+    Transition,
     this_owner,
 )
 from commitgate.server.ledger.postgres import MIGRATION_LOCK, SCHEMA_VERSION, PostgresLedger, migrate
@@ -98,8 +98,8 @@ def request(
     )
 
 
-def finish(op: Operation, state: State = State.SUCCEEDED) -> Change:
-    return Change(
+def finish(op: Operation, state: State = State.SUCCEEDED) -> Transition:
+    return Transition(
         state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, result=RESULT
     )
 
@@ -254,7 +254,7 @@ async def test_a_stale_owner_cannot_record_after_another_replica_retook_the_oper
     url = await fresh_url()
     async with opened(url, 2) as (first, second):
         stale = await new_op(first, "k1")
-        retryable = Change(
+        retryable = Transition(
             State.FAILED_RETRYABLE, frozenset({State.RUNNING}), "failed_retryable", expect_fence=1
         )
         assert await first.update(stale.operation_id, retryable, T0 + 1) is not None

@@ -27,7 +27,7 @@ from mcp.shared.subscriptions import ToolsListChanged
 from commitgate.server.policy.models import load_policy
 from commitgate.server.serve.checking import check_policy_file, format_report
 from commitgate.server.serve.gateway import META_TOOLS, Gateway
-from commitgate.server.serve.reload import PolicyReloader, Verdict
+from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
 from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
@@ -138,12 +138,12 @@ def names(gateway: Gateway) -> set[str]:
 
 async def test_valid_edits_apply_for_new_calls_and_announce_only_real_changes(policy_path: Path) -> None:
     async with reloader_for(policy_path) as (gateway, reloader, announced):
-        assert (await reloader.reload()).verdict is Verdict.UNCHANGED
+        assert (await reloader.reload()).status is ReloadStatus.UNCHANGED
         email_source = gateway.served["send_email"].guard.source
 
         write_policy(policy_path, ledger_table(policy_path), EMAIL, BALANCE, TICKET)
         result = await reloader.reload()
-        assert (result.verdict, result.announced) == (Verdict.APPLIED, True)
+        assert (result.status, result.announced) == (ReloadStatus.APPLIED, True)
         assert names(gateway) == {"send_email", "get_balance", "create_ticket"}
         assert gateway.served["send_email"].guard.source is email_source  # unchanged tools are kept
         ticket = await gateway.call_tool("create_ticket", {"title": "t", "idempotency_key": "k1"}, None, None)
@@ -151,7 +151,7 @@ async def test_valid_edits_apply_for_new_calls_and_announce_only_real_changes(po
 
         write_policy(policy_path, ledger_table(policy_path), EMAIL.replace('"10s"', '"20s"'), BALANCE, TICKET)
         result = await reloader.reload()
-        assert (result.verdict, result.announced) == (Verdict.APPLIED, False)  # same tool list
+        assert (result.status, result.announced) == (ReloadStatus.APPLIED, False)  # same tool list
         assert gateway.served["send_email"].guard.policy.timeout == 20.0
 
         write_policy(policy_path, ledger_table(policy_path), EMAIL, BALANCE)
@@ -171,7 +171,7 @@ async def test_an_invalid_edit_is_rejected_with_the_messages_of_check(
         write_policy(policy_path, ledger_table(policy_path), BROKEN)
         with caplog.at_level(logging.ERROR, logger="commitgate.reload"):
             result = await reloader.reload()
-        assert result.verdict is Verdict.REJECTED
+        assert result.status is ReloadStatus.REJECTED
         expected = check_policy_file(policy_path)
         assert result.problems == expected and len(expected) == 2
         assert format_report(str(policy_path), expected) in caplog.text
@@ -183,10 +183,12 @@ async def test_an_invalid_edit_is_rejected_with_the_messages_of_check(
         assert not sent.is_error and demo.count("emails") == 1
 
         caplog.clear()
-        assert (await reloader.reload()).verdict is Verdict.UNCHANGED  # the same bad text is not re-logged
+        assert (
+            await reloader.reload()
+        ).status is ReloadStatus.UNCHANGED  # the same bad text is not re-logged
         assert caplog.text == ""
         write_policy(policy_path, ledger_table(policy_path), EMAIL, TICKET)
-        assert (await reloader.reload()).verdict is Verdict.APPLIED
+        assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert names(gateway) == {"send_email", "create_ticket"}
         assert announced == [2]
 
@@ -206,7 +208,7 @@ async def test_code_problems_reject_an_edit_too(policy_path: Path) -> None:
         missing = TICKET.replace('create_ticket"', 'nope"')
         write_policy(policy_path, ledger_table(policy_path), EMAIL, missing, booking)
         result = await reloader.reload()
-        assert result.verdict is Verdict.REJECTED
+        assert result.status is ReloadStatus.REJECTED
         assert [str(p) for p in result.problems] == [
             "tools.create_ticket.python: module 'commitgate.tools.demo' has no attribute 'nope' (line 14)",
             "tools.reserve.compensate.arguments.booking: the compensating tool has no such argument (line 19)",
@@ -224,7 +226,7 @@ async def test_restart_only_settings_are_kept_and_said(
         moved = f'\n[ledger]\nurl = "sqlite:///{tmp_path / "other.db"}"\n'
         write_policy(policy_path, moved, EMAIL)
         with caplog.at_level(logging.WARNING, logger="commitgate.reload"):
-            assert (await reloader.reload()).verdict is Verdict.APPLIED
+            assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert "[ledger] changed" in caplog.text and "next restart" in caplog.text
         assert gateway.policy.ledger == ledger
         assert names(gateway) == {"send_email"}
@@ -233,7 +235,7 @@ async def test_restart_only_settings_are_kept_and_said(
 async def test_an_emptied_file_and_an_edit_before_watching(policy_path: Path) -> None:
     async with reloader_for(policy_path) as (gateway, reloader, _):
         policy_path.write_text("")  # an editor truncating before it writes
-        assert (await reloader.reload()).verdict is Verdict.UNREADABLE
+        assert (await reloader.reload()).status is ReloadStatus.UNREADABLE
         assert names(gateway) == {"send_email", "get_balance"}
     write_policy(policy_path, ledger_table(policy_path), EMAIL)
     gateway = await Gateway.open(load_policy(policy_path), policy_path)
@@ -246,7 +248,7 @@ async def test_an_emptied_file_and_an_edit_before_watching(policy_path: Path) ->
         reloader = PolicyReloader(gateway, policy_path, nothing)
         reloader.prime()
         assert reloader.changed_on_disk()
-        assert (await reloader.reload()).verdict is Verdict.APPLIED
+        assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert names(gateway) == {"create_ticket"}
     finally:
         await gateway.close()
@@ -444,7 +446,7 @@ async def test_an_edit_can_add_and_remove_an_upstream_server(policy_path: Path, 
     """
     async with reloader_for(policy_path) as (gateway, reloader, _):
         write_policy(policy_path, ledger_table(policy_path), EMAIL, upstream)
-        assert (await reloader.reload()).verdict is Verdict.APPLIED
+        assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert names(gateway) == {"send_email", "add_note"}
         noted = await gateway.call_tool("add_note", {"text": "hi", "idempotency_key": "n1"}, None, None)
         assert not noted.is_error and "HI" in noted.content[0].text  # type: ignore[union-attr]
@@ -453,7 +455,7 @@ async def test_an_edit_can_add_and_remove_an_upstream_server(policy_path: Path, 
         assert gateway.upstreams.connection("notes", spec) is not None
 
         write_policy(policy_path, ledger_table(policy_path), EMAIL)
-        assert (await reloader.reload()).verdict is Verdict.APPLIED
+        assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert names(gateway) == {"send_email"}
         assert gateway.upstreams.connection("notes", spec) is None  # closed with the edit that removed it
 
@@ -497,7 +499,7 @@ async def test_a_replaced_source_is_closed_only_after_its_calls_could_have_ended
             write_policy(
                 policy_path, ledger_table(policy_path), EMAIL.replace('"10s"', f'"{timeout}"'), BALANCE
             )
-            assert (await reloader.reload()).verdict is Verdict.APPLIED
+            assert (await reloader.reload()).status is ReloadStatus.APPLIED
         await reloader.close_retired()
         assert closed == []  # a call that started with it may still be running
         now[0] += 60 + 2 * 11  # its retry deadline and twice its timeout

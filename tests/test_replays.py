@@ -13,7 +13,7 @@ from support_boundary import ScriptedTool, SystemOfRecord, call_request, effect_
 
 from commitgate.server.core.boundary import Answer, CommitBoundary
 from commitgate.server.core.replays import FinalOutcomes
-from commitgate.server.ledger.base import Change, ClaimRequest, Ledger
+from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -109,7 +109,7 @@ async def test_a_compensated_operation_is_replayed_as_compensated(
     boundary, counting = boundary_on(ledger, ScriptedTool(record), "compensable")
     first = await charge(boundary)
     assert first.operation is not None
-    undone = Change(State.COMPENSATED, frozenset({State.SUCCEEDED}), "compensated")
+    undone = Transition(State.COMPENSATED, frozenset({State.SUCCEEDED}), "compensated")
     assert await ledger.update(first.operation.operation_id, undone, time.time()) is not None
     again = await charge(boundary)
     assert again.replayed and again.operation is not None and again.operation.state is State.COMPENSATED
@@ -126,7 +126,7 @@ async def test_an_unknown_operation_resolved_elsewhere_is_seen_at_once(
     assert first.error is not None and first.error.code is ErrorCode.OPERATION_OUTCOME_UNKNOWN
     assert first.operation is not None
     resolved = ToolResult.of({"effect_id": "resolved-by-operator"})
-    change = Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "resolved", result=resolved)
+    change = Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "resolved", result=resolved)
     assert await ledger.update(first.operation.operation_id, change, time.time()) is not None
     again = await charge(boundary)
     assert again.replayed and effect(again) == "resolved-by-operator"

@@ -1,9 +1,9 @@
 """Group commit in the SQLite ledger: batched claims and outcomes decide exactly as one by one.
 
 A batch of the writer thread runs consecutive claims (and plain outcomes) with one statement per
-table; whenever that cannot give each step its own answer (a key taken, repeated or expired, a
-fenced-out outcome) the batch must fall back to the step-by-step path and keep nothing of the
-shortcut. Each test runs the same steps both ways on real ledger files and compares the rows.
+table; whenever that cannot give each write its own answer (a key taken, repeated or expired, a
+fenced-out outcome) the batch must fall back to the write-by-write path and keep nothing of the
+shortcut. Each test runs the same writes both ways on real ledger files and compares the rows.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import pytest
 
-from commitgate.server.ledger.base import Change, Claim, ClaimKind, ClaimRequest, Lease
+from commitgate.server.ledger.base import Claim, ClaimKind, ClaimRequest, Lease, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.ledger.sqlite._steps import ApplyStep, ClaimStep, run_steps
+from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite, run_writes
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -50,17 +50,17 @@ def claim(step: str, fingerprint: str = "fp", retention: float = 100.0) -> Claim
     )
 
 
-def outcome(fence: int = 1, state: State = State.SUCCEEDED) -> Change:
+def outcome(fence: int = 1, state: State = State.SUCCEEDED) -> Transition:
     error = None if state is State.SUCCEEDED else {"outcome": "permanent", "message": "declined"}
     result = RESULT if state is State.SUCCEEDED else None
-    return Change(
+    return Transition(
         state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=fence, result=result, error=error
     )
 
 
 @pytest.fixture
 async def ledgers(tmp_path: Path) -> AsyncIterator[tuple[SQLiteLedger, SQLiteLedger]]:
-    """Two empty ledgers: one for the batched path, one for the step-by-step reference."""
+    """Two empty ledgers: one for the batched path, one for the write-by-write reference."""
     batched = await SQLiteLedger.open(tmp_path / "batched.db")
     reference = await SQLiteLedger.open(tmp_path / "reference.db")
     yield batched, reference
@@ -68,19 +68,19 @@ async def ledgers(tmp_path: Path) -> AsyncIterator[tuple[SQLiteLedger, SQLiteLed
     await reference.close()
 
 
-def in_one_batch(ledger: SQLiteLedger, steps: Sequence[Any]) -> list[Any]:
-    """What the writer thread does with one batch: every step in one transaction."""
+def in_one_batch(ledger: SQLiteLedger, writes: Sequence[Any]) -> list[Any]:
+    """What the writer thread does with one batch: every write in one transaction."""
     writer = ledger._writer
     with writer._lock:
-        outcomes = writer._together(list(steps))
+        outcomes = writer._together(list(writes))
     assert outcomes is not None
     return [value for _, value in outcomes]
 
 
-def one_by_one(ledger: SQLiteLedger, steps: Sequence[Any]) -> list[Any]:
+def one_by_one(ledger: SQLiteLedger, writes: Sequence[Any]) -> list[Any]:
     writer = ledger._writer
     with writer._lock:
-        return [writer._together([step])[0][1] for step in steps]  # type: ignore[index]
+        return [writer._together([write])[0][1] for write in writes]  # type: ignore[index]
 
 
 def rows(ledger: SQLiteLedger) -> list[tuple[Any, ...]]:
@@ -98,8 +98,8 @@ def rows(ledger: SQLiteLedger) -> list[tuple[Any, ...]]:
 
 
 @contextlib.contextmanager
-def no_single_steps(monkeypatch: pytest.MonkeyPatch, kind: type) -> Iterator[None]:
-    """Within: a step of `kind` run on its own fails the test (the batch must take the shortcut)."""
+def no_single_writes(monkeypatch: pytest.MonkeyPatch, kind: type) -> Iterator[None]:
+    """Within: a write of `kind` run on its own fails the test (the batch must take the shortcut)."""
 
     def single(self: Any, conn: sqlite3.Connection) -> Any:
         raise AssertionError(f"{kind.__name__} ran on its own instead of in the batch")
@@ -118,13 +118,13 @@ async def test_new_keys_are_claimed_together_as_one_by_one(
     ledgers: tuple[SQLiteLedger, SQLiteLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batched, reference = ledgers
-    steps = [claim(f"k{i}") for i in range(20)]
-    with no_single_steps(monkeypatch, ClaimStep):
-        together = in_one_batch(batched, [ClaimStep(r, T0) for r in steps])
-    alone = one_by_one(reference, [ClaimStep(r, T0) for r in steps])
+    writes = [claim(f"k{i}") for i in range(20)]
+    with no_single_writes(monkeypatch, ClaimWrite):
+        together = in_one_batch(batched, [ClaimWrite(r, T0) for r in writes])
+    alone = one_by_one(reference, [ClaimWrite(r, T0) for r in writes])
     assert kinds(together) == kinds(alone) == [ClaimKind.NEW] * 20
     assert rows(batched) == rows(reference)
-    assert [c.operation.step for c in together] == [r.step for r in steps]
+    assert [c.operation.step for c in together] == [r.step for r in writes]
 
 
 @pytest.mark.anyio
@@ -142,16 +142,16 @@ async def test_a_batch_that_cannot_be_claimed_together_decides_step_by_step(
         "claimed with other arguments": [claim("k2", fingerprint="other")],
         "past retention": [claim("k2", retention=1.0)],
     }[case]
-    steps = [claim("k1"), claim("k2"), claim("k3")] + (
+    writes = [claim("k1"), claim("k2"), claim("k3")] + (
         [claim("k2")] if case == "repeated in the batch" else []
     )
     for ledger in (batched, reference):
-        for first in one_by_one(ledger, [ClaimStep(r, T0 - 50) for r in earlier]):  # then completed
-            one_by_one(ledger, [ApplyStep(first.operation.operation_id, outcome(), T0 - 49)])
-    together = in_one_batch(batched, [ClaimStep(r, T0) for r in steps])
-    alone = one_by_one(reference, [ClaimStep(r, T0) for r in steps])
+        for first in one_by_one(ledger, [ClaimWrite(r, T0 - 50) for r in earlier]):  # then completed
+            one_by_one(ledger, [OutcomeWrite(first.operation.operation_id, outcome(), T0 - 49)])
+    together = in_one_batch(batched, [ClaimWrite(r, T0) for r in writes])
+    alone = one_by_one(reference, [ClaimWrite(r, T0) for r in writes])
     assert kinds(together) == kinds(alone)
-    assert kinds(together).count(ClaimKind.NEW) == len({r.step for r in steps}) - (
+    assert kinds(together).count(ClaimKind.NEW) == len({r.step for r in writes}) - (
         1 if case in ("already claimed", "claimed with other arguments") else 0
     )
     assert rows(batched) == rows(reference)  # nothing of the abandoned shortcut is left behind
@@ -171,22 +171,23 @@ async def test_outcomes_are_recorded_together_unless_one_is_fenced_out(
     batched, reference = ledgers
     results: dict[str, list[Any]] = {}
     for name, ledger in (("batched", batched), ("reference", reference)):
-        claims = one_by_one(ledger, [ClaimStep(claim(f"k{i}"), T0) for i in range(6)])
+        claims = one_by_one(ledger, [ClaimWrite(claim(f"k{i}"), T0) for i in range(6)])
         changes = [outcome(state=State.FAILED_FINAL if i == 3 else State.SUCCEEDED) for i in range(6)]
         if stale:
             changes[4] = outcome(fence=7)  # an owner whose attempt was superseded
-        if name == "reference":  # the step-by-step path, reading every operation
-            steps = [
-                ApplyStep(c.operation.operation_id, ch, T0 + 1) for c, ch in zip(claims, changes, strict=True)
+        if name == "reference":  # the write-by-write path, reading every operation
+            writes = [
+                OutcomeWrite(c.operation.operation_id, ch, T0 + 1)
+                for c, ch in zip(claims, changes, strict=True)
             ]
-            results[name] = one_by_one(ledger, steps)
+            results[name] = one_by_one(ledger, writes)
             continue
-        steps = [
-            ApplyStep(c.operation.operation_id, ch, T0 + 1, c.operation if known else None)
+        writes = [
+            OutcomeWrite(c.operation.operation_id, ch, T0 + 1, c.operation if known else None)
             for c, ch in zip(claims, changes, strict=True)
         ]
-        with contextlib.nullcontext() if stale else no_single_steps(monkeypatch, ApplyStep):
-            results[name] = in_one_batch(ledger, steps)
+        with contextlib.nullcontext() if stale else no_single_writes(monkeypatch, OutcomeWrite):
+            results[name] = in_one_batch(ledger, writes)
     together, alone = results["batched"], results["reference"]
     assert [same(op) for op in together] == [same(op) for op in alone]
     assert (together[4] is None) is stale
@@ -199,13 +200,13 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
 ) -> None:
     """The caller holds the operation at fence 1, but a newer attempt took it meanwhile (fence 2)."""
     ledger, _ = ledgers
-    first = one_by_one(ledger, [ClaimStep(claim("k1"), T0)])[0].operation
-    retry = Change(
+    first = one_by_one(ledger, [ClaimWrite(claim("k1"), T0)])[0].operation
+    retry = Transition(
         State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OWNER, T0 + 60)
     )
-    assert one_by_one(ledger, [ApplyStep(first.operation_id, retry, T0 + 1)])[0].fence == 2
+    assert one_by_one(ledger, [OutcomeWrite(first.operation_id, retry, T0 + 1)])[0].fence == 2
     before = rows(ledger)
-    late = ApplyStep(first.operation_id, outcome(fence=1), T0 + 2, first)
+    late = OutcomeWrite(first.operation_id, outcome(fence=1), T0 + 2, first)
     assert late.current is first  # the shortcut is taken...
     assert one_by_one(ledger, [late]) == [None]  # ...and finds nothing to write
     assert rows(ledger) == before
@@ -213,10 +214,10 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
 
 @pytest.mark.anyio
 async def test_only_plain_outcomes_take_the_shortcut() -> None:
-    plain = ApplyStep("op", outcome(), T0)
-    unfenced = ApplyStep("op", Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
-    reconciled = ApplyStep(
-        "op", Change(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT), T0
+    plain = OutcomeWrite("op", outcome(), T0)
+    unfenced = OutcomeWrite("op", Transition(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
+    reconciled = OutcomeWrite(
+        "op", Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT), T0
     )
     assert plain.plain_outcome
     assert not unfenced.plain_outcome and not reconciled.plain_outcome
@@ -238,12 +239,12 @@ def test_runs_of_one_kind_are_grouped_in_order(tmp_path: Path) -> None:
             return self.name
 
         @staticmethod
-        def run_many(conn: sqlite3.Connection, steps: Sequence[Kind]) -> list[str]:
-            seen.append("many:" + ",".join(s.name for s in steps))
-            return [s.name for s in steps]
+        def run_many(conn: sqlite3.Connection, writes: Sequence[Kind]) -> list[str]:
+            seen.append("many:" + ",".join(s.name for s in writes))
+            return [s.name for s in writes]
 
     with sqlite3.connect(tmp_path / "x.db") as conn:
-        values = run_steps(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
+        values = run_writes(conn, [Kind("a"), Kind("b"), other, Kind("c"), Kind("d"), Kind("e")])
     assert values == ["a", "b", "other", "c", "d", "e"]
     assert seen == ["many:a,b", "other", "many:c,d,e"]
 

@@ -51,7 +51,7 @@ import jsonschema
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass
-from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
 from commitgate.tools.base import InvalidArguments
@@ -65,7 +65,6 @@ for _name in ("httpx2", "httpcore2"):
     if logging.getLogger(_name).level == logging.NOTSET:
         logging.getLogger(_name).setLevel(logging.WARNING)
 
-CallOutcome = Literal["success", "retryable", "ambiguous", "permanent"]
 
 CONNECT_TIMEOUT = 5.0  # connecting is never slower than this on a healthy path; failing it is retryable
 MAX_DETAIL_CHARS = 4000
@@ -146,7 +145,7 @@ class Request:
     key_header: str | None
     body: Literal["json", "query", "none"]
     timeout: float
-    outcomes: Mapping[str, str]
+    outcomes: Mapping[str, Outcome | Verdict]
 
     @classmethod
     def from_spec(
@@ -250,9 +249,9 @@ class Request:
         )
         return response
 
-    def classify(self, status: int) -> str:
-        """The override for this status (`"404"`, then `"4xx"`), or '' for the default mapping."""
-        return self.outcomes.get(str(status)) or self.outcomes.get(f"{status // 100}xx") or ""
+    def classify(self, status: int) -> Outcome | Verdict | None:
+        """The override for this status (`"404"`, then `"4xx"`), or None for the default mapping."""
+        return self.outcomes.get(str(status)) or self.outcomes.get(f"{status // 100}xx")
 
 
 # --- outcomes ------------------------------------------------------------------------------------
@@ -309,14 +308,14 @@ def _message_of(detail: Any) -> str:
     return ""
 
 
-def _default_outcome(status: int) -> CallOutcome:
+def _default_outcome(status: int) -> Outcome:
     if 200 <= status < 300:
-        return "success"
+        return Outcome.SUCCESS
     if status in (429, 503):
-        return "retryable"
+        return Outcome.RETRYABLE
     if 400 <= status < 500:
-        return "permanent"
-    return "ambiguous"  # other 5xx, and 1xx/3xx answers nobody asked for
+        return Outcome.PERMANENT
+    return Outcome.AMBIGUOUS  # other 5xx, and 1xx/3xx answers nobody asked for
 
 
 def result_of(response: httpx2.Response) -> ToolResult:
@@ -335,15 +334,15 @@ def outcome_of(response: httpx2.Response, request: Request) -> ToolResult:
     """The tool's result for a 2xx answer; raise the outcome of any other."""
     status = response.status_code
     outcome = request.classify(status) or _default_outcome(status)
-    if outcome == "success":
+    if outcome == Outcome.SUCCESS:
         return result_of(response)
     detail = _detail(response)
     said = _message_of(detail)
     message = f"{request.method} {request.target} answered HTTP {status}" + (f": {said}" if said else "")
     retry_after = retry_after_seconds(response.headers.get("Retry-After"))
-    if outcome == "retryable":
+    if outcome == Outcome.RETRYABLE:
         raise RetryableError(message, retry_after=retry_after, detail=detail)
-    if outcome == "permanent":
+    if outcome == Outcome.PERMANENT:
         raise PermanentError(message, detail=detail)
     raise AmbiguousError(message + "; it may have been applied", retry_after=retry_after, detail=detail)
 
@@ -352,10 +351,16 @@ def check_outcome(response: httpx2.Response, request: Request) -> ToolResult | N
     status = response.status_code
     verdict = request.classify(status)
     if not verdict:
-        verdict = "found" if 200 <= status < 300 else "not_found" if status == 404 else "cannot_tell"
-    if verdict == "found":
+        verdict = (
+            Verdict.FOUND
+            if 200 <= status < 300
+            else Verdict.NOT_FOUND
+            if status == 404
+            else Verdict.CANNOT_TELL
+        )
+    if verdict == Verdict.FOUND:
         return result_of(response)
-    if verdict == "not_found":
+    if verdict == Verdict.NOT_FOUND:
         return None
     raise RuntimeError(f"status check {request.method} {request.target} answered HTTP {status}: cannot tell")
 

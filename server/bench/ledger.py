@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from commitgate.server.ledger import open_ledger
-from commitgate.server.ledger.base import Change, ClaimKind, ClaimRequest, Ledger
+from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
@@ -47,7 +47,9 @@ def _request(session: str, step: str) -> ClaimRequest:
     )
 
 
-_SUCCEEDED = Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT)
+_SUCCEEDED = Transition(
+    State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
+)
 
 
 async def claim_and_complete(ledger: Ledger, session: str, step: str) -> None:
@@ -79,10 +81,10 @@ def _latency_us(samples: list[float]) -> dict[str, float]:
 
 
 async def _timed(
-    step: Callable[[Ledger, str, str], Awaitable[None]], ledger: Ledger, session: str, key: str
+    operation: Callable[[Ledger, str, str], Awaitable[None]], ledger: Ledger, session: str, key: str
 ) -> float:
     start = time.perf_counter()
-    await step(ledger, session, key)
+    await operation(ledger, session, key)
     return time.perf_counter() - start
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import asyncpg
 
-from commitgate.server.ledger.base import Change, ClaimKind, ClaimRequest
+from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Transition
 from commitgate.server.ledger.postgres import PostgresLedger, migrate, redact
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
@@ -55,7 +55,9 @@ async def _claim_and_complete(ledger: PostgresLedger, session: str, step: str, o
     claim = await ledger.claim(request, time.time())
     if claim.kind is not ClaimKind.NEW:
         raise RuntimeError(f"benchmark key {step!r} was not new: {claim.kind}")
-    done = Change(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT)
+    done = Transition(
+        State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
+    )
     if await ledger.update(claim.operation.operation_id, done, time.time()) is None:
         raise RuntimeError(f"could not record the outcome of {step!r}")
 

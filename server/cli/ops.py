@@ -25,10 +25,10 @@ from rich.table import Table
 from commitgate.server.cli.policy import console
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import (
-    Change,
     Ledger,
     LedgerUnavailable,
     OperationFilter,
+    Transition,
     default_ledger_url,
     open_ledger,
 )
@@ -302,7 +302,7 @@ def _operator() -> str:
     return local_principal()
 
 
-def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) -> Change:
+def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) -> Transition:
     reason = args.reason
     note = {"by": "operator", "operator": by, "reason": reason, "at": now}
     if args.succeeded:
@@ -316,7 +316,7 @@ def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) ->
                 "note: no --result given; a compensation that refers to {result.X} will not find it",
                 file=sys.stderr,
             )
-        return Change(
+        return Transition(
             State.SUCCEEDED,
             frozenset({State.UNKNOWN}),
             "resolved",
@@ -335,7 +335,7 @@ def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) ->
         "type": "OperatorResolution",
         "message": f"{reason} (resolved by {by})",
     }
-    return Change(
+    return Transition(
         state,
         frozenset({State.UNKNOWN}),
         "resolved",
@@ -359,7 +359,7 @@ async def _expire_if_lease_over(ledger: Ledger, op: Operation, now: float) -> Op
     """A RUNNING operation whose owner is gone is UNKNOWN at the first touch (DESIGN 1.11)."""
     if not lease_over(op, now):
         return op
-    change = Change(
+    change = Transition(
         State.UNKNOWN,
         frozenset({State.RUNNING}),
         "lease_expired",

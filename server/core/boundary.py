@@ -1,7 +1,7 @@
 """The commit boundary: fingerprint, claim, execute, record, replay, reconcile.
 
 Every keyed call is claimed in the ledger before its side effect runs and
-recorded after it, each in one ledger step. The work of an owned operation
+recorded after it, each in one ledger write. The work of an owned operation
 runs in a task owned by the boundary, not by the request: a caller that gives
 up (client timeout, cancellation, `respond_within`) never stops the work from
 recording its outcome.
@@ -19,29 +19,28 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 from commitgate.server.core import errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
-from commitgate.server.core.retry import Backoff, Outcome, classify, error_record
+from commitgate.server.core.retry import Backoff, classify, error_record
 from commitgate.server.ledger.base import (
     LEASE_LOST,
-    Change,
     ClaimKind,
     ClaimRequest,
     Lease,
     Ledger,
     LedgerUnavailable,
+    Transition,
     lease_over,
     this_owner,
 )
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import Event, Observer
 from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, IdempotencyClass, State
-from commitgate.server.model.outcomes import ToolOutcomeError
+from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy, ToolPolicy
 
@@ -65,7 +64,7 @@ class GuardedTool:
     source: Source
 
     @property
-    def cls(self) -> IdempotencyClass:
+    def idempotency_class(self) -> IdempotencyClass:
         return self.policy.idempotency_class
 
 
@@ -97,7 +96,7 @@ def fingerprint(tool: str, arguments_json: str) -> str:
 
 
 def check_key(key: str | None, tool: GuardedTool) -> str | None:
-    if not tool.cls.keyed:
+    if not tool.idempotency_class.keyed:
         return None
     if key is None or key == "":
         raise errors.key_required(tool.name)
@@ -108,12 +107,6 @@ def check_key(key: str | None, tool: GuardedTool) -> str | None:
     if not KEY_PATTERN.fullmatch(key):
         raise errors.invalid_key("it contains characters outside the allowed set")
     return key
-
-
-class Verdict(Enum):
-    FOUND = "found"
-    NOT_FOUND = "not_found"
-    CANNOT_TELL = "cannot_tell"
 
 
 @dataclass(slots=True)
@@ -149,7 +142,7 @@ class CommitBoundary:
 
     async def call(self, request: CallRequest) -> Answer:
         try:
-            if not request.tool.cls.keyed:
+            if not request.tool.idempotency_class.keyed:
                 return await self._unguarded(request)
             return await self._guarded(request)
         except GateError as exc:
@@ -172,7 +165,7 @@ class CommitBoundary:
             session=request.session,
             step=step,
             tool=tool.name,
-            idempotency_class=tool.cls,
+            idempotency_class=tool.idempotency_class,
             fingerprint=digest,
             arguments_json=arguments_json,
             owner=self.owner,
@@ -182,10 +175,12 @@ class CommitBoundary:
         try:
             claim = await self.ledger.claim(claim_request, self.clock())
         except LedgerUnavailable as exc:
-            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.cls)
+            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise errors.ledger_unavailable(str(exc)) from None
         if claim.kind is ClaimKind.CONFLICT:
-            self._emit(Event.CONFLICT, tool.name, tool.cls, operation_id=claim.operation.operation_id)
+            self._emit(
+                Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
+            )
             raise errors.key_reused(claim.operation, tool.name)
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
@@ -198,10 +193,10 @@ class CommitBoundary:
         tool = request.tool
         action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
         if action is OnExisting.REPLAY:
-            self._emit(Event.REPLAY, tool.name, tool.cls, operation_id=op.operation_id)
+            self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
-            self._emit(Event.REPLAY, tool.name, tool.cls, operation_id=op.operation_id)
+            self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(None, op, True, errors.failed(_message(op), op))
         if action is OnExisting.WAIT:
             if waited:
@@ -243,7 +238,7 @@ class CommitBoundary:
         return current
 
     async def expire(self, op: Operation) -> Operation:
-        change = Change(
+        change = Transition(
             State.UNKNOWN,
             frozenset({State.RUNNING}),
             "lease_expired",
@@ -258,7 +253,7 @@ class CommitBoundary:
 
     async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
         """Run again with the same key: the operation certainly did not apply, or the downstream dedups."""
-        change = Change(  # only from exactly what was seen: a newer attempt may have moved it since
+        change = Transition(  # only from exactly what was seen: a newer attempt may have moved it since
             State.RUNNING,
             frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
             "rerun_claimed",
@@ -297,7 +292,7 @@ class CommitBoundary:
             self._emit(
                 Event.RECONCILIATION,
                 tool.name,
-                tool.cls,
+                tool.idempotency_class,
                 verdict=Verdict.CANNOT_TELL.value,
                 operation_id=op.operation_id,
             )
@@ -305,14 +300,18 @@ class CommitBoundary:
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note["verdict"] = verdict.value
         self._emit(
-            Event.RECONCILIATION, tool.name, tool.cls, verdict=verdict.value, operation_id=op.operation_id
+            Event.RECONCILIATION,
+            tool.name,
+            tool.idempotency_class,
+            verdict=verdict.value,
+            operation_id=op.operation_id,
         )
         return verdict, found, note
 
     async def _record_reconciled(
         self, op: Operation, found: ToolResult | None, note: dict[str, Any]
     ) -> Operation:
-        change = Change(
+        change = Transition(
             State.SUCCEEDED,
             frozenset({State.UNKNOWN}),
             "reconciled_found",
@@ -322,7 +321,9 @@ class CommitBoundary:
         return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
 
     async def _note_reconciliation(self, op: Operation, note: dict[str, Any]) -> None:
-        change = Change(State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note)
+        change = Transition(
+            State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note
+        )
         with contextlib.suppress(LedgerUnavailable):
             await self.ledger.update(op.operation_id, change, self.clock())
 
@@ -339,13 +340,16 @@ class CommitBoundary:
         if verdict is Verdict.FOUND:
             return await self._record_reconciled(op, found, note)
         if verdict is Verdict.NOT_FOUND:
-            change = Change(
+            change = Transition(
                 State.FAILED_RETRYABLE,
                 frozenset({State.UNKNOWN}),
                 "reconciled_not_found",
                 expect_fence=op.fence,  # the check covered attempts up to this one only
                 reconciliation=note,
-                error={"outcome": "retryable", "message": "the status check found no trace of it"},
+                error={
+                    "outcome": Outcome.RETRYABLE.value,
+                    "message": "the status check found no trace of it",
+                },
             )
             return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
         await self._note_reconciliation(op, note)
@@ -376,33 +380,35 @@ class CommitBoundary:
                     request.key, request.session, op.operation_id, op.attempts, request.principal, tool.name
                 )
                 attempt = await self._attempt(tool, request.arguments, ctx)
-                step = after_attempt(tool.cls, attempt.outcome, policy.forwards_key)
+                next_move = after_attempt(tool.idempotency_class, attempt.outcome, policy.forwards_key)
                 self._emit(
                     Event.ATTEMPT,
                     tool.name,
-                    tool.cls,
+                    tool.idempotency_class,
                     outcome=attempt.outcome.value,
                     operation_id=op.operation_id,
                 )
-                maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and step is Next.RETRY
-                if step is Next.RECONCILE:
+                maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
+                if next_move is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
                         return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
-                        step, attempt = (
+                        next_move, attempt = (
                             Next.RETRY,
                             _Attempt(Outcome.RETRYABLE, error=attempt.error, immediate=True),
                         )
                         maybe_applied = False  # the check covers every attempt under this key
                     else:
-                        return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error, note)
-                if step is Next.RECORD_SUCCESS:
+                        return await self._finish(
+                            op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error, note
+                        )
+                if next_move is Next.RECORD_SUCCESS:
                     return await self._finish(op, State.SUCCEEDED, "succeeded", attempt.result, None)
-                if step is Next.RECORD_FAILED_FINAL:
+                if next_move is Next.RECORD_FAILED_FINAL:
                     return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
-                if step is Next.RECORD_UNKNOWN:
-                    return await self._finish(op, State.UNKNOWN, "ambiguous", None, attempt.error)
+                if next_move is Next.RECORD_UNKNOWN:
+                    return await self._finish(op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error)
                 retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
@@ -429,7 +435,7 @@ class CommitBoundary:
             return None
         await asyncio.sleep(delay)
         error = error_record(attempt.error, attempt.outcome) if attempt.error else None
-        change = Change(
+        change = Transition(
             State.RUNNING,
             frozenset({State.RUNNING}),
             "retry",
@@ -456,7 +462,7 @@ class CommitBoundary:
         error_json = error_record(error, classify(error)) if error is not None else None
         if result is not None:
             result = self._bounded(result, op)
-        change = Change(
+        change = Transition(
             state,
             frozenset({State.RUNNING}),
             event,
@@ -503,7 +509,7 @@ class CommitBoundary:
             [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
         )
 
-    async def _record(self, op: Operation, change: Change) -> Operation | None:
+    async def _record(self, op: Operation, change: Transition) -> Operation | None:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
         for delay in (0.05, 0.2, 1.0, None):
             try:
@@ -519,7 +525,7 @@ class CommitBoundary:
                 await asyncio.sleep(delay)
         return None
 
-    async def _record_late(self, op: Operation, change: Change) -> Operation | None:
+    async def _record_late(self, op: Operation, change: Transition) -> Operation | None:
         """Record a certain outcome that arrived after our lease ran out (a stall, not a crash).
 
         The lease expiry turned the operation UNKNOWN (or a status check that ran before our
@@ -573,7 +579,7 @@ class CommitBoundary:
             delay = backoff.delay(attempt_number, attempt.retry_after)
             if attempt_number >= retry.attempts or self.clock() + delay > deadline:
                 raise errors.retries_exhausted(message, None)
-            self._emit(Event.RETRY, tool.name, tool.cls)
+            self._emit(Event.RETRY, tool.name, tool.idempotency_class)
             await asyncio.sleep(delay)
             attempt_number += 1
 

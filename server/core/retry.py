@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from enum import StrEnum
 
-from commitgate.server.model.outcomes import PermanentError, RetryableError, ToolOutcomeError
+from commitgate.server.model.outcomes import Outcome, PermanentError, RetryableError, ToolOutcomeError
 from commitgate.server.policy.models import RetryPolicy
-
-
-class Outcome(StrEnum):
-    SUCCESS = "success"
-    RETRYABLE = "retryable"  # certainly not applied
-    AMBIGUOUS = "ambiguous"  # may have been applied
-    PERMANENT = "permanent"  # rejected, not applied
 
 
 def classify(exc: BaseException) -> Outcome:

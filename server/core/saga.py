@@ -17,7 +17,7 @@ from typing import Any
 
 from commitgate.server.core import errors
 from commitgate.server.core.boundary import Answer, CallRequest, CommitBoundary, GuardedTool
-from commitgate.server.ledger.base import Change, Ledger, OperationFilter
+from commitgate.server.ledger.base import Ledger, OperationFilter, Transition
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import CompensateSpec
@@ -145,7 +145,7 @@ class Saga:
         detail = {"compensation_operation_id": answer.operation.operation_id if answer.operation else None}
         if reason:
             detail["reason"] = reason
-        change = Change(
+        change = Transition(
             State.COMPENSATED,
             frozenset({State.SUCCEEDED}),
             "compensated",

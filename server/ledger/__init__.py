@@ -7,7 +7,6 @@ from pathlib import Path
 import platformdirs
 
 from commitgate.server.ledger.base import (
-    Change,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -15,11 +14,11 @@ from commitgate.server.ledger.base import (
     Ledger,
     LedgerUnavailable,
     OperationFilter,
+    Transition,
 )
 from commitgate.server.ledger.urls import Backend, LedgerURL, parse_ledger_url
 
 __all__ = [
-    "Change",
     "Claim",
     "ClaimKind",
     "ClaimRequest",
@@ -28,6 +27,7 @@ __all__ = [
     "LedgerURL",
     "LedgerUnavailable",
     "OperationFilter",
+    "Transition",
     "default_ledger_url",
     "open_ledger",
     "parse_ledger_url",

@@ -62,7 +62,7 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Change:
+class Transition:
     """A compare-and-set on one operation, recorded in the audit trail.
 
     It applies only while the operation is in one of `expect_states` and, when
@@ -117,7 +117,7 @@ class Ledger(Protocol):
     async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
 
     async def update(
-        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         """Apply `change`; None when its expectations no longer hold.
 

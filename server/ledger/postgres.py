@@ -36,7 +36,6 @@ import asyncpg
 from commitgate.server.ledger.base import (
     LEASE_LOST,
     AuditEntry,
-    Change,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -44,6 +43,7 @@ from commitgate.server.ledger.base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
+    Transition,
     owner_known_dead,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -168,7 +168,7 @@ MIGRATIONS: list[str] = [
         RAISE EXCEPTION 'commitgate_claim: operation %/%/% kept changing', p_principal, p_session, p_step;
     END $$;
 
-    -- Compare-and-set with its audit row (see base.Change).
+    -- Compare-and-set with its audit row (see base.Transition).
     CREATE FUNCTION commitgate_update(
         p_operation_id text, p_to text, p_expect text[], p_fence bigint, p_event text,
         p_result text, p_error text, p_reconciliation text, p_new_lease boolean,
@@ -454,7 +454,7 @@ class PostgresLedger:
         return await self.get_by_id(None, op.operation_id) or op
 
     async def update(
-        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         lease = change.lease  # one statement checks and writes: `current` would save nothing
         rows = await self._fetch(

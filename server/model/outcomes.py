@@ -6,7 +6,25 @@ tools, because nobody can prove the side effect did not happen.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
+
+
+class Outcome(StrEnum):
+    """How one attempt ended, as the boundary decides what comes next."""
+
+    SUCCESS = "success"
+    RETRYABLE = "retryable"  # certainly not applied
+    AMBIGUOUS = "ambiguous"  # may have been applied
+    PERMANENT = "permanent"  # rejected, not applied
+
+
+class Verdict(StrEnum):
+    """What a status check said about an action: it took effect, it certainly did not, or nobody can tell."""
+
+    FOUND = "found"
+    NOT_FOUND = "not_found"
+    CANNOT_TELL = "cannot_tell"
 
 
 class ToolOutcomeError(Exception):

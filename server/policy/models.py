@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
     BaseModel,
@@ -39,6 +39,7 @@ from pydantic_core import ErrorDetails
 from commitgate.server.ledger.urls import parse_ledger_url
 from commitgate.server.model.durations import DURATION_PATTERN, format_duration, parse_duration
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass
+from commitgate.server.model.outcomes import Outcome, Verdict
 
 
 def _dump_duration(seconds: float) -> str:
@@ -103,9 +104,9 @@ class RetryPolicy(_Strict):
         return self
 
 
-CALL_OUTCOMES = ("success", "retryable", "ambiguous", "permanent")
-CHECK_VERDICTS = ("found", "not_found", "cannot_tell")
-HttpOutcome = Literal["success", "retryable", "ambiguous", "permanent", "found", "not_found", "cannot_tell"]
+CALL_OUTCOMES = tuple(Outcome)  # what an HTTP status may mean for a call
+CHECK_VERDICTS = tuple(Verdict)  # ... and for a status check
+HttpOutcome: TypeAlias = Outcome | Verdict
 HTTP_STATUS_PATTERN = re.compile(r"[1-5](\d\d|xx)")
 
 

@@ -145,7 +145,7 @@ def _labels(gateway: Gateway, name: str | None) -> tuple[str, str]:
     served = gateway.served.get(name) if name else None
     if served is None or not served.exposed:
         return UNKNOWN_TOOL, "none"
-    return name or UNKNOWN_TOOL, served.guard.cls.value
+    return name or UNKNOWN_TOOL, served.guard.idempotency_class.value
 
 
 def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | None]:

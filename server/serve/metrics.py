@@ -31,13 +31,13 @@ from prometheus_client import (
 
 from commitgate.server.ledger.base import (
     AuditEntry,
-    Change,
     Claim,
     ClaimRequest,
     Counts,
     Lease,
     Ledger,
     OperationFilter,
+    Transition,
 )
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
@@ -195,7 +195,7 @@ class TimedLedger:
         return await self._timed("claim", self.inner.claim(request, now))
 
     async def update(
-        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         return await self._timed("update", self.inner.update(operation_id, change, now, current=current))
 

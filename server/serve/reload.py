@@ -94,7 +94,7 @@ class ToolListAnnouncer:
 # --- one reload ---------------------------------------------------------------------------------
 
 
-class Verdict(StrEnum):
+class ReloadStatus(StrEnum):
     APPLIED = "applied"
     REJECTED = "rejected"
     UNCHANGED = "unchanged"
@@ -103,7 +103,7 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ReloadResult:
-    verdict: Verdict
+    status: ReloadStatus
     problems: list[Problem] = field(default_factory=list)
     announced: bool = False
 
@@ -151,12 +151,12 @@ class PolicyReloader:
             text = self.path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("cannot read policy %s (%s); the current policy keeps serving", self.path, exc)
-            return ReloadResult(Verdict.UNREADABLE)
+            return ReloadResult(ReloadStatus.UNREADABLE)
         if text == self._text:
-            return ReloadResult(Verdict.UNCHANGED)
+            return ReloadResult(ReloadStatus.UNCHANGED)
         if not text.strip():  # an editor truncating before it writes: wait for the content
             log.info("policy %s is empty; the current policy keeps serving", self.path)
-            return ReloadResult(Verdict.UNREADABLE)
+            return ReloadResult(ReloadStatus.UNREADABLE)
         self._text = text
         async with self.gateway.rebuilding:
             policy, served, problems = await self._validate(text)
@@ -166,12 +166,12 @@ class PolicyReloader:
                     "policy edit rejected; the previous policy keeps serving.\n%s",
                     format_report(str(self.path), problems),
                 )
-                return ReloadResult(Verdict.REJECTED, problems)
+                return ReloadResult(ReloadStatus.REJECTED, problems)
             changed = self._apply(policy, served)
             await self._retire_upstreams(policy)
         if changed:
             await _announce(self.on_applied)
-        return ReloadResult(Verdict.APPLIED, [], changed)
+        return ReloadResult(ReloadStatus.APPLIED, [], changed)
 
     async def _validate(self, text: str) -> tuple[Policy | None, dict[str, ServedTool] | None, list[Problem]]:
         report = analyse_text(text, str(self.path))

@@ -1,14 +1,14 @@
 """SQLite ledger: WAL, synchronous=FULL, one writer thread with group commit.
 
-Every ledger step is one function run on a dedicated writer thread, so a claim
+Every ledger write is one function run on a dedicated writer thread, so a claim
 or an outcome costs one thread hop, not one per statement. The writer drains
-whatever steps are queued and commits them in one transaction (group commit):
-under concurrency many steps share one fsync. Consecutive claims of new keys,
+whatever writes are queued and commits them in one transaction (group commit):
+under concurrency many writes share one fsync. Consecutive claims of new keys,
 and consecutive plain outcomes, run as one statement per table for the whole
-run (`run_many`), falling back to one by one whenever a step needs its own
-decision. A failing step never takes the others of its batch down: the batch
-then runs again with each step in a savepoint. An operation alone in its
-process runs its steps on the caller's thread, on a second connection that
+run (`run_many`), falling back to one by one whenever a write needs its own
+decision. A failing write never takes the others of its batch down: the batch
+then runs again with each write in a savepoint. An operation alone in its
+process runs its writes on the caller's thread, on a second connection that
 never waits (`run_inline`); a replay is answered by one read on that same
 connection while the writer is idle. Reads that need no write (status,
 listings) go through an aiosqlite connection, which WAL lets run beside the
@@ -19,7 +19,7 @@ across processes, and the unique (principal, session, step) index makes the
 claim exactly-once.
 
 Here: the Ledger interface. `_writer.py`: the writer and checkpointer threads.
-`_steps.py`: what a claim or an outcome does to the database. `_schema.py`: the
+`_writes.py`: what a claim or an outcome does to the database. `_schema.py`: the
 tables, their migrations and how a row becomes an Operation.
 """
 
@@ -37,7 +37,6 @@ import aiosqlite
 
 from commitgate.server.ledger.base import (
     AuditEntry,
-    Change,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -45,6 +44,7 @@ from commitgate.server.ledger.base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
+    Transition,
     lease_over,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -57,8 +57,8 @@ from commitgate.server.ledger.sqlite._schema import (
     decode,
     migrate,
 )
-from commitgate.server.ledger.sqlite._steps import SETTLED, ApplyStep, ClaimStep, to_unknown
 from commitgate.server.ledger.sqlite._writer import Writer
+from commitgate.server.ledger.sqlite._writes import SETTLED, ClaimWrite, OutcomeWrite, to_unknown
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -105,20 +105,20 @@ class SQLiteLedger:
             raise
         return ledger
 
-    async def _write(self, step: Callable[[sqlite3.Connection], T], *, alone: bool = False) -> T:
-        """One ledger step. `alone`: no other operation of this process is in flight, so there is no
+    async def _write(self, write: Callable[[sqlite3.Connection], T], *, alone: bool = False) -> T:
+        """One ledger write. `alone`: no other operation of this process is in flight, so there is no
         group to commit with; run it on this thread if the writer is idle (no thread hop). With
         company it goes to the writer, whose next batch commits it with the others."""
         if alone and self.inline_when_alone:
-            ran, value = self._writer.run_inline(step)
+            ran, value = self._writer.run_inline(write)
             if ran:
                 await asyncio.sleep(0)  # let other tasks in, so that company (and batching) can form
-                return value  # ran => the step's own value
-        return await self._writer.submit(step)
+                return value  # ran => the write's own value
+        return await self._writer.submit(write)
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         # A replay is answered by one read outside any transaction: cheaper than the write
-        # transaction a claim step takes even inline. Under load the writer hop is shared with a whole batch anyway,
+        # transaction a claim write takes even inline. Under load the writer hop is shared with a whole batch anyway,
         # and a read beside a busy writer contends with it (WAL read locks, the GIL) while most
         # claims are of new keys and find nothing: then go straight to the writer.
         settled: Claim | None = None
@@ -126,7 +126,7 @@ class SQLiteLedger:
         if not self._writer.busy:
             settled = self._settled(request, now)
         claim: Claim = (
-            settled if settled is not None else await self._write(ClaimStep(request, now), alone=alone)
+            settled if settled is not None else await self._write(ClaimWrite(request, now), alone=alone)
         )
         if claim.kind is ClaimKind.NEW:
             self._open.add(claim.operation.operation_id)
@@ -155,10 +155,10 @@ class SQLiteLedger:
         return None
 
     async def update(
-        self, operation_id: str, change: Change, now: float, *, current: Operation | None = None
+        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         alone = self._open <= {operation_id}
-        updated = await self._write(ApplyStep(operation_id, change, now, current), alone=alone)
+        updated = await self._write(OutcomeWrite(operation_id, change, now, current), alone=alone)
         if updated is not None:
             if updated.state is State.RUNNING:
                 self._open.add(operation_id)
@@ -167,7 +167,7 @@ class SQLiteLedger:
         return updated
 
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
-        def step(conn: sqlite3.Connection) -> bool:
+        def write(conn: sqlite3.Connection) -> bool:
             cursor = conn.execute(
                 "UPDATE operations SET lease_owner = ?, lease_expires_at = ?"
                 " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
@@ -175,7 +175,7 @@ class SQLiteLedger:
             )
             return cursor.rowcount == 1
 
-        return await self._write(step)
+        return await self._write(write)
 
     async def _read(self, sql: str, params: Sequence[Any]) -> list[Any]:
         try:
@@ -216,24 +216,24 @@ class SQLiteLedger:
         ]
 
     async def expire_leases(self, now: float) -> list[Operation]:
-        def step(conn: sqlite3.Connection) -> list[Operation]:
+        def write(conn: sqlite3.Connection) -> list[Operation]:
             rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING'").fetchall()
             expired = [op for op in map(decode, rows) if lease_over(op, now)]
             for op in expired:
                 to_unknown(conn, op, now)
             return expired
 
-        return await self._write(step)
+        return await self._write(write)
 
     async def purge(self, now: float) -> int:
-        def step(conn: sqlite3.Connection) -> int:
+        def write(conn: sqlite3.Connection) -> int:
             doomed = "SELECT operation_id FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?"
             conn.execute(f"DELETE FROM audit WHERE operation_id IN ({doomed})", (now,))
             return conn.execute(
                 "DELETE FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
             ).rowcount
 
-        return await self._write(step)
+        return await self._write(write)
 
     async def counts(self) -> Counts:
         states = {state.value: 0 for state in State}
@@ -247,8 +247,8 @@ class SQLiteLedger:
 
     @property
     def group_commit_stats(self) -> tuple[int, int]:
-        """(batches, steps) committed so far: steps / batches is the mean group size."""
-        return self._writer.batches, self._writer.steps
+        """(batches, writes) committed so far: writes / batches is the mean group size."""
+        return self._writer.batches, self._writer.writes
 
     async def close(self) -> None:
         self._writer.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from commitgate.server.ledger.base import LedgerUnavailable
-from commitgate.server.ledger.sqlite._steps import run_steps
+from commitgate.server.ledger.sqlite._writes import run_writes
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ def _enable_wal(conn: sqlite3.Connection, busy_timeout_ms: int) -> None:
 
 
 class Writer(threading.Thread):
-    """Runs ledger steps on one connection, committing everything queued in one transaction."""
+    """Runs ledger writes on one connection, committing everything queued in one transaction."""
 
     _STOP = object()
 
@@ -47,35 +47,35 @@ class Writer(threading.Thread):
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         _enable_wal(self._conn, busy_timeout_ms)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
-        # Inline steps get a connection of their own that never waits for a lock: a busy file sends
-        # the step to this thread, which waits. (Toggling busy_timeout on one shared connection cost
-        # two statements per step.)
+        # Inline writes get a connection of their own that never waits for a lock: a busy file sends
+        # the write to this thread, which waits. (Toggling busy_timeout on one shared connection cost
+        # two statements per write.)
         self._inline = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
         self._inline.execute(f"PRAGMA synchronous = {synchronous}")
         for conn in (self._conn, self._inline):  # checkpoints belong to _Checkpointer; this is a backstop
             conn.execute(f"PRAGMA wal_autocheckpoint = {_BACKSTOP_CHECKPOINT_PAGES}")
-        self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline step
+        self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline write
         self._checkpointer = _Checkpointer(path, synchronous, self._lock)
         self.batches = 0
         self._in_batch = False
-        self.steps = 0
+        self.writes = 0
 
-    def submit(self, step: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         if not self.is_alive():  # closed (or crashed): nobody would ever answer
             future.set_exception(LedgerUnavailable("the ledger is closed"))
             return future
-        self._queue.put((step, future, loop))
+        self._queue.put((write, future, loop))
         return future
 
-    def run_inline(self, step: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
-        """Run `step` on the caller's thread while the writer is idle: no thread hop at all.
+    def run_inline(self, write: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
+        """Run `write` on the caller's thread while the writer is idle: no thread hop at all.
 
         Two thread wake-ups per hop cost more than the SQL itself on small machines. Only an
         idle writer is bypassed, and only a write lock that is free right now is taken: a
-        database locked by another process sends the step to the writer thread, which waits.
-        Returns (False, None) when the step was not run.
+        database locked by another process sends the write to the writer thread, which waits.
+        Returns (False, None) when the write was not run.
         """
         if self._in_batch or not self._queue.empty() or not self._lock.acquire(blocking=False):
             return False, None
@@ -86,7 +86,7 @@ class Writer(threading.Thread):
             except sqlite3.OperationalError:
                 return False, None  # locked by another process: let the writer wait for it
             try:
-                value = step(conn)
+                value = write(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -101,7 +101,7 @@ class Writer(threading.Thread):
     def read_inline(self, sql: str, params: Sequence[Any]) -> Any:
         """One row, read on the inline connection from the caller's thread, outside any transaction.
 
-        Sharing the inline steps' connection (and so their page cache) matters more than the read
+        Sharing the inline writes' connection (and so their page cache) matters more than the read
         itself: between the requests of a real server the CPU caches are cold, and a second
         connection's pages cost a claim about 50 µs more (measured with caches flushed per call).
         """
@@ -109,7 +109,7 @@ class Writer(threading.Thread):
 
     @property
     def busy(self) -> bool:
-        """A batch is being committed or steps are waiting for the next one."""
+        """A batch is being committed or writes are waiting for the next one."""
         return self._in_batch or not self._queue.empty()
 
     def start(self) -> None:
@@ -143,49 +143,49 @@ class Writer(threading.Thread):
         self._checkpointer.join(timeout=10)
 
     def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Any, Any]]) -> None:
-        steps = [step for step, _, _ in batch]
+        writes = [write for write, _, _ in batch]
         try:
-            # Optimistically without a savepoint per step (two statements fewer each); if a step
-            # fails, nothing is kept and the batch runs again with each step isolated. Steps only
+            # Optimistically without a savepoint per write (two statements fewer each); if a write
+            # fails, nothing is kept and the batch runs again with each write isolated. Writes only
             # read and write through `conn`, so running one again is safe.
-            outcomes = self._together(steps)
+            outcomes = self._together(writes)
             if outcomes is None:
-                outcomes = self._isolated(steps)
+                outcomes = self._isolated(writes)
         except sqlite3.Error as exc:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             failure = LedgerUnavailable(f"ledger write failed: {exc}")
             outcomes = [(False, failure)] * len(batch)
         self.batches += 1
-        self.steps += len(batch)
-        # One wake-up per event loop and batch, not one per step: each costs a self-pipe write.
+        self.writes += len(batch)
+        # One wake-up per event loop and batch, not one per write: each costs a self-pipe write.
         settled: dict[Any, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
         for (_, future, loop), (ok, value) in zip(batch, outcomes, strict=True):
             settled.setdefault(loop, []).append((future, ok, value))
         for loop, items in settled.items():
             loop.call_soon_threadsafe(_settle_all, items)
 
-    def _together(self, steps: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]] | None:
-        """All steps in one transaction; None (everything rolled back) as soon as one fails."""
+    def _together(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]] | None:
+        """All writes in one transaction; None (everything rolled back) as soon as one fails."""
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            outcomes = [(True, value) for value in run_steps(conn, steps)]
+            outcomes = [(True, value) for value in run_writes(conn, writes)]
         except Exception:
             conn.execute("ROLLBACK")
             return None
         conn.execute("COMMIT")
         return outcomes
 
-    def _isolated(self, steps: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
-        """All steps in one transaction, each in a savepoint: a failing step takes only itself down."""
+    def _isolated(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
+        """All writes in one transaction, each in a savepoint: a failing write takes only itself down."""
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         outcomes: list[tuple[bool, Any]] = []
-        for step in steps:
+        for write in writes:
             conn.execute("SAVEPOINT step")
             try:
-                outcomes.append((True, step(conn)))
+                outcomes.append((True, write(conn)))
             except Exception as exc:
                 conn.execute("ROLLBACK TO step")
                 outcomes.append((False, exc))
@@ -235,7 +235,7 @@ def _settle_all(items: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
 
 
 def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # the caller was cancelled; the step still happened
+    if future.done():  # the caller was cancelled; the write still happened
         return
     if ok:
         future.set_result(value)

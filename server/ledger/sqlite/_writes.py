@@ -1,8 +1,8 @@
-"""Ledger steps: what one claim or one outcome does to the database, alone or in a batch.
+"""Ledger writes: what one claim or one outcome does to the database, alone or in a batch.
 
-Each step is a callable run on a connection inside a transaction the writer opened. Runs of
+Each write is a callable run on a connection inside a transaction the writer opened. Runs of
 consecutive claims of new keys, or of plain outcomes, go together (`run_many`); anything else
-runs step by step.
+runs write by write.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 from commitgate.server.ledger.base import (
     LEASE_LOST,
-    Change,
     Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
+    Transition,
     lease_over,
 )
 from commitgate.server.ledger.sqlite._schema import AUDIT, EXPIRES_AT, INSERT, SELECT, decode, dump
@@ -59,9 +59,9 @@ def to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
 SETTLED = frozenset({State.SUCCEEDED.value, State.FAILED_FINAL.value, State.COMPENSATED.value})
 
 
-class ClaimStep:
+class ClaimWrite:
     """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
-    for the rows and their audit entries (`run_many`); anything unusual runs step by step."""
+    for the rows and their audit entries (`run_many`); anything unusual runs write by write."""
 
     __slots__ = ("now", "request")
 
@@ -72,18 +72,18 @@ class ClaimStep:
         return _claim(conn, self.request, self.now)
 
     @staticmethod
-    def run_many(conn: sqlite3.Connection, steps: Sequence[ClaimStep]) -> list[Claim] | None:
+    def run_many(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> list[Claim] | None:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
         repeated in the batch) nothing of it is kept and None says: run them one by one."""
-        if len({(s.request.principal, s.request.session, s.request.step) for s in steps}) != len(steps):
+        if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
             return None
-        ops = [_new_operation(s.request, s.now) for s in steps]
+        ops = [_new_operation(s.request, s.now) for s in writes]
         with _savepoint(conn) as undo:
             inserted = conn.executemany(
                 INSERT + " ON CONFLICT (principal, session, step) DO NOTHING",
-                [_insert_row(op, s.request) for op, s in zip(ops, steps, strict=True)],
+                [_insert_row(op, s.request) for op, s in zip(ops, writes, strict=True)],
             ).rowcount
-            if inserted != len(steps):
+            if inserted != len(writes):
                 undo()
                 return None
             conn.executemany(AUDIT, [_claimed_row(op) for op in ops])
@@ -100,7 +100,7 @@ _PLAIN_OUTCOME = (
 )
 
 
-class ApplyStep:
+class OutcomeWrite:
     """Apply one change (`_apply`). A plain outcome (RUNNING to a final state, fenced, no lease)
     of an operation the caller holds at that fence is written without reading it first; in a
     group commit, consecutive plain outcomes are written with one update and one audit insert
@@ -109,7 +109,7 @@ class ApplyStep:
     __slots__ = ("change", "current", "now", "operation_id")
 
     def __init__(
-        self, operation_id: str, change: Change, now: float, current: Operation | None = None
+        self, operation_id: str, change: Transition, now: float, current: Operation | None = None
     ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
         # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
@@ -158,19 +158,19 @@ class ApplyStep:
         )
 
     @staticmethod
-    def run_many(conn: sqlite3.Connection, steps: Sequence[ApplyStep]) -> list[Operation | None] | None:
+    def run_many(conn: sqlite3.Connection, writes: Sequence[OutcomeWrite]) -> list[Operation | None] | None:
         """What `_apply` would do to each, if every one applies; otherwise None and nothing kept."""
-        ids = [s.operation_id for s in steps]
-        if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in steps):
+        ids = [s.operation_id for s in writes]
+        if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in writes):
             return None
         with _savepoint(conn) as undo:
-            updated = conn.executemany(_PLAIN_OUTCOME, [s._row() for s in steps]).rowcount
-            if updated != len(steps):  # one was fenced out or moved on: decide each on its own
+            updated = conn.executemany(_PLAIN_OUTCOME, [s._row() for s in writes]).rowcount
+            if updated != len(writes):  # one was fenced out or moved on: decide each on its own
                 undo()
                 return None
-            conn.executemany(AUDIT, [s._audit_row() for s in steps])
-            if all(s.current is not None for s in steps):
-                return [_outcome(s.current, s.change, s.now) for s in steps if s.current is not None]
+            conn.executemany(AUDIT, [s._audit_row() for s in writes])
+            if all(s.current is not None for s in writes):
+                return [_outcome(s.current, s.change, s.now) for s in writes if s.current is not None]
             marks = ",".join("?" * len(ids))
             rows = {row[0]: row for row in conn.execute(f"{SELECT} WHERE operation_id IN ({marks})", ids)}
         return [decode(rows[operation_id]) for operation_id in ids]
@@ -190,19 +190,19 @@ def _savepoint(conn: sqlite3.Connection) -> Iterator[Callable[[], None]]:
         conn.execute("RELEASE batched")
 
 
-def run_steps(conn: sqlite3.Connection, steps: Sequence[Callable[[sqlite3.Connection], Any]]) -> list[Any]:
-    """Each step's value, in order; runs of two or more steps of a kind with `run_many` go together."""
+def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Connection], Any]]) -> list[Any]:
+    """Each write's value, in order; runs of two or more writes of a kind with `run_many` go together."""
     values: list[Any] = []
     i = 0
-    while i < len(steps):
-        kind = type(steps[i])
+    while i < len(writes):
+        kind = type(writes[i])
         j = i + 1
-        while j < len(steps) and type(steps[j]) is kind:
+        while j < len(writes) and type(writes[j]) is kind:
             j += 1
-        run = steps[i:j]
+        run = writes[i:j]
         run_many = getattr(kind, "run_many", None)
         together = run_many(conn, run) if run_many is not None and len(run) > 1 else None
-        values += together if together is not None else [step(conn) for step in run]
+        values += together if together is not None else [write(conn) for write in run]
         i = j
     return values
 
@@ -231,8 +231,8 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     return Claim(ClaimKind.EXISTING, op)
 
 
-def _retake(lease: Lease) -> Change:
-    return Change(
+def _retake(lease: Lease) -> Transition:
+    return Transition(
         to_state=State.RUNNING,
         expect_states=frozenset({State.FAILED_RETRYABLE}),
         event="retry_claimed",
@@ -300,7 +300,7 @@ def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Oper
     return op
 
 
-def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: float) -> Operation | None:
+def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now: float) -> Operation | None:
     row = conn.execute(f"{SELECT} WHERE operation_id = ?", (operation_id,)).fetchone()
     if row is None:
         return None
@@ -343,14 +343,14 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Change, now: flo
     return op
 
 
-def _outcome(current: Operation, change: Change, now: float) -> Operation:
+def _outcome(current: Operation, change: Transition, now: float) -> Operation:
     """`current` after a plain outcome, as a new object (the caller keeps its own)."""
     op = dataclasses.replace(current)
     _transition(op, change, now)
     return op
 
 
-def _transition(op: Operation, change: Change, now: float) -> State:
+def _transition(op: Operation, change: Transition, now: float) -> State:
     """Move `op` as `change` says (its expectations already checked); returns the state it left."""
     from_state = op.state
     op.state = change.to_state
