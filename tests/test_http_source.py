@@ -25,12 +25,12 @@ from commitgate.server.model.outcomes import AmbiguousError, PermanentError, Ret
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import PolicyError, loads_policy
 from commitgate.server.serve.registry import build_tools
-from commitgate.tools.base import ToolBuildError
+from commitgate.tools.base import Collaborators, ToolBuildError
 from commitgate.tools.http import (
     HttpTool,
     Request,
-    aclose_shared_client,
     outcome_of,
+    pooled_client,
     retry_after_seconds,
     transport_outcome,
 )
@@ -262,7 +262,9 @@ PROPERTIES = 'id = { type = "string" }, n = { type = "integer" }, tags = { type 
 
 
 def tool(
-    extra: str = "", http: str = 'http = { method = "POST", url = "http://127.0.0.1:9/v1/x" }'
+    extra: str = "",
+    http: str = 'http = { method = "POST", url = "http://127.0.0.1:9/v1/x" }',
+    client: httpx2.AsyncClient | None = None,
 ) -> HttpTool:
     text = f"""
 [tools.t]
@@ -271,16 +273,18 @@ input_schema = {{ type = "object", required = ["id"], properties = {{ {PROPERTIE
 {http}
 {extra}
 """
-    served = build_tools(loads_policy(text), None)
+    served = build_tools(loads_policy(text), None, Collaborators(http=client))
     source = served["t"].guard.source
     assert isinstance(source, HttpTool)
     return source
 
 
 @pytest.fixture
-async def shared_http() -> AsyncIterator[None]:
-    yield
-    await aclose_shared_client()  # each test has its own event loop, so its own pooled client
+async def shared_http() -> AsyncIterator[httpx2.AsyncClient]:
+    """The pooled client a gateway would lend its http sources."""
+    client = pooled_client()
+    yield client
+    await client.aclose()
 
 
 def ctx(key: str | None = "k/1 2", session: str = "s 1") -> OperationContext:
@@ -288,24 +292,37 @@ def ctx(key: str | None = "k/1 2", session: str = "s 1") -> OperationContext:
 
 
 @pytest.mark.anyio
-async def test_url_placeholders_are_encoded_and_the_rest_goes_in_the_body(shared_http: None) -> None:
+async def test_url_placeholders_are_encoded_and_the_rest_goes_in_the_body(
+    shared_http: httpx2.AsyncClient,
+) -> None:
     source = tool(
         http='http = { method = "POST", url = "http://127.0.0.1:9/v1/{arguments.id}/{session}?k={idempotency_key}" }'
     )
-    request = source.request.build({"id": "a/b c", "n": 3}, ctx())
+    request = source.request.build({"id": "a/b c", "n": 3}, ctx(), shared_http)
     assert str(request.url) == "http://127.0.0.1:9/v1/a%2Fb%20c/s%201?k=k%2F1%202"
     assert request.headers["Idempotency-Key"] == "k/1 2"
     assert request.content == b'{"n":3}'
 
 
 @pytest.mark.anyio
-async def test_get_sends_the_rest_as_query_and_body_can_be_overridden(shared_http: None) -> None:
+async def test_get_sends_the_rest_as_query_and_body_can_be_overridden(
+    shared_http: httpx2.AsyncClient,
+) -> None:
     source = tool(http='http = { method = "GET", url = "http://127.0.0.1:9/v1/x?a=1", key_header = "X-Key" }')
-    request = source.request.build({"id": "7", "tags": ["p", "q"], "n": 2}, ctx())
+    request = source.request.build({"id": "7", "tags": ["p", "q"], "n": 2}, ctx(), shared_http)
     assert request.url.query == b"a=1&id=7&tags=p&tags=q&n=2"
     assert request.headers["X-Key"] == "k/1 2" and "Idempotency-Key" not in request.headers
     none = tool(http='http = { method = "POST", url = "http://127.0.0.1:9/v1/x", body = "none" }')
-    assert none.request.build({"id": "7"}, ctx()).content == b""
+    assert none.request.build({"id": "7"}, ctx(), shared_http).content == b""
+
+
+@pytest.mark.anyio
+async def test_a_source_built_only_to_be_checked_never_sends(sandbox: SandboxProcess) -> None:
+    """`policy check` builds sources without the server's client: a call is refused, not sent."""
+    checked_only = tool(http=f'http = {{ method = "POST", url = "{sandbox.url}/v1/charges" }}')
+    with pytest.raises(RetryableError, match="no HTTP client; the request was not sent"):
+        await checked_only.call({"id": "x"}, ctx("checked-only"))
+    assert sandbox.count("charges", idempotency_key="checked-only") == 0
 
 
 def test_arguments_are_validated_against_the_schema_naming_the_field() -> None:
@@ -427,19 +444,21 @@ def test_transport_failures_map_to_outcomes() -> None:
 
 @pytest.mark.anyio
 async def test_a_refused_connection_is_retryable_and_a_404_check_means_not_found(
-    sandbox: SandboxProcess, shared_http: None
+    sandbox: SandboxProcess, shared_http: httpx2.AsyncClient
 ) -> None:
-    closed_port = tool(http='http = { method = "POST", url = "http://127.0.0.1:9/v1/x" }')
+    closed_port = tool(http='http = { method = "POST", url = "http://127.0.0.1:9/v1/x" }', client=shared_http)
     with pytest.raises(RetryableError, match="not sent"):
         await closed_port.call({"id": "x"}, ctx())
     checked = tool(
         extra=f'status_check = {{ http = {{ url = "{sandbox.url}/v1/charges?idempotency_key={{idempotency_key}}",'
         f' headers = {{ Authorization = "Bearer {TOKEN}" }} }} }}',
         http=f'http = {{ method = "POST", url = "{sandbox.url}/v1/charges" }}',
+        client=shared_http,
     )
     assert await checked.status({"id": "x"}, ctx("never-used-key")) is None
     with pytest.raises(RuntimeError, match="cannot tell"):
         await tool(
             extra=f'status_check = {{ http = {{ url = "{sandbox.url}/v1/charges?idempotency_key=x" }} }}',
             http=f'http = {{ method = "POST", url = "{sandbox.url}/v1/charges" }}',
+            client=shared_http,
         ).status({"id": "x"}, ctx())  # no token: 401, which proves nothing either way

@@ -446,13 +446,15 @@ async def test_a_reload_connects_the_new_declaration_before_retiring_the_old(stu
     new.upstreams["stub"].env["STUB_EXTRA"] = "1"  # another declaration of the same upstream
     manager = UpstreamManager()
     try:
-        before = (await manager.update(old))["record"]
-        after = (await manager.update(new, retire=False))["record"]
-        assert before.connection is not after.connection
-        assert before.connection is not None and before.connection.connected  # still serving the old policy
+        await manager.update(old)
+        before = manager.lookup(old)("stub")
+        await manager.update(new, retire=False)
+        after = manager.lookup(new)("stub")
+        assert before is not after
+        assert before is not None and before.connected  # still serving the old policy
         await manager.retire(new)
-        assert not before.connection.connected
-        assert after.connection is not None and after.connection.connected
+        assert not before.connected
+        assert after is not None and after.connected
     finally:
         await manager.aclose()
 

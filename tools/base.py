@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import httpx2
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import Problem
+from commitgate.server.policy.models import Policy, Problem, ToolPolicy
 
 
 class InvalidArguments(Exception):
@@ -21,8 +26,21 @@ class ToolBuildError(Exception):
         self.problems = problems
 
 
+@dataclass(frozen=True, slots=True)
+class Collaborators:
+    """What sources borrow from the server that serves them. The gateway creates and closes each;
+    a source never closes what it was given. Without them (e.g. `policy check`) sources are built
+    to be checked, not called."""
+
+    http: httpx2.AsyncClient | None = None  # the server's pooled client, for http sources
+    upstream: Callable[[str], Any] = field(default=lambda name: None)  # upstream name -> its connection
+
+
 class ToolSource(Protocol):
-    """Where a tool's work is done. Arguments are the normalised JSON object, without the key."""
+    """Where a tool's work is done. Arguments are the normalised JSON object, without the key.
+
+    Every source is built the same way, `Source(name, policy, whole_policy, collaborators)`, and
+    raises DeclarationError for what it finds wrong in its entry."""
 
     description: str
     input_schema: dict[str, Any]
@@ -42,4 +60,29 @@ class ToolSource(Protocol):
         did not; raise if it cannot tell."""
         ...
 
-    async def aclose(self) -> None: ...
+
+class SourceLoadError(Exception):
+    """A `module:function` reference that cannot be imported or used."""
+
+
+class DeclarationError(SourceLoadError):
+    """A policy entry the source cannot serve, with its place in the policy file (`tools.X.http.url`)."""
+
+    def __init__(self, location: str, message: str) -> None:
+        super().__init__(f"{location}: {message}")
+        self.location, self.message = location, message
+
+
+# Which class serves each kind of source; imported when a policy uses it (start-up time matters).
+_SOURCES = {
+    "python": ("commitgate.tools.python", "PythonTool"),
+    "http": ("commitgate.tools.http", "HttpTool"),
+    "upstream": ("commitgate.tools.upstream", "UpstreamTool"),
+}
+
+
+def build_source(name: str, policy: ToolPolicy, whole: Policy, using: Collaborators) -> ToolSource:
+    """The source of one policy entry, chosen by the kind of source it declares."""
+    module, cls = _SOURCES[policy.source_kind]
+    source: ToolSource = getattr(importlib.import_module(module), cls)(name, policy, whole, using)
+    return source

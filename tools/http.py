@@ -30,7 +30,6 @@ Header values (secrets come in as `${ENV}`) and resolved URLs (argument values) 
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import functools
 import inspect
@@ -54,8 +53,8 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
-from commitgate.tools.base import InvalidArguments
-from commitgate.tools.python import SourceLoadError, load_callable
+from commitgate.tools.base import Collaborators, DeclarationError, InvalidArguments
+from commitgate.tools.python import load_callable
 
 log = logging.getLogger("commitgate.tools.http")
 
@@ -72,41 +71,22 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.\-]*)\}")
 
 
-class DeclarationError(SourceLoadError):
-    """A mistake in a source's declaration, with its place in the policy file (`tools.X.http.url`)."""
-
-    def __init__(self, location: str, message: str) -> None:
-        super().__init__(f"{location}: {message}")
-        self.location, self.message = location, message
+# --- the pooled client ---------------------------------------------------------------------------
 
 
-# --- the shared client ---------------------------------------------------------------------------
+def pooled_client() -> httpx2.AsyncClient:
+    """The client a server lends its http sources (see Collaborators); timeouts are set per request."""
+    return httpx2.AsyncClient(
+        timeout=httpx2.Timeout(30.0, connect=CONNECT_TIMEOUT),  # never httpx2's 5 s default read
+        limits=httpx2.Limits(max_connections=100, max_keepalive_connections=20),
+        follow_redirects=False,  # a redirected POST would be a second request nobody declared
+    )
 
 
-class _Shared:
-    client: httpx2.AsyncClient | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-
-
-def shared_client() -> httpx2.AsyncClient:
-    """The one pooled client of this server (per event loop); timeouts are set per request."""
-    loop = asyncio.get_running_loop()
-    if _Shared.client is None or _Shared.client.is_closed or _Shared.loop is not loop:
-        _Shared.client = httpx2.AsyncClient(
-            timeout=httpx2.Timeout(30.0, connect=CONNECT_TIMEOUT),  # never httpx2's 5 s default read
-            limits=httpx2.Limits(max_connections=100, max_keepalive_connections=20),
-            follow_redirects=False,  # a redirected POST would be a second request nobody declared
-        )
-        _Shared.loop = loop
-    return _Shared.client
-
-
-async def aclose_shared_client() -> None:
-    """Close the shared client (on gateway shutdown); a later call opens a new one."""
-    client, loop = _Shared.client, _Shared.loop
-    _Shared.client, _Shared.loop = None, None
-    if client is not None and loop is asyncio.get_running_loop():
-        await client.aclose()
+def _client(using: Collaborators, where: str) -> httpx2.AsyncClient:
+    if using.http is None:  # built to be checked (policy check), never to be called
+        raise RetryableError(f"{where}: this server has no HTTP client; the request was not sent")
+    return using.http
 
 
 # --- requests ------------------------------------------------------------------------------------
@@ -203,7 +183,9 @@ class Request:
             if m.group(1).startswith("arguments.")
         }
 
-    def build(self, arguments: Mapping[str, Any], ctx: OperationContext) -> httpx2.Request:
+    def build(
+        self, arguments: Mapping[str, Any], ctx: OperationContext, client: httpx2.AsyncClient
+    ) -> httpx2.Request:
         def fill(match: re.Match[str]) -> str:
             name = match.group(1)
             if name == "idempotency_key":
@@ -219,7 +201,6 @@ class Request:
         headers = dict(self.headers)
         if self.key_header and ctx.idempotency_key:
             headers[self.key_header] = ctx.idempotency_key
-        client = shared_client()
         timeout = httpx2.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
         if self.body == "json":
             return client.build_request(self.method, url, headers=headers, json=rest, timeout=timeout)
@@ -228,14 +209,17 @@ class Request:
             target = target.copy_merge_params(_query_params(rest))
         return client.build_request(self.method, target, headers=headers, timeout=timeout)
 
-    async def send(self, arguments: Mapping[str, Any], ctx: OperationContext, tool: str) -> httpx2.Response:
+    async def send(
+        self, arguments: Mapping[str, Any], ctx: OperationContext, tool: str, using: Collaborators
+    ) -> httpx2.Response:
+        client = _client(using, f"{self.method} {self.target}")
         try:
-            request = self.build(arguments, ctx)
+            request = self.build(arguments, ctx, client)
         except (httpx2.InvalidURL, ValueError, InvalidArguments) as exc:  # the message may hold the URL
             raise PermanentError(f"{self.method} {self.target}: the request could not be built") from exc
         started = time.monotonic()
         try:
-            response = await shared_client().send(request)
+            response = await client.send(request)
         except httpx2.HTTPError as exc:
             log.debug("%s: %s %s failed: %s", tool, self.method, self.target, type(exc).__name__)
             raise transport_outcome(exc, f"{self.method} {self.target}") from exc
@@ -403,11 +387,12 @@ class StatusCheck(typing.Protocol):
 
 
 class HttpStatusCheck:
-    def __init__(self, request: Request, tool: str) -> None:
-        self.request, self.tool = request, tool
+    def __init__(self, request: Request, tool: str, using: Collaborators) -> None:
+        self.request, self.tool, self._using = request, tool, using
 
     async def __call__(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None:
-        return check_outcome(await self.request.send(arguments, ctx, self.tool), self.request)
+        response = await self.request.send(arguments, ctx, self.tool, self._using)
+        return check_outcome(response, self.request)
 
 
 class PythonStatusCheck:
@@ -449,7 +434,11 @@ class PythonStatusCheck:
 
 
 def status_check_for(
-    name: str, spec: StatusCheckSpec | None, policy: ToolPolicy, properties: set[str] | None
+    name: str,
+    spec: StatusCheckSpec | None,
+    policy: ToolPolicy,
+    properties: set[str] | None,
+    using: Collaborators,
 ) -> StatusCheck | None:
     """The status check a policy entry declares (python or http), for schema-described tools."""
     if spec is None:
@@ -466,7 +455,7 @@ def status_check_for(
             default_headers=policy.http.headers if policy.http is not None else None,
         )
         _check_url_arguments(request, properties, f"{where}.http.url")
-        return HttpStatusCheck(request, name)
+        return HttpStatusCheck(request, name, using)
     assert spec.python is not None
     return PythonStatusCheck(spec.python, properties, f"{where}.python")
 
@@ -485,7 +474,7 @@ def _check_url_arguments(request: Request, properties: set[str] | None, where: s
 class HttpTool:
     """A ToolSource calling one HTTP endpoint; see the module docstring for the policy shape."""
 
-    def __init__(self, name: str, policy: ToolPolicy, whole: Policy) -> None:
+    def __init__(self, name: str, policy: ToolPolicy, whole: Policy, using: Collaborators) -> None:
         if policy.http is None:
             raise DeclarationError(f"tools.{name}", "no `http` request declared")
         if policy.input_schema is None:
@@ -504,22 +493,21 @@ class HttpTool:
         properties = set(self.input_schema.get("properties", {}))
         _check_url_arguments(self.request, properties, f"tools.{name}.http.url")
         _check_url_arguments_required(self.request, self.input_schema, f"tools.{name}.http.url")
-        self._status = status_check_for(name, policy.status_check, policy, properties)
+        self._using = using
+        self._status = status_check_for(name, policy.status_check, policy, properties, using)
         self.has_status_check = self._status is not None
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         return self._validator.validate(arguments)
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
-        return outcome_of(await self.request.send(arguments, ctx, self.name), self.request)
+        response = await self.request.send(arguments, ctx, self.name, self._using)
+        return outcome_of(response, self.request)
 
     async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None:
         if self._status is None:
             raise RuntimeError(f"tools.{self.name} declares no status check")
         return await self._status(arguments, ctx)
-
-    async def aclose(self) -> None:
-        return None  # the pooled client is the server's, closed with the gateway
 
 
 def _closed_schema(schema: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,11 +19,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.records import ToolResult
-from commitgate.tools.base import InvalidArguments
-
-
-class SourceLoadError(Exception):
-    """A `module:function` reference that cannot be imported or used."""
+from commitgate.server.policy.models import Policy, ToolPolicy
+from commitgate.tools.base import Collaborators, InvalidArguments, SourceLoadError
 
 
 def load_callable(ref: str) -> Callable[..., Any]:
@@ -85,7 +82,13 @@ def _describe(errors: ValidationError) -> str:
 
 
 class PythonTool:
-    def __init__(self, ref: str, status_ref: str | None = None, description: str | None = None) -> None:
+    """A ToolSource calling a typed Python function; its schema comes from the signature."""
+
+    def __init__(self, name: str, policy: ToolPolicy, whole: Policy, using: Collaborators) -> None:
+        assert policy.python is not None, "chosen by the source table for python entries"
+        ref = policy.python
+        status_ref = policy.status_check.python if policy.status_check else None
+        description = policy.description
         self.ref = ref
         self.fn = load_callable(ref)
         self.signature = _Signature(self.fn)
@@ -133,9 +136,6 @@ class PythonTool:
             raise RuntimeError(f"{self.ref} declares no status check")
         found = await _invoke(self.status_fn, self._kwargs(arguments, ctx, self._status_context))
         return None if found is None else _to_result(found)
-
-    async def aclose(self) -> None:
-        return None
 
 
 async def _invoke(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:

@@ -55,9 +55,9 @@ from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import Policy, Problem, ToolPolicy, UpstreamPolicy
-from commitgate.tools.base import ToolBuildError
-from commitgate.tools.http import DeclarationError, SchemaValidator, StatusCheck, status_check_for
+from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
+from commitgate.tools.base import Collaborators, DeclarationError
+from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
 
 log = logging.getLogger("commitgate.tools.upstream")
 
@@ -277,13 +277,13 @@ def tool_error(result: types.CallToolResult, where: str) -> Exception:
 class UpstreamTool:
     """A ToolSource proxying one tool of an upstream MCP server."""
 
-    def __init__(
-        self, name: str, policy: ToolPolicy, whole: Policy, connection: UpstreamConnection | None
-    ) -> None:
+    def __init__(self, name: str, policy: ToolPolicy, whole: Policy, using: Collaborators) -> None:
         if policy.upstream is None:
             raise DeclarationError(f"tools.{name}", "no `upstream` declared")
         self.name, self.upstream = name, policy.upstream
         self.upstream_tool = policy.upstream_tool or name
+        # None: not connected (yet), or built to be checked (policy check) and never called
+        connection: UpstreamConnection | None = using.upstream(policy.upstream)
         self.connection = connection
         definition = connection.tools.get(self.upstream_tool) if connection else None
         if connection is not None and connection.listed and definition is None:
@@ -304,7 +304,9 @@ class UpstreamTool:
         self._validator = SchemaValidator(self.input_schema, f"tools.{name}.input_schema")
         known = definition is not None or policy.input_schema is not None
         properties = set(self.input_schema.get("properties", {})) if known else None
-        self._status: StatusCheck | None = status_check_for(name, policy.status_check, policy, properties)
+        self._status: StatusCheck | None = status_check_for(
+            name, policy.status_check, policy, properties, using
+        )
         self.has_status_check = self._status is not None
 
     @property
@@ -355,9 +357,6 @@ class UpstreamTool:
             raise RuntimeError(f"tools.{self.name} declares no status check")
         return await self._status(arguments, ctx)
 
-    async def aclose(self) -> None:
-        return None  # the connection belongs to the manager
-
 
 # --- all upstreams of a policy ---------------------------------------------------------------------
 
@@ -373,7 +372,7 @@ def _key(name: str, spec: UpstreamPolicy) -> str:
 class UpstreamManager:
     """The upstream connections of one gateway, one per (name, declaration).
 
-    At open: `update(policy)` connects what the policy uses and returns its upstream sources. On a
+    At open: `update(policy)` connects what the policy uses; `lookup(policy)` lends the connections to sources. On a
     policy reload: `update(new, retire=False)` connects what is new while the old policy still
     serves; once the new policy is applied `retire(new)` closes what it no longer uses (after a
     rejected edit, `retire(current)` closes what was opened for nothing).
@@ -415,28 +414,16 @@ class UpstreamManager:
         retired = [self._pool.pop(key) for key in list(self._pool) if key not in keep]
         await asyncio.gather(*(c.aclose() for c in retired))
 
-    def sources(self, policy: Policy) -> dict[str, UpstreamTool]:
-        sources: dict[str, UpstreamTool] = {}
-        problems: list[Problem] = []
-        for name, tool in policy.tools.items():
-            if tool.upstream is None:
-                continue
-            connection = self.connection(tool.upstream, policy.upstreams[tool.upstream])
-            try:
-                sources[name] = UpstreamTool(name, tool, policy, connection)
-            except DeclarationError as exc:
-                problems.append(Problem(exc.location, exc.message))
-            except Exception as exc:
-                problems.append(Problem(f"tools.{name}.upstream", str(exc)))
-        if problems:
-            raise ToolBuildError(problems)
-        return sources
+    def lookup(self, policy: Policy) -> Callable[[str], UpstreamConnection | None]:
+        """Upstream name -> the connection held for it under `policy` (what sources are given)."""
+        return lambda name: (
+            self.connection(name, policy.upstreams[name]) if name in policy.upstreams else None
+        )
 
-    async def update(self, policy: Policy, *, retire: bool = True) -> dict[str, UpstreamTool]:
+    async def update(self, policy: Policy, *, retire: bool = True) -> None:
         await self.connect({name: policy.upstreams[name] for name in used_upstreams(policy)})
         if retire:
             await self.retire(policy)
-        return self.sources(policy)
 
     def not_exposed(self, policy: Policy) -> dict[str, list[str]]:
         """Per upstream of `policy` that was reached, the tools it offers that the policy does not serve."""

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from commitgate.server.core import errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
@@ -43,25 +43,16 @@ from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, Idempoten
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy, ToolPolicy
+from commitgate.tools.base import ToolSource
 
 log = logging.getLogger("commitgate.boundary")
-
-
-class Source(Protocol):
-    has_status_check: bool
-
-    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]: ...
-
-    async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult: ...
-
-    async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class GuardedTool:
     name: str
     policy: ToolPolicy
-    source: Source
+    source: ToolSource
 
     @property
     def idempotency_class(self) -> IdempotencyClass:

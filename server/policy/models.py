@@ -617,6 +617,14 @@ def _http_outcome_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
 
 
 def _schema_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
+    status = raw.get("status_check")
+    if raw.get("python") is not None and isinstance(status, Mapping) and status.get("http") is not None:
+        return [
+            Problem(
+                f"{where}.status_check",
+                'a python tool\'s status check is python too (`status_check = "module:function"`)',
+            )
+        ]
     schema = raw.get("input_schema")
     if raw.get("http") is not None and schema is None:
         return [Problem(f"{where}.input_schema", "an http tool needs an input_schema (JSON Schema)")]

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken
 
 from commitgate.server.policy.models import AuthPolicy
@@ -134,3 +135,9 @@ class PolicyTokenVerifier:
         return AccessToken(
             token="sha256:" + digest(token).hex()[:16], client_id=principal, scopes=[], subject=principal
         )
+
+
+def principal_of_request() -> str | None:
+    """The identity behind the bearer token on HTTP transports; None on stdio (the gateway's default)."""
+    token = get_access_token()
+    return token.client_id if token is not None else None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import httpx2
 import mcp.types as types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -38,6 +39,7 @@ from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_MET
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve.registry import ServedTool, build_tools
+from commitgate.tools.base import Collaborators
 
 if TYPE_CHECKING:
     from commitgate.tools.upstream import UpstreamManager
@@ -116,13 +118,17 @@ def local_principal() -> str:
 
 @dataclass
 class Gateway:
+    """The MCP calls over one commit boundary. The boundary owns the ledger, the settings and the
+    guarded tools; the gateway owns what sources borrow (the pooled HTTP client, the upstream
+    connections) and closes it."""
+
     policy: Policy
-    ledger: Ledger
     boundary: CommitBoundary
     served: dict[str, ServedTool]
+    http: httpx2.AsyncClient
+    upstreams: UpstreamManager
     policy_path: Path | None = None
     default_principal: str = field(default_factory=local_principal)
-    upstreams: UpstreamManager | None = None  # upstream MCP connections, closed with the gateway
     # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -134,14 +140,15 @@ class Gateway:
         *,
         ledger: Ledger | None = None,
         observers: Sequence[Observer] = (),
-        extra_sources: Mapping[str, Any] | None = None,
     ) -> Gateway:
+        from commitgate.tools.http import pooled_client
         from commitgate.tools.upstream import UpstreamManager
 
-        upstreams = UpstreamManager()  # connects the upstream MCP servers the policy uses
+        upstreams, http = UpstreamManager(), pooled_client()
         try:
-            sources = {**await upstreams.update(policy), **(extra_sources or {})}
-            served = build_tools(policy, policy_path.parent if policy_path else None, sources)
+            await upstreams.update(policy)  # connects the upstream MCP servers the policy uses
+            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
+            served = build_tools(policy, policy_path.parent if policy_path else None, using)
             ledger = ledger or await open_ledger(
                 policy.ledger.url,
                 synchronous=policy.ledger.synchronous,
@@ -149,18 +156,24 @@ class Gateway:
             )
         except BaseException:
             await upstreams.aclose()
+            await http.aclose()
             raise
         tools = {name: s.guard for name, s in served.items()}
         boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
-        return cls(policy, ledger, boundary, served, policy_path, principal, upstreams=upstreams)
+        return cls(policy, boundary, served, http, upstreams, policy_path, principal)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.boundary.ledger
+
+    def collaborators(self, policy: Policy) -> Collaborators:
+        """What the sources of `policy` borrow from this gateway."""
+        return Collaborators(http=self.http, upstream=self.upstreams.lookup(policy))
 
     async def close(self) -> None:
-        from commitgate.tools.http import aclose_shared_client
-
-        if self.upstreams is not None:
-            await self.upstreams.aclose()
-        await aclose_shared_client()
+        await self.upstreams.aclose()
+        await self.http.aclose()
         await self.ledger.close()
 
     def apply(self, policy: Policy, served: dict[str, ServedTool]) -> None:

@@ -10,10 +10,8 @@ Safety rules enforced here, before anything listens:
   on `/healthz` and `/metrics`;
 - request bodies are capped (HTTP 413) above what the argument limit needs.
 
-Per call (an SDK middleware around `tools/call`): at most
-`limits.max_concurrent_per_principal` calls of one principal at a time (the
-next one is answered `retries_exhausted`, nothing executed), and one metrics
-sample and one log line with the answer code.
+Per call, the middleware of calls.py (as on stdio), with metrics: one sample per
+answered `tools/call`, exposed on `/metrics`.
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting and closes streams; the
 work of every operation already claimed runs in tasks owned by the commit
@@ -29,17 +27,14 @@ import ipaddress
 import logging
 import signal
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import mcp.types as types
 import uvicorn
 from mcp.server import Server
 from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
 from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend, RequireAuthMiddleware
 from mcp.server.auth.settings import AuthSettings
-from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.sse import SseServerTransport
 from mcp.server.transport_security import (
     DEFAULT_MAX_REQUEST_BODY_SIZE,
@@ -54,14 +49,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from commitgate.server.core.errors import GateError
-from commitgate.server.model.facts import ErrorCode
 from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier
-from commitgate.server.serve.gateway import META_TOOLS, OPERATION_META, Gateway, render_error
-from commitgate.server.serve.logs import extra, log_call, unredacted
-from commitgate.server.serve.metrics import CONTENT_TYPE, UNKNOWN_TOOL, Metrics
-from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
-from commitgate.server.serve.surface import build_server, initialization_options, principal_of_request
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.logs import extra
+from commitgate.server.serve.metrics import CONTENT_TYPE, Metrics
+from commitgate.server.serve.reload import ToolListAnnouncer
+from commitgate.server.serve.surface import build_server, initialization_options, serving
 
 log = logging.getLogger("commitgate.transports")
 
@@ -125,123 +118,6 @@ def security_settings(host: str, allowed_hosts: Sequence[str] = ()) -> Transport
 
 def max_body_bytes(gateway: Gateway) -> int:
     return max(DEFAULT_MAX_REQUEST_BODY_SIZE, gateway.policy.server.limits.max_argument_bytes + BODY_MARGIN)
-
-
-# --- per call: limit, metrics, log ---------------------------------------------------------------
-
-
-def _tool_name(ctx: ServerRequestContext[Any, Any]) -> str | None:
-    name = ctx.params.get("name") if ctx.params else None
-    return name if isinstance(name, str) else None
-
-
-def _principal(gateway: Gateway) -> str:
-    return principal_of_request() or gateway.default_principal
-
-
-def _labels(gateway: Gateway, name: str | None) -> tuple[str, str]:
-    if name is not None and name in META_TOOLS:
-        return name, "meta"
-    served = gateway.served.get(name) if name else None
-    if served is None or not served.exposed:
-        return UNKNOWN_TOOL, "none"
-    return name or UNKNOWN_TOOL, served.guard.idempotency_class.value
-
-
-def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | None]:
-    """(answer code, operation meta, error message) of a tools/call answer, without copying its content."""
-    if isinstance(result, types.CallToolResult):
-        parts: tuple[Any, Any, Any] = (result.is_error, result.meta, result.structured_content)
-    elif isinstance(result, dict):
-        parts = (result.get("isError"), result.get("_meta"), result.get("structuredContent"))
-    else:
-        return "ok", None, None
-    is_error, meta, structured = parts
-    operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
-    if not is_error:
-        return "ok", operation, None
-    error = (structured or {}).get("error") or {}
-    return str(error.get("code") or "error"), operation, error.get("message")
-
-
-class CallRecorder:
-    """SDK middleware: one metrics sample and one log line per tools/call, whatever its end."""
-
-    def __init__(self, gateway: Gateway, metrics: Metrics) -> None:
-        self.gateway, self.metrics = gateway, metrics
-
-    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        if ctx.method != "tools/call":
-            return await call_next(ctx)
-        tool, cls = _labels(self.gateway, _tool_name(ctx))
-        code, operation, message = "protocol_error", None, None
-        start = time.perf_counter()
-        self.metrics.in_progress.inc()
-        try:
-            result = await call_next(ctx)
-            code, operation, message = _outcome(result)
-            return result
-        except asyncio.CancelledError:
-            code = "cancelled"
-            raise
-        finally:
-            seconds = time.perf_counter() - start
-            self.metrics.in_progress.dec()
-            self.metrics.call_finished(tool, cls, code, seconds)
-            arguments = (ctx.params or {}).get("arguments") if unredacted() else None
-            log_call(tool, cls, _principal(self.gateway), code, seconds, operation, message, arguments)
-
-
-class PrincipalLimit:
-    """SDK middleware: at most `limits.max_concurrent_per_principal` tool calls of one principal at once.
-
-    Meta tools are not limited: polling must stay possible while work runs.
-    One event loop serves all requests, so a plain dict needs no lock.
-    """
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.active: dict[str, int] = {}
-
-    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        name = _tool_name(ctx)
-        if ctx.method != "tools/call" or name is None or name in META_TOOLS:
-            return await call_next(ctx)
-        principal = _principal(self.gateway)
-        limit = self.gateway.policy.server.limits.max_concurrent_per_principal
-        running = self.active.get(principal, 0)
-        if running >= limit:
-            return limit_error(limit)
-        self.active[principal] = running + 1
-        try:
-            return await call_next(ctx)
-        finally:
-            left = self.active[principal] - 1
-            if left:
-                self.active[principal] = left
-            else:
-                del self.active[principal]
-
-
-def limit_error(limit: int) -> types.CallToolResult:
-    message = (
-        f"Too many calls at once: {limit} of your calls are already running (limits.max_concurrent_per_principal). "
-        "Nothing was executed or recorded. Wait for one to finish, then call again with the same "
-        "idempotency_key; poll get_operation_status for the ones in progress."
-    )
-    # DESIGN 1.5 has no code of its own for this: like retries_exhausted it is transient and
-    # certainly not applied, so clients that already handle that code do the right thing.
-    return render_error(GateError(ErrorCode.RETRIES_EXHAUSTED, message), replayed=False)
-
-
-def mcp_server(
-    gateway: Gateway, metrics: Metrics, version: str, announcer: ToolListAnnouncer | None = None
-) -> Server[Any]:
-    server = build_server(gateway, version)
-    if announcer is not None:  # a policy edit announces tools/list_changed (server/reload.py)
-        announcer.install(server)
-    server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
-    return server
 
 
 # --- the ASGI app --------------------------------------------------------------------------------
@@ -319,7 +195,7 @@ def build_app(
         )
     metrics = metrics or Metrics()
     settings = security_settings(host, allowed_hosts)
-    server = mcp_server(gateway, metrics, version, announcer)
+    server = build_server(gateway, version, metrics=metrics, announcer=announcer)
     routes = ops_routes(gateway, metrics, settings, verifier is not None)
     if transport == "streamable-http":
         return server.streamable_http_app(
@@ -422,14 +298,7 @@ async def serve_http(
     log.info(
         "serving", extra=extra(url=url, transport=transport, auth=verifier is not None, stateless=stateless)
     )
-    try:
-        async with (
-            gateway.boundary.running(),
-            policy_watcher(gateway, announcer.announce),
-            upstream_refresher(gateway, announcer.announce),
-        ):
-            with _signals_end_serving():
-                await server.serve()
-            log.info("stopped accepting requests; letting in-flight operations record their outcome")
-    finally:
-        announcer.close()
+    async with serving(gateway, announcer):
+        with _signals_end_serving():
+            await server.serve()
+        log.info("stopped accepting requests; letting in-flight operations record their outcome")

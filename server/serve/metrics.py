@@ -171,10 +171,8 @@ class Metrics:
         """Observe a gateway that was opened without these metrics, and time its ledger."""
         if self not in gateway.boundary.observers:
             gateway.boundary.observers.append(self)
-        if not isinstance(gateway.ledger, TimedLedger):
-            timed = TimedLedger(gateway.ledger, self)
-            gateway.ledger = timed
-            gateway.boundary.ledger = timed
+        if not isinstance(gateway.boundary.ledger, TimedLedger):
+            gateway.boundary.ledger = TimedLedger(gateway.boundary.ledger, self)
 
 
 class TimedLedger:

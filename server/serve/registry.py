@@ -19,7 +19,7 @@ import mcp.types as types
 from commitgate.server.core.boundary import GuardedTool
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy
-from commitgate.tools.base import ToolBuildError
+from commitgate.tools.base import Collaborators, ToolBuildError, ToolSource, build_source
 
 KEY_PROPERTY: dict[str, Any] = {
     "type": "string",
@@ -55,31 +55,6 @@ class ServedTool:
     exposed: bool
 
 
-def build_source(name: str, policy: ToolPolicy, whole: Policy) -> Any:
-    """The tool source for one policy entry.
-
-    Upstream tools normally come in `extra_sources`, built by the gateway's `UpstreamManager` from
-    live connections; built here (e.g. by `policy check`) they are offline: structure is checked,
-    nothing is started, and a call would answer that the upstream is not connected.
-    """
-    if policy.python is not None:
-        from commitgate.tools.python import PythonTool
-
-        status = policy.status_check.python if policy.status_check else None
-        if policy.status_check is not None and policy.status_check.http is not None:
-            raise ValueError(
-                'a python tool\'s status check is python too (`status_check = "module:function"`)'
-            )
-        return PythonTool(policy.python, status, policy.description)
-    if policy.http is not None:
-        from commitgate.tools.http import HttpTool
-
-        return HttpTool(name, policy, whole)
-    from commitgate.tools.upstream import UpstreamTool
-
-    return UpstreamTool(name, policy, whole, connection=None)
-
-
 def input_schema_for(source_schema: Mapping[str, Any], cls: IdempotencyClass) -> dict[str, Any]:
     schema = copy.deepcopy(dict(source_schema))
     schema.setdefault("type", "object")
@@ -100,7 +75,7 @@ def annotations_for(policy: ToolPolicy) -> types.ToolAnnotations:
     )
 
 
-def definition_for(name: str, policy: ToolPolicy, source: Any) -> types.Tool:
+def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.Tool:
     description = policy.description or source.description or name
     sentence = KEY_SENTENCE.get(policy.idempotency_class)
     if sentence:
@@ -116,16 +91,22 @@ def definition_for(name: str, policy: ToolPolicy, source: Any) -> types.Tool:
 
 
 def build_tools(
-    policy: Policy, policy_dir: Path | None, extra_sources: Mapping[str, Any] | None = None
+    policy: Policy,
+    policy_dir: Path | None,
+    using: Collaborators | None = None,
+    reuse: Mapping[str, ToolSource] | None = None,
 ) -> dict[str, ServedTool]:
-    """Every tool of the policy, each with its source; problems are collected, not raised one by one."""
+    """Every tool of the policy, each with its source (or the one in `reuse`, for a tool that did
+    not change); problems are collected, not raised one by one. Without `using`, sources are built
+    to be checked, not called."""
+    using = using or Collaborators()
     if policy_dir is not None and str(policy_dir) not in sys.path:
         sys.path.insert(0, str(policy_dir))  # `python = "mytools:fn"` next to the policy file just works
     served: dict[str, ServedTool] = {}
     problems: list[Problem] = []
     for name, tool_policy in policy.tools.items():
         try:
-            source = (extra_sources or {}).get(name) or build_source(name, tool_policy, policy)
+            source = (reuse or {}).get(name) or build_source(name, tool_policy, policy, using)
         except Exception as exc:  # a declaration mistake knows its own place in the file
             location = getattr(exc, "location", None) or f"tools.{name}.{tool_policy.source_kind}"
             problems.append(Problem(location, getattr(exc, "message", None) or str(exc)))

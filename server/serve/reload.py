@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -32,22 +31,15 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
-from commitgate.server.core.boundary import GuardedTool
 from commitgate.server.policy.models import Policy, PolicyReport, Problem, analyse_text, with_lines
 from commitgate.server.serve.checking import check_report, format_report, served_schemas, source_problems
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
-from commitgate.tools.base import ToolBuildError
+from commitgate.tools.base import ToolBuildError, ToolSource
 
 log = logging.getLogger("commitgate.reload")
 
 OnApplied = Callable[[], Awaitable[None]]
-Builder = Callable[[Policy, Path, Mapping[str, Any]], dict[str, ServedTool]]
-
-
-def default_builder(policy: Policy, policy_dir: Path, reuse: Mapping[str, Any]) -> dict[str, ServedTool]:
-    """Build every tool of `policy`, reusing the given sources of tools that did not change."""
-    return build_tools(policy, policy_dir, reuse)
 
 
 # --- announcing the change -------------------------------------------------------------------
@@ -115,12 +107,9 @@ class PolicyReloader:
     gateway: Gateway
     path: Path
     on_applied: OnApplied
-    build: Builder = default_builder
-    clock: Callable[[], float] = time.monotonic
     _text: str | None = None
     _stat: tuple[int, int, int] | None = None
     _file_ledger: Any = None
-    _retiring: list[tuple[float, list[GuardedTool]]] = field(default_factory=list)
 
     def _signature(self) -> tuple[int, int, int] | None:
         try:
@@ -180,8 +169,9 @@ class PolicyReloader:
         self._note_restart_only_changes(report.policy)
         policy = self._with_running_ledger(report.policy)
         try:
-            sources = {**await self._upstream_sources(policy), **self._reusable(policy)}
-            served = self.build(policy, self.path.parent, sources)
+            await self.gateway.upstreams.update(policy, retire=False)  # the current policy still serves
+            using = self.gateway.collaborators(policy)
+            served = build_tools(policy, self.path.parent, using, self._reusable(policy))
         except ToolBuildError as exc:
             return None, None, self._all_problems(report, exc.problems)
         problems = source_problems(policy.tools, served_schemas(served))
@@ -192,15 +182,8 @@ class PolicyReloader:
         checked = check_report(report, self.path.parent)
         return list(dict.fromkeys(checked + with_lines(found, report.text or "")))
 
-    async def _upstream_sources(self, policy: Policy) -> dict[str, Any]:
-        """Upstream tools of the edit: new upstreams connect now, while the current policy still serves."""
-        if self.gateway.upstreams is None:
-            return {}
-        return dict(await self.gateway.upstreams.update(policy, retire=False))
-
     async def _retire_upstreams(self, serving: Policy) -> None:
-        if self.gateway.upstreams is not None:
-            await self.gateway.upstreams.retire(serving)
+        await self.gateway.upstreams.retire(serving)
 
     def _with_running_ledger(self, policy: Policy) -> Policy:
         # The ledger is opened once: `--ledger` and the file's [ledger] both apply only at start.
@@ -213,10 +196,10 @@ class PolicyReloader:
         if policy.server.name != self.gateway.policy.server.name:
             log.warning("[server] name changed in %s: it takes effect at the next restart", self.path)
 
-    def _reusable(self, policy: Policy) -> dict[str, Any]:
+    def _reusable(self, policy: Policy) -> dict[str, ToolSource]:
         """Sources of tools whose declaration did not change: kept, not rebuilt."""
         current, old_policy = self.gateway.served, self.gateway.policy
-        reuse: dict[str, Any] = {}
+        reuse: dict[str, ToolSource] = {}
         for name, tool in policy.tools.items():
             served = current.get(name)
             if served is None or served.guard.policy != tool:
@@ -229,14 +212,9 @@ class PolicyReloader:
         return reuse
 
     def _apply(self, policy: Policy, served: dict[str, ServedTool]) -> bool:
-        kept = {id(s.guard.source) for s in served.values()}
-        retired = [s.guard for s in self.gateway.served.values() if id(s.guard.source) not in kept]
         before = self.gateway.list_tools()
         self.gateway.apply(policy, served)
         changed = self.gateway.list_tools() != before
-        if retired:
-            grace = max(t.policy.retry.deadline + 2 * t.policy.timeout for t in retired)
-            self._retiring.append((self.clock() + grace, retired))
         log.warning(
             "policy %s applied: %d tool(s)%s",
             self.path,
@@ -244,21 +222,6 @@ class PolicyReloader:
             "; tool list changed" if changed else "; tool list unchanged",
         )
         return changed
-
-    async def close_retired(self) -> None:
-        """Close sources of replaced tools once no call that started with them can still use them."""
-        now = self.clock()
-        due = [tools for when, tools in self._retiring if when <= now]
-        self._retiring = [(when, tools) for when, tools in self._retiring if when > now]
-        for tools in due:
-            for tool in tools:
-                close = getattr(tool.source, "aclose", None)
-                if close is None:
-                    continue
-                try:
-                    await close()
-                except Exception:
-                    log.warning("closing the replaced source of %s failed", tool.name, exc_info=True)
 
 
 # --- watching ----------------------------------------------------------------------------------
@@ -269,14 +232,13 @@ async def watch_policy(
     path: Path,
     on_applied: OnApplied,
     *,
-    build: Builder = default_builder,
     stop: anyio.Event | None = None,
     tick: float = 1.0,
 ) -> None:
     """Follow edits of `path` until `stop` is set (or the task is cancelled)."""
     target = path.resolve()
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # one "change detected" line per save is noise
-    reloader = PolicyReloader(gateway, target, on_applied, build)
+    reloader = PolicyReloader(gateway, target, on_applied)
     reloader.prime()
 
     def ours(change: Change, changed: str) -> bool:
@@ -300,7 +262,6 @@ async def watch_policy(
                 await reloader.reload()
             except Exception:  # an unexpected failure rejects this edit, not the watching
                 log.exception("reloading %s failed; the current policy keeps serving", target)
-        await reloader.close_retired()
 
 
 async def _announce(on_applied: OnApplied) -> None:
@@ -321,16 +282,14 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
     unless it declares one, and no key forwarding); one that comes back with other tools has
     stale schemas. Other tools keep their sources. True when clients were told of a change.
     """
-    upstreams = gateway.upstreams
-    if upstreams is None:
-        return False
     async with gateway.rebuilding:
         policy = gateway.policy
         try:
-            fresh = upstreams.sources(policy)
-            kept = {name: s.guard.source for name, s in gateway.served.items() if name not in fresh}
+            kept = {
+                name: s.guard.source for name, s in gateway.served.items() if s.guard.policy.upstream is None
+            }
             policy_dir = gateway.policy_path.parent if gateway.policy_path else None
-            served = build_tools(policy, policy_dir, {**kept, **fresh})
+            served = build_tools(policy, policy_dir, gateway.collaborators(policy), kept)
         except ToolBuildError as exc:  # e.g. it no longer offers a declared tool: keep what serves
             log.error(
                 "an upstream's tools changed and no longer fit the policy; keeping the current tools.\n%s",
@@ -350,9 +309,6 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
 async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIterator[None]:
     """Run `refresh_upstream_tools` whenever an upstream lists other tools, beside the body."""
     upstreams = gateway.upstreams
-    if upstreams is None:
-        yield
-        return
 
     async def follow() -> None:
         while True:
@@ -373,9 +329,7 @@ async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIt
 
 
 @contextlib.asynccontextmanager
-async def policy_watcher(
-    gateway: Gateway, on_applied: OnApplied, *, build: Builder = default_builder
-) -> AsyncIterator[None]:
+async def policy_watcher(gateway: Gateway, on_applied: OnApplied) -> AsyncIterator[None]:
     """Run `watch_policy` beside the body when the gateway serves a policy file."""
     path = gateway.policy_path
     if path is None:
@@ -385,7 +339,7 @@ async def policy_watcher(
 
     async def guarded() -> None:
         try:
-            await watch_policy(gateway, path, on_applied, build=build, stop=stop)
+            await watch_policy(gateway, path, on_applied, stop=stop)
         except Exception:  # losing reload must never take the server down
             log.exception("policy reload stopped; restart to pick up further edits")
 

@@ -1,34 +1,39 @@
-"""The MCP surface: a low-level MCP server over the gateway, and the stdio transport.
+"""The MCP surface: a low-level MCP server over the gateway, what runs beside it, and stdio.
 
-The low-level server is used because tools come from a policy as raw JSON
-schemas and may change while serving (DESIGN notes §2). Protocol errors
-(unknown tool) are JSON-RPC errors; everything the model should read is an
-`isError` result rendered by the gateway.
+The low-level server is used because tools come from a policy as raw JSON schemas and may change
+while serving. Protocol errors (unknown tool) are JSON-RPC errors; everything the model should
+read is an `isError` result rendered by the gateway. Every transport gets the same server (the
+per-call middleware of calls.py included) and the same duties beside it (`serving`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import mcp.types as types
 from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
-from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.lowlevel.server import NotificationOptions
 
+from commitgate.server.serve.auth import principal_of_request
+from commitgate.server.serve.calls import CallRecorder, PrincipalLimit
 from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
 log = logging.getLogger("commitgate.surface")
 
 
-def principal_of_request() -> str | None:
-    """The identity behind the bearer token on HTTP transports; None on stdio (the gateway's default)."""
-    token = get_access_token()
-    return token.client_id if token is not None else None
-
-
-def build_server(gateway: Gateway, version: str = "") -> Server[Any]:
+def build_server(
+    gateway: Gateway,
+    version: str = "",
+    *,
+    metrics: Metrics | None = None,
+    announcer: ToolListAnnouncer | None = None,
+) -> Server[Any]:
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
@@ -42,13 +47,17 @@ def build_server(gateway: Gateway, version: str = "") -> Server[Any]:
         meta: dict[str, Any] = dict(ctx.meta or {})
         return await gateway.call_tool(params.name, params.arguments, meta, principal_of_request())
 
-    return Server(
+    server = Server(
         gateway.policy.server.name,
         version=version,
         instructions=INSTRUCTIONS,
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
+    if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
+        announcer.install(server)
+    server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
+    return server
 
 
 INSTRUCTIONS = (
@@ -63,25 +72,29 @@ def initialization_options(server: Server[Any]) -> Any:
     return server.create_initialization_options(NotificationOptions(tools_changed=True))
 
 
-async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fast") -> None:
-    """`transport="fast"` (the default) serves the lean asyncio streams of fast_stdio.py; "sdk" the SDK's."""
-    if transport == "fast":
-        from commitgate.server.serve.stdio import fast_stdio_server as stdio_server
-    else:
-        from mcp.server.stdio import stdio_server
-
-    from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
-
-    server = build_server(gateway, version)
-    announcer = ToolListAnnouncer()  # a policy edit announces tools/list_changed in both eras
-    announcer.install(server)
+@contextlib.asynccontextmanager
+async def serving(gateway: Gateway, announcer: ToolListAnnouncer) -> AsyncIterator[None]:
+    """What runs beside any transport: the boundary's duties (leases, sweeps; on the way out, the
+    drain of in-flight operations into the ledger), the policy watcher and the upstream refresher."""
     try:
         async with (
             gateway.boundary.running(),
             policy_watcher(gateway, announcer.announce),
             upstream_refresher(gateway, announcer.announce),
-            stdio_server() as (read, write),
         ):
-            await server.run(read, write, initialization_options(server))
+            yield
     finally:
         announcer.close()
+
+
+async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fast") -> None:
+    """`transport="fast"` (the default) serves the lean asyncio streams of stdio.py; "sdk" the SDK's."""
+    if transport == "fast":
+        from commitgate.server.serve.stdio import fast_stdio_server as stdio_server
+    else:
+        from mcp.server.stdio import stdio_server
+
+    announcer = ToolListAnnouncer()
+    server = build_server(gateway, version, announcer=announcer)
+    async with serving(gateway, announcer), stdio_server() as (read, write):
+        await server.run(read, write, initialization_options(server))
