@@ -68,9 +68,18 @@ def policy_toml(
     respond_within: str = "1500ms",
     in_progress_wait: str = "1s",
     max_argument_bytes: int | None = None,
+    max_concurrent_per_principal: int | None = None,
 ) -> str:
     principal_line = f'principal = "{principal}"\n' if principal else ""
-    limits = f"\n[server.limits]\nmax_argument_bytes = {max_argument_bytes}\n" if max_argument_bytes else ""
+    limits = "".join(
+        f"{name} = {value}\n"
+        for name, value in (
+            ("max_argument_bytes", max_argument_bytes),
+            ("max_concurrent_per_principal", max_concurrent_per_principal),
+        )
+        if value
+    )
+    limits = f"\n[server.limits]\n{limits}" if limits else ""
     server = (
         "[server]\n"
         'name = "commitgate-e2e"\n'

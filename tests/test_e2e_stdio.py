@@ -595,3 +595,30 @@ async def test_the_claude_desktop_example_config_starts_the_server(tmp_path: Pat
         assert succeeded(result)["session"] == "default"
     assert (state / "commitgate" / "ledger.db").exists()
     assert Deployment(tmp_path, tmp_path, state, tmp_path / "sandbox.db").count("charges") == 1
+
+
+async def test_stdio_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs(
+    tmp_path: Path,
+) -> None:
+    """The per-call limit holds over stdio as over HTTP: the second call in flight is refused."""
+    d = Deployment.create(tmp_path / "limited", respond_within="20s", max_concurrent_per_principal=1)
+    gate = tmp_path / "gate"
+    first = {"gate": str(gate), "idempotency_key": "limit-1"}
+    second = {"gate": str(gate), "idempotency_key": "limit-2"}
+    async with serve(d) as server, anyio.create_task_group() as tasks:
+        answers: dict[str, CallToolResult] = {}
+
+        async def call_first() -> None:
+            answers["first"] = await server.call("gated_task", first, session="s")
+
+        tasks.start_soon(call_first)
+        await server.wait_for_state("s", "limit-1", {"RUNNING"})  # meta tools are never limited
+        refused = await server.call("gated_task", second, session="s")
+        assert error_code(refused) == "retries_exhausted"
+        assert "max_concurrent_per_principal" in refused.content[0].text
+        assert d.count("tasks", idempotency_key="limit-2") == 0
+        gate.touch()
+    assert not answers["first"].is_error
+    async with serve(d) as server:
+        assert not (await server.call("gated_task", second, session="s")).is_error
+    assert d.count("tasks", idempotency_key="limit-1") == d.count("tasks", idempotency_key="limit-2") == 1
