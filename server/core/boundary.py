@@ -66,6 +66,7 @@ class CallRequest:
     key: str | None
     session: str
     principal: str
+    arguments_json: str | None = None  # canonical JSON of `arguments`, when the caller encoded it already
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ def fingerprint(tool: str, arguments_json: str) -> str:
     return hashlib.sha256(document.encode("utf-8")).hexdigest()
 
 
-def check_key(key: str | None, tool: GuardedTool) -> str | None:
+def check_key(key: object, tool: GuardedTool) -> str | None:
     if not tool.idempotency_class.keyed:
         return None
     if key is None or key == "":
@@ -141,11 +142,7 @@ class CommitBoundary:
 
     async def _guarded(self, request: CallRequest) -> Answer:
         tool = request.tool
-        arguments_json = canonical_json(request.arguments)
-        if len(arguments_json.encode()) > self.settings.limits.max_argument_bytes:
-            raise errors.invalid_arguments(
-                f"the arguments are larger than {self.settings.limits.max_argument_bytes} bytes"
-            )
+        arguments_json = request.arguments_json or canonical_json(request.arguments)
         step = request.key if request.key is not None else _missing_key(tool)
         digest = fingerprint(tool.name, arguments_json)
         known = self.final.get(request.principal, request.session, step, self.clock())

@@ -26,6 +26,7 @@ from commitgate.server.core.boundary import (
     Answer,
     CallRequest,
     CommitBoundary,
+    canonical_json,
     check_key,
     error_for_state,
 )
@@ -235,21 +236,19 @@ class Gateway:
             raise errors.invalid_key(
                 f"the argument ({key!r}) and _meta['{STEP_META}'] ({step!r}) differ; send one, or the same value"
             )
-        key = key if key is not None else step
-        if key is not None and not isinstance(key, str):
-            raise errors.invalid_key("it must be a string")
-        checked = check_key(key, tool)
-        size = len(json.dumps(args, separators=(",", ":"), default=str).encode())
-        limit = self.policy.server.limits.max_argument_bytes
-        if size > limit:
-            raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
+        checked = check_key(key if key is not None else step, tool)
         try:
             validated = served.guard.source.validate(args)
         except GateError:
             raise
         except Exception as exc:
             raise errors.invalid_arguments(str(exc)) from None
-        return CallRequest(tool, validated, checked, session, principal)
+        # Encoded once: this text is what the size limit measures, the fingerprint hashes and the ledger keeps.
+        arguments_json = canonical_json(validated)
+        size, limit = len(arguments_json.encode()), self.policy.server.limits.max_argument_bytes
+        if size > limit:
+            raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
+        return CallRequest(tool, validated, checked, session, principal, arguments_json)
 
     # --- meta tools ------------------------------------------------------------------------------
 
