@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support_boundary import SystemOfRecord
+from support.boundary import SystemOfRecord
+from support.ledgers import BACKENDS, open_backend
+
+from commitgate.server.ledger.base import Ledger
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend() -> str:
+    """asyncio for every anyio test; module scope, so module-scoped servers live across a module's tests."""
     return "asyncio"
 
 
@@ -25,7 +29,7 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @pytest.fixture
 def record(tmp_path: Path) -> SystemOfRecord:
-    """A fresh system of record that counts effects (tests/support_boundary.py)."""
+    """A fresh system of record that counts effects (tests/support/boundary.py)."""
     return SystemOfRecord(tmp_path / "record.db")
 
 
@@ -52,3 +56,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "postgres" in callspec.id:
             item.add_marker(pytest.mark.postgres)
+
+
+@pytest.fixture(params=BACKENDS)
+async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
+    """A fresh, empty ledger on each backend of support/ledgers.py in turn."""
+    backend = await open_backend(request.param, tmp_path)
+    try:
+        yield backend
+    finally:
+        await backend.close()

@@ -16,11 +16,6 @@ ALICE = "alice-secret-token-0123456789"
 BOB = "bob-secret-token-9876543210"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def sha(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 

@@ -168,11 +168,6 @@ async def test_overloaded_service_rejects_when_full_and_counts_what_it_saw(
     assert load["peak_attempts_per_s"] >= 10.0  # 5 attempts inside one 100 ms window
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_bulk_ledger_rows_are_real_operations(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"

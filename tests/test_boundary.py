@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support_boundary import (
+from support.boundary import (
     KEYED_CLASSES,
     Crash,
     FakeClock,
@@ -36,14 +36,7 @@ from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvi
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import RetryPolicy
 
-pytest_plugins = ["ledger_backends"]
-
 keyed = pytest.mark.parametrize("cls", KEYED_CLASSES)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 class Rig:

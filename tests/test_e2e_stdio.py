@@ -16,7 +16,9 @@ from typing import Any
 
 import anyio
 import pytest
-from e2e_support import (
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.types import CallToolResult
+from support.e2e import (
     CONSOLE_SCRIPT,
     SESSION_META,
     STEP_META,
@@ -29,8 +31,6 @@ from e2e_support import (
     operation,
     serve,
 )
-from mcp import Client, MCPError, StdioServerParameters
-from mcp.types import CallToolResult
 
 from commitgate.tools.demo import DECLINED_CARD
 
@@ -40,11 +40,6 @@ MODES = ["auto", "legacy"]
 CARD = "4242424242424242"
 REPO = Path(__file__).resolve().parent.parent
 DESKTOP_CONFIG = REPO / "claude_desktop_config.example.json"
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"  # module scope, so the shared servers live across tests
 
 
 @pytest.fixture(scope="module")

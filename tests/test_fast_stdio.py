@@ -71,11 +71,6 @@ def shout(text: str) -> dict:
 '''
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Deployment:
     """One directory per transport: policy, tool module, ledger and sandbox, so effects compare."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx2
 import pytest
 from mcp.types import CallToolResult
-from support_wrapping import call, error_code, operation, serve
+from support.wrapping import call, error_code, operation, serve
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError

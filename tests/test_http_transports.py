@@ -22,7 +22,7 @@ import anyio
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support_http import (
+from support.http_servers import (
     TOKEN_ENV,
     TOKENS,
     RoundRobin,
@@ -45,11 +45,6 @@ from commitgate.tools import demo
 TRANSPORTS = ["streamable-http", "sse"]
 SESSION = "commitgate/session"
 MCP_ACCEPT = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")

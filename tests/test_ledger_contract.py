@@ -1,6 +1,6 @@
 """The ledger contract: what every backend guarantees, written against the `Ledger` protocol only.
 
-The `ledger` fixture (tests/ledger_backends.py) runs each test on every backend.
+The `ledger` fixture (conftest.py, backends in tests/support/ledgers.py) runs each test on every backend.
 The last section covers what only the SQLite file can show (permissions, pragmas,
 migrations) and a smoke run of the micro-benchmark.
 """
@@ -32,17 +32,10 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
-pytest_plugins = ["ledger_backends"]
-
 T0 = 1_700_000_000.0
 OWNER = "elsewhere:1:aaaa"  # another host: never presumed dead
 OTHER = "elsewhere:2:bbbb"
 RESULT = ToolResult([{"type": "text", "text": '{"charge":"ch_1"}'}], {"charge": "ch_1"})
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def request(

@@ -40,11 +40,6 @@ retry = { attempts = 3, initial = "10ms", max = "20ms" }
 KEYED = IdempotencyClass.KEY_REQUIRED
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(autouse=True)
 def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "sandbox.db"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support_boundary import KEYED_CLASSES, SystemOfRecord
+from support.boundary import KEYED_CLASSES, SystemOfRecord
 
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS

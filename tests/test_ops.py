@@ -20,7 +20,7 @@ from typing import Any
 import anyio.to_thread
 import pytest
 from mcp.types import CallToolResult
-from support_policy import Run, run
+from support.policy import Run, run
 
 from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from support_policy import run
+from support.policy import run
 
 from commitgate.server.cli.policy import schema_text
 from commitgate.server.policy.models import (

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support_policy import run
+from support.policy import run
 
 from commitgate.server.serve.checking import check_policy_file
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from pg_support import fresh_url
+from support.postgres import fresh_url
 
 from commitgate.server.bench.pgledger import run_pg_bench
 from commitgate.server.ledger import open_ledger
@@ -74,11 +74,6 @@ async def main(url, tasks, owner):
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
 """
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def request(

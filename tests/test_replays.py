@@ -9,15 +9,13 @@ import time
 from typing import Any
 
 import pytest
-from support_boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
+from support.boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
 
 from commitgate.server.core.boundary import Answer, CommitBoundary
 from commitgate.server.core.replays import FinalOutcomes
 from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
-
-pytest_plugins = ["ledger_backends"]
 
 
 class CountingLedger:

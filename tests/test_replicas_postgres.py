@@ -8,7 +8,7 @@ sandbox store all replicas write to (`COMMITGATE_SANDBOX`). `commitgate ops
 migrate` runs through the real CLI.
 
 Skipped with the reason when PostgreSQL is not reachable; under CI=true that
-fails instead (see pg_support).
+fails instead (see support/postgres.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 import anyio
 import asyncpg
 import httpx2
-import pg_support
 import pytest
-from support_http import RoundRobin, Served, connect, error_code, operation_of
-from support_replicas import charge_of, cli, ports, replica, replicas, with_password, write_replica_policy
+from support import postgres as pg_support
+from support.http_servers import RoundRobin, Served, connect, error_code, operation_of
+from support.replicas import charge_of, cli, ports, replica, replicas, with_password, write_replica_policy
 
 from commitgate.server.ledger import LedgerUnavailable
 from commitgate.server.ledger.postgres import SCHEMA_VERSION, PostgresLedger
@@ -42,11 +42,6 @@ pytestmark = pytest.mark.slow
 DUPLICATES = 64
 CLIENTS = 4  # each with its own round-robin balancer over the 3 replicas, half of them per protocol era
 PASSWORD_ENV = "CG_TEST_PG_PASSWORD"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,6 @@ OWNER = "elsewhere:1:aaaa"
 RESULT = ToolResult([{"type": "text", "text": '{"ok":true}'}], {"ok": True})
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def claim(step: str, fingerprint: str = "fp", retention: float = 100.0) -> ClaimRequest:
     return ClaimRequest(
         "alice",

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support_boundary import (
+from support.boundary import (
     Crash,
     FakeClock,
     ScriptedTool,

@@ -3,7 +3,7 @@
 The third-party server is `@modelcontextprotocol/server-memory` from npm (the reference knowledge-graph
 server; nobody here wrote it), installed once into a cache directory by the test setup. What is
 counted is its own store: the entities in its JSONL file (`MEMORY_FILE_PATH`). A small stub server of
-ours (tests/support_upstream_server.py) covers what the memory server cannot show: a process dying in
+ours (tests/support/upstream_server.py) covers what the memory server cannot show: a process dying in
 the middle of a call, error results, `_meta` propagation, streamable HTTP; and a second commitgate
 server stands upstream to show that a chain dedups end to end.
 """
@@ -23,7 +23,7 @@ import anyio
 import pytest
 from mcp import Client, MCPError
 from mcp.shared.subscriptions import ToolsListChanged
-from support_wrapping import (
+from support.wrapping import (
     CONSOLE_SCRIPT,
     TESTS_DIR,
     call,
@@ -244,7 +244,7 @@ def stub_log(path: Path) -> list[dict[str, Any]]:
 def stub(tmp_path: Path) -> Path:
     log = tmp_path / "stub.jsonl"
     policy = tmp_path / "policy.toml"
-    server = TESTS_DIR / "support_upstream_server.py"
+    server = TESTS_DIR / "support" / "upstream_server.py"
     policy.write_text(
         SERVER.format(ledger=tmp_path / "ledger.db")
         + f'\n[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
@@ -295,7 +295,7 @@ def http_stub(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     log = tmp_path / "stub-http.jsonl"
     env = {**os.environ, "STUB_LOG": str(log), "STUB_TOKEN": "up-secret-5e1f"}
     process = subprocess.Popen(
-        [sys.executable, str(TESTS_DIR / "support_upstream_server.py"), "http"],
+        [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -354,7 +354,7 @@ async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_
         assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
         async with client.listen(tools_list_changed=True) as changes:
             upstream = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "support_upstream_server.py"), "http", str(port)],
+                [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http", str(port)],
                 stdout=subprocess.DEVNULL,
                 env={**os.environ, "STUB_LOG": str(log)},
             )

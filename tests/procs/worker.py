@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from support_boundary import (
+from support.boundary import (
     ScriptedTool,
     SystemOfRecord,
     call_request,

@@ -3,7 +3,7 @@
 Each replica is the real CLI (`commitgate serve --transport streamable-http
 --stateless`) on its own free 127.0.0.1 port; all share the ledger URL and the
 demo tools' sandbox store. Servers, clients and the round-robin balancer come
-from support_http.
+from support.http_servers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from support_http import TOOLS, Served, auth_section, free_port, server_argv, server_env, wait_ready
+from support.http_servers import TOOLS, Served, auth_section, free_port, server_argv, server_env, wait_ready
 
 
 def write_replica_policy(

@@ -27,7 +27,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
 SESSION_META = "commitgate/session"
 STEP_META = "commitgate/step"

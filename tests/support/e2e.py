@@ -25,7 +25,7 @@ from mcp.types import CallToolResult, RequestParamsMeta
 
 from commitgate.tools import demo
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
 
 SESSION_META = "commitgate/session"

@@ -3,8 +3,8 @@
 Every side-effecting tool appends one line to the JSONL file `$STUB_LOG`, with the `_meta` session
 and step it received and whether the request carried `Authorization: Bearer $STUB_TOKEN`.
 
-    python support_upstream_server.py                 # stdio
-    python support_upstream_server.py http [PORT]     # streamable HTTP (default: a free port); prints its URL
+    python upstream_server.py                 # stdio
+    python upstream_server.py http [PORT]     # streamable HTTP (default: a free port); prints its URL
 """
 
 from __future__ import annotations
