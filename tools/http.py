@@ -1,6 +1,6 @@
 """`http = {...}`: a downstream HTTP API, called with httpx2 through one pooled client per server.
 
-Policy shape (DESIGN 1.7):
+Policy shape (docs/policy.md#http-tools):
 
     [tools.create_refund]
     class = "key-and-status-check"

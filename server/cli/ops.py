@@ -356,7 +356,7 @@ def _result(text: str | None, by: str, reason: str) -> ToolResult:
 
 
 async def _expire_if_lease_over(ledger: Ledger, op: Operation, now: float) -> Operation:
-    """A RUNNING operation whose owner is gone is UNKNOWN at the first touch (DESIGN 1.11)."""
+    """A RUNNING operation whose owner is gone is UNKNOWN at the first touch (docs/contract.md#leases)."""
     if not lease_over(op, now):
         return op
     change = Transition(

@@ -183,7 +183,7 @@ class CommitBoundary:
         if action is OnExisting.REPLAY:
             self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(op.result, op, True)
-        if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed (1.11)
+        if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed
             self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(None, op, True, errors.failed(_message(op), op))
         if action is OnExisting.WAIT:

@@ -1,4 +1,4 @@
-"""The four idempotency classes as decision tables (DESIGN 1.3, 1.4).
+"""The four idempotency classes as decision tables (docs/contract.md#idempotency-classes).
 
 Three questions, three tables, no scattered `if`s:
   * an attempt ended with an outcome: what next?            -> `after_attempt`

@@ -1,6 +1,6 @@
 """One exception type for every way a guarded call can end without a result.
 
-Each carries its DESIGN 1.5 code and a message that tells the model what to do next.
+Each carries its code (docs/contract.md#error-codes) and a message that tells the model what to do next.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from commitgate.server.model.records import Operation, iso
 
 
 def operation_meta(op: Operation, replayed: bool) -> dict[str, Any]:
-    """`_meta["commitgate/operation"]` on every guarded result (DESIGN 1.5)."""
+    """`_meta["commitgate/operation"]` on every guarded result (docs/contract.md#the-operation-block)."""
     return {
         "operation_id": op.operation_id,
         "session": op.session,

@@ -112,7 +112,7 @@ class AuditEntry:
 
 
 class Ledger(Protocol):
-    """A durable operation ledger; see DESIGN 1.4 and 1.6."""
+    """A durable operation ledger; see docs/contract.md#operation-states and #guarantees."""
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
 
@@ -165,7 +165,7 @@ def this_owner() -> str:
 
 
 def owner_known_dead(owner: str | None) -> bool:
-    """True only when the owner ran on this host and its process is gone (DESIGN 1.11)."""
+    """True only when the owner ran on this host and its process is gone (docs/contract.md#leases)."""
     if not owner:
         return False
     host, _, rest = owner.partition(":")

@@ -1,4 +1,4 @@
-"""The policy file: pydantic models of DESIGN 1.8, loading, and every problem with its location.
+"""The policy file (docs/policy.md): pydantic models, loading, and every problem with its location.
 
 Loading never stops at the first problem: TOML syntax, unknown keys, bad
 values, unset `${ENV}` references and cross-field rules are all collected as

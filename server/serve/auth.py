@@ -1,4 +1,4 @@
-"""Bearer tokens for the HTTP transports: `[[auth.tokens]]` (DESIGN 1.8) → principals.
+"""Bearer tokens for the HTTP transports: `[[auth.tokens]]` → principals (docs/policy.md#auth).
 
 Only SHA-256 digests are kept in memory: a `token_env` secret is hashed once at
 load time, a `token_sha256` entry is its digest already. A presented token is

@@ -2,7 +2,7 @@
 
 This is what the MCP surface talks to. It turns a `tools/call` into a guarded
 call (session, step, key and argument checks), answers the meta tools, and
-renders every answer in the DESIGN 1.5 shape. It knows nothing of transports.
+renders every answer as docs/contract.md#results says. It knows nothing of transports.
 """
 
 from __future__ import annotations

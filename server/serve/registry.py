@@ -1,6 +1,6 @@
 """From a policy to the served tools: a tool source per entry, its MCP definition, its guard.
 
-The MCP definition follows the class (DESIGN 1.3, 1.5): keyed tools get the
+The MCP definition follows the class (docs/contract.md#idempotency-classes): keyed tools get the
 required `idempotency_key` argument and one sentence on how to use it, and
 their annotations say what kind of action they are.
 """
