@@ -82,7 +82,7 @@ def canonical_json(value: Any) -> str:
 
 
 def fingerprint(tool: str, arguments_json: str) -> str:
-    """SHA-256 of canonical JSON {"arguments": ..., "tool": ...} (keys sorted, no whitespace, UTF-8)."""
+    """SHA-256 of canonical JSON {"arguments": ..., "tool": ...}: docs/contract.md#fingerprint."""
     document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
     return hashlib.sha256(document.encode("utf-8")).hexdigest()
 

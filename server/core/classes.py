@@ -4,6 +4,8 @@ Three questions, three tables, no scattered `if`s:
   * an attempt ended with an outcome: what next?            -> `after_attempt`
   * a call found the operation already recorded: what now?  -> `on_existing`
   * a client polls: what should it do?                      -> `retry_advice`
+
+The same tables, in words: docs/contract.md#operation-states and docs/contract.md#retry-advice.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class AuditEntry:
 
 
 class Ledger(Protocol):
-    """A durable operation ledger; see docs/contract.md#operation-states and #guarantees."""
+    """A durable operation ledger; see docs/contract.md#operation-states and docs/contract.md#guarantees."""
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
 
