@@ -32,7 +32,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("core", ("commitgate.server.core",)),
     ("serve", ("commitgate.server.serve",)),
-    ("commands", ("commitgate.server.cli", "commitgate.server.demo", "commitgate.server.bench")),
+    (
+        "commands",
+        (
+            "commitgate.server.cli",
+            "commitgate.server.demo",
+            "commitgate.server.bench",
+            "commitgate.server.verify",
+        ),
+    ),
 ]
 # The bundled example tools are user code: they see only the public names of commitgate.server.
 BUNDLED = ("commitgate.tools.demo", "commitgate.tools.sandbox_api", "commitgate.tools.benchtools")

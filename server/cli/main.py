@@ -129,6 +129,7 @@ _COMMAND_MODULES = (
     "commitgate.server.cli.ops",
     "commitgate.server.bench.run",
     "commitgate.tools.sandbox_api",
+    "commitgate.server.verify.command",
 )
 
 

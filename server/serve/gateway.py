@@ -39,6 +39,7 @@ from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
+from commitgate.server.serve.faults import CONTROL_TOOL, FaultPlan
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import Collaborators
 
@@ -132,6 +133,7 @@ class Gateway:
     default_principal: str = field(default_factory=local_principal)
     # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
+    faults: FaultPlan | None = None  # only under `commitgate verify` and the pytest plugin
 
     @classmethod
     async def open(
@@ -145,6 +147,7 @@ class Gateway:
         from commitgate.tools.http import pooled_client
         from commitgate.tools.upstream import UpstreamManager
 
+        faults = FaultPlan.from_env()  # read (and removed) before any child process starts
         upstreams, http = UpstreamManager(), pooled_client()
         try:
             await upstreams.update(policy)  # connects the upstream MCP servers the policy uses
@@ -159,10 +162,11 @@ class Gateway:
             await upstreams.aclose()
             await http.aclose()
             raise
+        served = faults.wrap(served) if faults is not None else served
         tools = {name: s.guard for name, s in served.items()}
         boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
-        return cls(policy, boundary, served, http, upstreams, policy_path, principal)
+        return cls(policy, boundary, served, http, upstreams, policy_path, principal, faults=faults)
 
     @property
     def ledger(self) -> Ledger:
@@ -179,6 +183,8 @@ class Gateway:
 
     def apply(self, policy: Policy, served: dict[str, ServedTool]) -> None:
         """Serve a new policy for new calls; calls in flight keep the tool they started with."""
+        if self.faults is not None:
+            served = self.faults.wrap(served)
         self.policy, self.served = policy, served
         self.boundary.settings = policy.server
         self.boundary.tools = {name: s.guard for name, s in served.items()}
@@ -190,9 +196,22 @@ class Gateway:
         return exposed + list(META_TOOLS.values())
 
     def has_tool(self, name: str) -> bool:
-        return name in META_TOOLS or (name in self.served and self.served[name].exposed)
+        if name in META_TOOLS or (name in self.served and self.served[name].exposed):
+            return True
+        return self.faults is not None and name == CONTROL_TOOL
 
     async def call_tool(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None,
+        principal: str | None,
+    ) -> types.CallToolResult:
+        if self.faults is not None:  # a test server: the plan may drop this answer
+            return await self.faults.call_tool(name, arguments, meta, principal, self._call_tool)
+        return await self._call_tool(name, arguments, meta, principal)
+
+    async def _call_tool(
         self,
         name: str,
         arguments: Mapping[str, Any] | None,

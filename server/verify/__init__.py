@@ -1,0 +1,1 @@
+"""`commitgate verify` and the pytest plugin: prove a tool ready against a real server."""
