@@ -45,6 +45,7 @@ _PROCESS_MODULES = {
     "test_replicas_postgres",
     "test_saga",
     "test_upstream",
+    "test_verify",
 }
 
 

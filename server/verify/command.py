@@ -53,10 +53,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         options = _options(args)
     except CouldNotRun as exc:
         return _could_not_run(str(exc), args.json)
-    if not _confirmed(args, options):
-        return _could_not_run("not confirmed; pass --yes to run the tests", args.json)
     try:
-        report = asyncio.run(verify(options))
+        report = asyncio.run(verify(options, lambda: _confirmed(args, options)))
     except CouldNotRun as exc:
         return _could_not_run(str(exc), args.json)
     except KeyboardInterrupt:

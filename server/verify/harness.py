@@ -175,17 +175,28 @@ async def start_gate(
     stderr = workdir / "server.stderr"
     parameters = server_parameters(policy_path, ledger_url, token, env)
     with stderr.open("w", encoding="utf-8") as errlog:
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                client = await stack.enter_async_context(
-                    Client(stdio_client(parameters, errlog=errlog), read_timeout_seconds=read_timeout)
-                )
-                ledger = await open_ledger(ledger_url)
-            except Exception as exc:  # the server did not come up: say why, in its own words
-                errlog.flush()
-                raise GateError(f"the server did not start: {last_line(stderr) or exc}") from None
-            stack.push_async_callback(ledger.close)
-            yield Gate(client, policy, ledger, ledger_url, stderr, token)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    client = await stack.enter_async_context(
+                        Client(stdio_client(parameters, errlog=errlog), read_timeout_seconds=read_timeout)
+                    )
+                    ledger = await open_ledger(ledger_url)
+                except Exception as exc:  # the server did not come up: say why, in its own words
+                    errlog.flush()
+                    raise GateError(f"the server did not start: {last_line(stderr) or exc}") from None
+                stack.push_async_callback(ledger.close)
+                yield Gate(client, policy, ledger, ledger_url, stderr, token)
+        except BaseExceptionGroup as group:  # the client's task group wraps what the caller raised
+            raise _alone(group) from None
+
+
+def _alone(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside (nested) groups of one, else the group itself."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+        inner = inner.exceptions[0]
+    return inner
 
 
 def last_line(path: Path) -> str:

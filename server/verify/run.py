@@ -140,7 +140,12 @@ async def built_tools(policy: Policy, path: Path | None) -> AsyncIterator[dict[s
         await upstreams.aclose()
 
 
-async def verify(options: Options) -> Report:
+def _yes() -> bool:
+    return True
+
+
+async def verify(options: Options, confirm: Callable[[], bool] = _yes) -> Report:
+    """Run the tests; `confirm` is asked once the input is known good, before the first real effect."""
     policy, tool_policy, arguments = load(options)
     search = [Path.cwd(), *([options.policy.resolve().parent] if options.policy else [])]
     counter = load_count_function(options.count, search) if options.count else None
@@ -152,6 +157,8 @@ async def verify(options: Options) -> Report:
             raise CouldNotRun(f"--arguments do not match {options.tool}'s input schema: {exc}") from None
         verifier = Verifier(options, policy, tool_policy, source, arguments, counter)
         await verifier.preflight()
+        if not confirm():
+            raise CouldNotRun("not confirmed; pass --yes to run the tests")
         with tempfile.TemporaryDirectory(prefix="commitgate-verify-") as workdir:
             try:
                 async with start_gate(options.policy, Path(workdir)) as gate:

@@ -1,0 +1,258 @@
+"""`commitgate verify` end to end: the real command, a real server, effects counted in the system of record.
+
+A correct tool passes; each deliberately broken one fails the test that catches it (exit 1); input
+verify cannot work with is refused with a one-line reason (exit 2) before any effect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tools_e2e.verify_tools import API_DB_ENV
+
+from commitgate.tools import demo
+from commitgate.tools.sandbox_api import SandboxProcess
+
+TESTS_DIR = Path(__file__).resolve().parent
+CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
+CHARGE = json.dumps({"card": "4242424242424242", "amount_cents": 500})
+
+
+def demo_policy(path: Path, cls: str = "key-and-status-check", status_check: str | None = None) -> Path:
+    status = status_check or "commitgate.tools.demo:find_charge"
+    status_line = f'status_check = "{status}"\n' if cls == "key-and-status-check" else ""
+    path.write_text(
+        '[server]\nname = "verify-test"\n\n'
+        "[tools.charge_card]\n"
+        f'class = "{cls}"\n'
+        'python = "commitgate.tools.demo:charge_card"\n'
+        f"{status_line}"
+        'retry = { attempts = 3, initial = "10ms", max = "50ms" }\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def http_policy(path: Path, url: str) -> Path:
+    schema = (
+        '{ type = "object", properties = { card = { type = "string" }, amount_cents = { type = "integer", '
+        'minimum = 1 } }, required = ["card", "amount_cents"] }'
+    )
+    path.write_text(
+        '[server]\nname = "verify-http"\n\n'
+        "[tools.create_charge]\n"
+        'class = "key-and-status-check"\n'
+        "forwards_key = true\n"
+        'retry = { attempts = 3, initial = "50ms", max = "200ms" }\n'
+        f"input_schema = {schema}\n"
+        f'http = {{ method = "POST", url = "{url}/v1/charges", body = "json", timeout = "5s" }}\n'
+        f'status_check = {{ http = {{ method = "GET", url = "{url}/v1/charges?idempotency_key={{idempotency_key}}" }} }}\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def verify(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    """Run `commitgate verify ... --json` as a user would; (exit code, report, stderr)."""
+    environment = {**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})}
+    done = subprocess.run(
+        [str(CONSOLE_SCRIPT), "verify", *args, "--json"],
+        cwd=cwd,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def verdicts(report: dict[str, Any]) -> dict[str, str]:
+    return {check["name"]: check["verdict"] for check in report["checks"]}
+
+
+def charges_by_key() -> Counter[str]:
+    return Counter(row["idempotency_key"] for row in demo.rows("charges"))
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[SandboxProcess]:
+    with SandboxProcess(tmp_path / "api.db") as process:
+        yield process
+
+
+# --- correct tools pass ----------------------------------------------------------------------------
+
+
+def test_a_correct_python_tool_passes_counted_by_its_status_check(tmp_path: Path, sandbox: Path) -> None:
+    code, report, stderr = verify(
+        tmp_path, "charge_card", "--policy", str(demo_policy(tmp_path / "p.toml")), "--arguments", CHARGE
+    )
+    assert code == 0, report
+    assert report["counted_by"] == "status check"
+    assert "real" in stderr  # it said it performs real effects
+    assert verdicts(report) == {
+        "lost answer after success": "pass",
+        "failure before the call": "pass",
+        "8 concurrent duplicates": "pass",
+        "status check finds the tool's effect": "pass",
+        "status check: not found for a new key": "pass",
+    }
+    assert sorted(charges_by_key().values()) == [1, 1, 1]  # one charge per test, in the system of record
+
+
+def test_a_count_function_counts_effects_in_the_system_of_record(tmp_path: Path, sandbox: Path) -> None:
+    policy = demo_policy(tmp_path / "p.toml", cls="key-required")
+    code, report, _ = verify(
+        tmp_path,
+        "charge_card",
+        "--policy",
+        str(policy),
+        "--arguments",
+        CHARGE,
+        "--count",
+        "tools_e2e.verify_tools:demo_charges",
+        "--concurrency",
+        "4",
+    )
+    assert code == 0, report
+    assert report["counted_by"] == "count function"
+    assert [check["effects"] for check in report["checks"]] == [1, 1, 1]
+    assert sorted(charges_by_key().values()) == [1, 1, 1]
+
+
+def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api: SandboxProcess) -> None:
+    policy = http_policy(tmp_path / "p.toml", api.url)
+    code, report, _ = verify(
+        tmp_path,
+        "create_charge",
+        "--policy",
+        str(policy),
+        "--arguments",
+        CHARGE,
+        "--count",
+        "tools_e2e.verify_tools:api_charges",
+        env={API_DB_ENV: str(api.db)},
+    )
+    assert code == 0, report
+    assert verdicts(report)["forwards_key: the downstream dedups"] == "pass"
+    assert sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values()) == [1, 1, 1, 1]
+
+
+# --- broken tools fail -----------------------------------------------------------------------------
+
+
+def test_a_write_tool_declared_safe_retry_fails_on_a_lost_answer(tmp_path: Path, sandbox: Path) -> None:
+    policy = demo_policy(tmp_path / "p.toml", cls="safe-retry")
+    code, report, _ = verify(tmp_path, "charge_card", "--policy", str(policy), "--arguments", CHARGE)
+    assert code == 1, report
+    assert report["counted_by"] == "invocations"
+    checks = {check["name"]: check for check in report["checks"]}
+    assert checks["lost answer after success"]["verdict"] == "fail"
+    assert checks["lost answer after success"]["invocations"] == 2
+    assert checks["8 concurrent duplicates"]["verdict"] == "fail"
+    # In the system of record: 2 for the lost answer, 1 for the failure before, 8 for the duplicates.
+    assert demo.count("charges") == 11
+
+
+@pytest.mark.parametrize(
+    ("status_check", "failing"),
+    [
+        ("tools_e2e.verify_tools:find_nothing", "status check finds the tool's effect"),
+        ("tools_e2e.verify_tools:find_anything", "status check: not found for a new key"),
+    ],
+)
+def test_a_status_check_that_lies_fails_its_claim(
+    tmp_path: Path, sandbox: Path, status_check: str, failing: str
+) -> None:
+    policy = demo_policy(tmp_path / "p.toml", status_check=status_check)
+    code, report, _ = verify(
+        tmp_path,
+        "charge_card",
+        "--policy",
+        str(policy),
+        "--arguments",
+        CHARGE,
+        "--count",
+        "tools_e2e.verify_tools:demo_charges",
+        "--concurrency",
+        "3",
+    )
+    assert code == 1, report
+    failed = [name for name, verdict in verdicts(report).items() if verdict == "fail"]
+    assert failed == [failing]
+    assert sorted(charges_by_key().values()) == [1, 1, 1]
+
+
+def test_a_forwards_key_claim_the_downstream_does_not_honour_fails(tmp_path: Path) -> None:
+    with SandboxProcess(tmp_path / "api.db", "--no-idempotency") as api:
+        policy = http_policy(tmp_path / "p.toml", api.url)
+        code, report, _ = verify(
+            tmp_path,
+            "create_charge",
+            "--policy",
+            str(policy),
+            "--arguments",
+            CHARGE,
+            "--count",
+            "tools_e2e.verify_tools:api_charges",
+            "--concurrency",
+            "3",
+            env={API_DB_ENV: str(api.db)},
+        )
+        per_key = sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values())
+    assert code == 1, report
+    failed = [check for check in report["checks"] if check["verdict"] == "fail"]
+    assert [check["name"] for check in failed] == ["forwards_key: the downstream dedups"]
+    assert failed[0]["effects"] == 2
+    assert per_key == [1, 1, 1, 2]  # the gateway kept the three tests to one charge each
+
+
+# --- input verify cannot work with -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["refund_everything", "--arguments", CHARGE], "no tool 'refund_everything'"),
+        (
+            ["charge_card", "--arguments", '{"card": "4242", "amount_cents": "lots"}'],
+            "do not match charge_card",
+        ),
+        (["charge_card", "--arguments", "{card"], "--arguments is not JSON"),
+        (
+            ["charge_card", "--arguments", CHARGE, "--count", "no_such_module:count"],
+            "cannot import no_such_module",
+        ),
+        (
+            ["charge_card", "--arguments", CHARGE, "--count", "tools_e2e.verify_tools:not_a_number"],
+            "not a number",
+        ),
+    ],
+)
+def test_bad_input_is_refused_before_any_effect(
+    tmp_path: Path, sandbox: Path, args: list[str], reason: str
+) -> None:
+    code, report, stderr = verify(tmp_path, "--policy", str(demo_policy(tmp_path / "p.toml")), *args)
+    assert code == 2
+    assert report["verdict"] == "could_not_run" and reason in report["reason"], report
+    assert stderr.strip().splitlines() == [f"commitgate verify: could not run: {report['reason']}"]
+    assert demo.count("charges") == 0
+
+
+def test_a_target_that_is_down_is_could_not_run(tmp_path: Path) -> None:
+    with SandboxProcess(tmp_path / "api.db") as api:
+        url = api.url
+    policy = http_policy(tmp_path / "p.toml", url)  # the sandbox has stopped: nothing listens there
+    code, report, _ = verify(tmp_path, "create_charge", "--policy", str(policy), "--arguments", CHARGE)
+    assert code == 2, report
+    assert report["reason"].startswith("the first call failed, so nothing could be tested"), report
