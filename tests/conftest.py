@@ -35,6 +35,7 @@ def record(tmp_path: Path) -> SystemOfRecord:
 
 # Modules that start real server processes; `make test-fast` leaves them out.
 _PROCESS_MODULES = {
+    "test_agent_eval",
     "test_bench",
     "test_demo_command",
     "test_e2e_stdio",
