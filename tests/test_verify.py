@@ -148,6 +148,34 @@ def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api:
     assert sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values()) == [1, 1, 1, 1]
 
 
+def test_an_upstream_mcp_tool_passes(tmp_path: Path) -> None:
+    log = tmp_path / "stub.jsonl"
+    log.touch()
+    server = TESTS_DIR / "support_upstream_server.py"
+    policy = tmp_path / "p.toml"
+    policy.write_text(
+        f'[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\nenv = {{ STUB_LOG = "{log}" }}\n\n'
+        '[tools.record]\nclass = "key-required"\nupstream = "stub"\n',
+        encoding="utf-8",
+    )
+    code, report, _ = verify(
+        tmp_path,
+        "record",
+        "--policy",
+        str(policy),
+        "--arguments",
+        '{"note": "hello"}',
+        "--count",
+        "tools_e2e.verify_tools:stub_records",
+        "--concurrency",
+        "4",
+        env={"STUB_LOG": str(log)},
+    )
+    assert code == 0, report
+    steps = Counter(json.loads(line)["step"] for line in log.read_text().splitlines())
+    assert sorted(steps.values()) == [1, 1, 1]
+
+
 # --- broken tools fail -----------------------------------------------------------------------------
 
 
@@ -256,3 +284,19 @@ def test_a_target_that_is_down_is_could_not_run(tmp_path: Path) -> None:
     code, report, _ = verify(tmp_path, "create_charge", "--policy", str(policy), "--arguments", CHARGE)
     assert code == 2, report
     assert report["reason"].startswith("the first call failed, so nothing could be tested"), report
+
+
+def test_the_table_names_each_check_and_the_overall_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    from commitgate.server.verify.command import _print_report
+    from commitgate.server.verify.effects import CountedBy, Evidence
+    from commitgate.server.verify.run import Check, Report
+
+    report = Report("charge", "safe-retry", "p.toml", CountedBy.INVOCATIONS, "invocations only")
+    report.checks.append(
+        Check("lost answer after success", "test", False, "ran again", Evidence(None, None, 2))
+    )
+    report.checks.append(Check("failure before the call", "test", True, "retried", Evidence(None, None, 1)))
+    _print_report(report)
+    out = capsys.readouterr().out
+    assert "lost answer after success" in out and "FAIL" in out and "pass" in out
+    assert "not ready: a test failed" in out

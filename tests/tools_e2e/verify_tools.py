@@ -37,3 +37,11 @@ def find_anything(
 ) -> dict | None:
     """A broken status check: it always says found, even for a key never used."""
     return {"charge_id": "ch_imagined", "card": card, "amount_cents": amount_cents, "status": "succeeded"}
+
+
+def stub_records(key: str) -> int:
+    """Notes the upstream stub MCP server recorded for the step `key` (its JSONL log, $STUB_LOG)."""
+    import json
+
+    with open(os.environ["STUB_LOG"], encoding="utf-8") as log:
+        return sum(1 for line in log if json.loads(line).get("step") == key)
