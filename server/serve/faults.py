@@ -4,7 +4,7 @@
 environment variable `COMMITGATE_FAULT_TOKEN`. Only then does the server hold a fault
 plan and answer the unlisted control tool `commitgate_faults` (every call must carry
 the token), so a client of a normally started server can never turn faults on; a
-server without the variable pays one attribute check per call and nothing else.
+server without the variable pays nothing per call: its handlers are chosen once, at start.
 
 The plan arms, per tool, a number of:
   lose_answer  the next successful answer is dropped after the tool returned and its
@@ -102,20 +102,23 @@ class FaultPlan:
             wrapped[name] = dataclasses.replace(tool, guard=guard)
         return wrapped
 
-    async def call_tool(
-        self,
-        name: str,
-        arguments: Mapping[str, Any] | None,
-        meta: Mapping[str, Any] | None,
-        principal: str | None,
-        call: CallTool,
-    ) -> types.CallToolResult:
-        if name == CONTROL_TOOL:
-            return self.control(dict(arguments or {}))
-        result = await call(name, arguments, meta, principal)
-        if not result.is_error and self.take("lose_answer", name):
-            raise MCPError(LOST_ANSWER_CODE, LOST_ANSWER_MESSAGE)
-        return result
+    def around(self, call: CallTool) -> CallTool:
+        """`call` (the gateway's tools/call) with the control tool and the dropped answers added."""
+
+        async def call_tool(
+            name: str,
+            arguments: Mapping[str, Any] | None,
+            meta: Mapping[str, Any] | None,
+            principal: str | None,
+        ) -> types.CallToolResult:
+            if name == CONTROL_TOOL:
+                return self.control(dict(arguments or {}))
+            result = await call(name, arguments, meta, principal)
+            if not result.is_error and self.take("lose_answer", name):
+                raise MCPError(LOST_ANSWER_CODE, LOST_ANSWER_MESSAGE)
+            return result
+
+        return call_tool
 
     def control(self, arguments: dict[str, Any]) -> types.CallToolResult:
         token = arguments.get("token")

@@ -39,7 +39,7 @@ from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
-from commitgate.server.serve.faults import CONTROL_TOOL, FaultPlan
+from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import Collaborators
 
@@ -200,18 +200,13 @@ class Gateway:
             return True
         return self.faults is not None and name == CONTROL_TOOL
 
-    async def call_tool(
-        self,
-        name: str,
-        arguments: Mapping[str, Any] | None,
-        meta: Mapping[str, Any] | None,
-        principal: str | None,
-    ) -> types.CallToolResult:
-        if self.faults is not None:  # a test server: the plan may drop this answer
-            return await self.faults.call_tool(name, arguments, meta, principal, self._call_tool)
-        return await self._call_tool(name, arguments, meta, principal)
+    def handler(self) -> CallTool:
+        """What answers tools/call: `call_tool`, seen through the fault plan on a test server.
 
-    async def _call_tool(
+        Chosen once per MCP server, so a normal server pays nothing per call for the plan."""
+        return self.faults.around(self.call_tool) if self.faults is not None else self.call_tool
+
+    async def call_tool(
         self,
         name: str,
         arguments: Mapping[str, Any] | None,

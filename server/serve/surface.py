@@ -34,6 +34,8 @@ def build_server(
     metrics: Metrics | None = None,
     announcer: ToolListAnnouncer | None = None,
 ) -> Server[Any]:
+    answer = gateway.handler()
+
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
@@ -45,7 +47,7 @@ def build_server(
         if not gateway.has_tool(params.name):
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}")
         meta: dict[str, Any] = dict(ctx.meta or {})
-        return await gateway.call_tool(params.name, params.arguments, meta, principal_of_request())
+        return await answer(params.name, params.arguments, meta, principal_of_request())
 
     server = Server(
         gateway.policy.server.name,

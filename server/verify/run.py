@@ -309,8 +309,9 @@ class Verifier:
             assert self.options.count is not None
             return Evidence(await count_with(self.counter, self.options.count, key), None, invocations)
         if self.counted_by is CountedBy.STATUS_CHECK:
-            found, _ = await self.status(await self.context(key))
-            return Evidence(None, found is not None, invocations)
+            found, error = await self.status(await self.context(key))
+            if error is None:  # a check that cannot tell leaves the invocation count (its claim fails)
+                return Evidence(None, found is not None, invocations)
         return Evidence(None, None, invocations)
 
     async def operation(self, key: str) -> Operation | None:
