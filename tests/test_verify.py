@@ -300,3 +300,27 @@ def test_the_table_names_each_check_and_the_overall_verdict(capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "lost answer after success" in out and "FAIL" in out and "pass" in out
     assert "not ready: a test failed" in out
+
+
+def test_at_a_terminal_it_asks_before_any_effect(
+    tmp_path: Path, sandbox: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commitgate.server.cli.main import build_parser
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    args = build_parser().parse_args(["verify", "charge_card", "--arguments", CHARGE])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "for real" in err and "could not run: not confirmed; pass --yes" in err
+    assert demo.count("charges") == 0
+
+
+def test_a_policy_with_problems_is_could_not_run(tmp_path: Path, sandbox: Path) -> None:
+    policy = tmp_path / "p.toml"
+    policy.write_text(
+        '[tools.charge_card]\nclass = "sometimes"\npython = "commitgate.tools.demo:charge_card"\n'
+    )
+    code, report, _ = verify(tmp_path, "charge_card", "--policy", str(policy), "--arguments", CHARGE)
+    assert code == 2
+    assert report["reason"].startswith("the policy has problems (tools.charge_card.class"), report
