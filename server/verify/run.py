@@ -126,18 +126,22 @@ def load(options: Options) -> tuple[Policy, ToolPolicy, dict[str, Any]]:
 @contextlib.asynccontextmanager
 async def built_tools(policy: Policy, path: Path | None) -> AsyncIterator[dict[str, ServedTool]]:
     """The policy's tools built in this process (upstreams connected), for direct calls."""
+    from commitgate.tools.base import Collaborators
+    from commitgate.tools.http import pooled_client
     from commitgate.tools.upstream import UpstreamManager
 
-    upstreams = UpstreamManager()
+    upstreams, http = UpstreamManager(), pooled_client()
     try:
         try:
-            sources = await upstreams.update(policy)
-            served = build_tools(policy, path.parent if path else None, sources)
+            await upstreams.update(policy)
+            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
+            served = build_tools(policy, path.parent if path else None, using)
         except Exception as exc:
             raise CouldNotRun(f"the policy's tools could not be built: {exc}") from None
         yield served
     finally:
         await upstreams.aclose()
+        await http.aclose()
 
 
 def _yes() -> bool:
