@@ -308,11 +308,12 @@ def test_at_a_terminal_it_asks_before_any_effect(
     from commitgate.server.cli.main import build_parser
 
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
-    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    monkeypatch.setattr("builtins.input", lambda: "n")
     args = build_parser().parse_args(["verify", "charge_card", "--arguments", CHARGE])
     assert args.func(args) == 2
-    err = capsys.readouterr().err
-    assert "for real" in err and "could not run: not confirmed; pass --yes" in err
+    out, err = capsys.readouterr()
+    assert out == ""  # the question goes to stderr: stdout is the report's
+    assert "for real" in err and "Proceed? [y/N]" in err and "could not run: not confirmed; pass --yes" in err
     assert demo.count("charges") == 0
 
 

@@ -91,7 +91,8 @@ def _confirmed(args: argparse.Namespace, options: Options) -> bool:
     if args.yes or not sys.stdin.isatty():
         return True
     try:
-        return input("Proceed? [y/N] ").strip().lower() in ("y", "yes")
+        print("Proceed? [y/N] ", end="", file=sys.stderr, flush=True)  # stdout stays the report's
+        return input().strip().lower() in ("y", "yes")
     except EOFError:
         return False
 
