@@ -151,7 +151,7 @@ def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api:
 def test_an_upstream_mcp_tool_passes(tmp_path: Path) -> None:
     log = tmp_path / "stub.jsonl"
     log.touch()
-    server = TESTS_DIR / "support_upstream_server.py"
+    server = TESTS_DIR / "support" / "upstream_server.py"
     policy = tmp_path / "p.toml"
     policy.write_text(
         f'[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\nenv = {{ STUB_LOG = "{log}" }}\n\n'
