@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +19,12 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Points the demo tools' system of record at a fresh file for this test."""
     path = tmp_path / "sandbox.db"
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(path))
     monkeypatch.delenv("COMMITGATE_SANDBOX_FAULTS", raising=False)
-    yield path
+    return path
 
 
 @pytest.fixture
@@ -53,7 +53,8 @@ _PROCESS_MODULES = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks what `make test-fast` skips: server processes (`slow`) and PostgreSQL (`postgres`)."""
     for item in items:
-        if item.module is not None and item.module.__name__ in _PROCESS_MODULES:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ in _PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "postgres" in callspec.id:

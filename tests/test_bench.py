@@ -141,7 +141,7 @@ def test_lognormal_service_time_has_the_asked_median_and_p99() -> None:
     samples = [benchtools.lognormal_seconds(200.0, 2000.0, rng) for _ in range(20_000)]
     assert 0.19 < quantile(samples, 0.5) < 0.21
     assert 1.8 < quantile(samples, 0.99) < 2.2
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="median_ms <= p99_ms"):
         benchtools.lognormal_seconds(300.0, 200.0)
 
 
@@ -152,15 +152,18 @@ async def test_overloaded_service_rejects_when_full_and_counts_what_it_saw(
     monkeypatch.setenv(benchtools.ENV_CAPACITY, "2")
     monkeypatch.setattr(benchtools, "_load", None)  # a fresh service, as in a fresh server process
 
+    rejections: list[RetryableError] = []
+
     async def attempt(job: str) -> str:
         try:
             await benchtools.overloaded_service(job, median_ms=30.0, p99_ms=60.0)
         except RetryableError as exc:
-            assert "503" in exc.message and exc.detail == {"status": 503}
+            rejections.append(exc)
             return "rejected"
         return "served"
 
     outcomes = await asyncio.gather(*(attempt(f"job-{n}") for n in range(5)))
+    assert all("503" in exc.message and exc.detail == {"status": 503} for exc in rejections)
     assert sorted(outcomes) == ["rejected"] * 3 + ["served"] * 2
     load = benchtools.service_load()
     assert (load["capacity"], load["attempts"], load["rejected"], load["served"]) == (2, 5, 3, 2)

@@ -164,8 +164,8 @@ async def test_an_ambiguous_failure_after_the_effect_is_never_rerun(
         assert (op.reconciliation or {}).get("verdict") == "found"
         assert succeeded(await rig.call(), replayed=True) == effect
     else:
-        op = failed_with(answer, code)
-        assert op is not None and op.state is State.UNKNOWN
+        failed = failed_with(answer, code)
+        assert failed is not None and failed.state is State.UNKNOWN
         failed_with(await rig.call(), code)  # a retry executes nothing
     assert (record.count(), rig.source.calls) == (1, 1)
 
@@ -507,7 +507,7 @@ class BrokenLedger:
 @pytest.mark.anyio
 @keyed
 async def test_an_unwritable_ledger_fails_closed(ledger: Ledger, record: SystemOfRecord, cls: str) -> None:
-    rig = Rig(BrokenLedger(ledger), record, cls)  # type: ignore[arg-type]
+    rig = Rig(BrokenLedger(ledger), record, cls)
     answer = await rig.call()
     assert failed_with(answer, ErrorCode.LEDGER_UNAVAILABLE) is None
     assert (record.count(), rig.source.calls) == (0, 0)
@@ -575,9 +575,9 @@ async def test_a_crash_before_recording_is_never_rerun_blindly(
         succeeded(answer, replayed=crash == "crash_after")
         assert (await rig.op()).state is State.SUCCEEDED
     else:
-        op = failed_with(answer, code)
-        assert op is not None and op.state is State.UNKNOWN
-        assert (op.error or {}).get("code") == "lease_expired"
+        failed = failed_with(answer, code)
+        assert failed is not None and failed.state is State.UNKNOWN
+        assert (failed.error or {}).get("code") == "lease_expired"
     assert record.count() == effects
     assert rig.source.calls == 1 + (crash == "crash_before" and cls == "key-and-status-check")
 
@@ -698,7 +698,7 @@ async def test_a_rerun_decided_on_a_stale_read_never_reexecutes(
     """C saw FAILED_RETRYABLE; before it acts, B re-runs it into UNKNOWN with the effect applied."""
     first = Rig(ledger, record, cls, ["held:retryable"], retry={"attempts": 1})
     late = StaleReads(ledger, State.FAILED_RETRYABLE)
-    waiter = Rig(late, record, cls, ["ok"], ["fail"])  # type: ignore[arg-type]
+    waiter = Rig(late, record, cls, ["ok"], ["fail"])
     other = Rig(ledger, record, cls, ["ambiguous_after"], ["fail"])
     waiter.boundary.owner, other.boundary.owner = "hostc:1:c", "hostb:1:b"
     running = asyncio.create_task(first.call())

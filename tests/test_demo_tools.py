@@ -51,7 +51,7 @@ def test_the_sandbox_does_not_deduplicate() -> None:
     assert demo.count("charges", idempotency_key="k1") == 2
 
 
-@pytest.mark.parametrize("card,amount", [("4000000000000002", 100), ("4242", 0), ("4242", -5)])
+@pytest.mark.parametrize(("card", "amount"), [("4000000000000002", 100), ("4242", 0), ("4242", -5)])
 def test_rejected_charges_leave_no_row(card: str, amount: int) -> None:
     with pytest.raises(PermanentError):
         demo.charge_card(card, amount, ctx=ctx("k1"))
@@ -251,7 +251,7 @@ def test_crash_after_effect_exits_137_with_the_row_committed_and_only_once(
 
 
 @pytest.mark.parametrize(
-    "spec,fragment",
+    ("spec", "fragment"),
     [
         ("charge_card", "expected tool.kind=value"),
         ("charge_card.lose_ack", "expected tool.kind=value"),

@@ -30,6 +30,7 @@ from support.e2e import (
     new_id,
     operation,
     serve,
+    text_of,
 )
 
 from commitgate.tools.demo import DECLINED_CARD
@@ -111,7 +112,7 @@ async def test_tools_list_follows_the_classes(shared: Server) -> None:
 # --------------------------------------------------------------------------- replay and keys
 
 
-@pytest.mark.parametrize("tool, table", [("charge_card", "charges"), ("send_email", "emails")])
+@pytest.mark.parametrize(("tool", "table"), [("charge_card", "charges"), ("send_email", "emails")])
 async def test_replay_returns_the_first_outcome_and_acts_once(
     shared: Server, session: str, tool: str, table: str
 ) -> None:
@@ -185,7 +186,7 @@ async def test_key_checks(shared: Server, session: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "arguments, field",
+    ("arguments", "field"),
     [
         ({"card": CARD, "amount_cents": "lots"}, "amount_cents"),
         ({"card": CARD, "amount_cents": 100, "colour": "red"}, "colour"),
@@ -462,7 +463,7 @@ async def _crash_during(server: Server, tool: str, arguments: dict[str, Any]) ->
         await server.call(tool, arguments, session="s")
 
 
-@pytest.mark.parametrize("first_mode, second_mode", [("auto", "legacy"), ("legacy", "auto")])
+@pytest.mark.parametrize(("first_mode", "second_mode"), [("auto", "legacy"), ("legacy", "auto")])
 async def test_a_crash_after_an_email_leaves_it_unknown_and_never_resent(
     tmp_path: Path, first_mode: str, second_mode: str
 ) -> None:
@@ -482,7 +483,7 @@ async def test_a_crash_after_an_email_leaves_it_unknown_and_never_resent(
 
 
 @pytest.mark.parametrize(
-    "first_mode, second_mode, poll_first",
+    ("first_mode", "second_mode", "poll_first"),
     [("auto", "legacy", False), ("legacy", "auto", True)],
     ids=["call-after-restart", "poll-after-restart"],
 )
@@ -610,7 +611,7 @@ async def test_stdio_calls_beyond_the_per_principal_limit_are_refused_and_nothin
         await server.wait_for_state("s", "limit-1", {"RUNNING"})  # meta tools are never limited
         refused = await server.call("gated_task", second, session="s")
         assert error_code(refused) == "retries_exhausted"
-        assert "max_concurrent_per_principal" in refused.content[0].text
+        assert "max_concurrent_per_principal" in text_of(refused)
         assert d.count("tasks", idempotency_key="limit-2") == 0
         gate.touch()
     assert not answers["first"].is_error

@@ -278,9 +278,12 @@ async def raw_transcript(deployment: Deployment) -> tuple[list[str], int]:
     lines: list[str] = []
     ping = 100
 
+    stdout = process.stdout
+    assert stdout is not None
+
     async def answer_to(request_id: int) -> None:
         while True:
-            line = (await asyncio.wait_for(process.stdout.readline(), DEADLINE)).decode()
+            line = (await asyncio.wait_for(stdout.readline(), DEADLINE)).decode()
             assert line.endswith("\n"), "the server closed stdout early"
             lines.append(line.removesuffix("\n"))
             if json.loads(line).get("id") == request_id:

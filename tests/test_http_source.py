@@ -21,7 +21,7 @@ from mcp.types import CallToolResult
 from support.wrapping import call, error_code, operation, serve
 
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
+from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import PolicyError, loads_policy
 from commitgate.server.serve.registry import build_tools
@@ -200,7 +200,7 @@ async def test_a_4xx_is_recorded_as_failed_final_and_replayed(
         again = await call(client, "charge_forwarding", charge(500, "declined-1", DECLINED))
         status = await call(client, "get_operation_status", {"idempotency_key": "declined-1"})
     assert error_code(first) == error_code(again) == "operation_failed"
-    assert "declined" in first.structured_content["error"]["message"]  # type: ignore[index]
+    assert "declined" in first.structured_content["error"]["message"]
     op = succeeded(status)["operation"]
     assert op["state"] == "FAILED_FINAL" and op["retry_advice"] == "do_not_retry"
     assert op["error"]["detail"]["error"]["code"] == "card_declined"  # the response body is kept
@@ -251,7 +251,7 @@ async def test_a_wrong_token_is_a_permanent_failure(tmp_path: Path, sandbox: San
     async with serve(path, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": "sk_wrong"}) as client:
         result = await call(client, "charge_forwarding", charge(100, "wrong-token-1"))
     assert error_code(result) == "operation_failed"
-    assert "HTTP 401" in result.structured_content["error"]["message"]  # type: ignore[index]
+    assert "HTTP 401" in result.structured_content["error"]["message"]
     assert sandbox.count("charges", idempotency_key="wrong-token-1") == 0
 
 
@@ -337,7 +337,7 @@ def test_arguments_are_validated_against_the_schema_naming_the_field() -> None:
 
 
 @pytest.mark.parametrize(
-    "http,problem",
+    ("http", "problem"),
     [
         ('http = { url = "http://h/v1/{arguments.n}" }', "must be required"),
         ('http = { url = "http://h/v1/{arguments.zz}" }', "no argument|not an argument"),
@@ -348,12 +348,13 @@ def test_arguments_are_validated_against_the_schema_naming_the_field() -> None:
 def test_bad_http_declarations_are_reported_where_they_are(http: str, problem: str) -> None:
     with pytest.raises((PolicyError, ToolBuildError)) as caught:  # at load or when the source is built
         tool(http=http)
-    problems = caught.value.problems  # type: ignore[union-attr]
+    assert isinstance(caught.value, PolicyError | ToolBuildError)
+    problems = caught.value.problems
     assert any(p.location == "tools.t.http.url" and re.search(problem, p.message) for p in problems), problems
 
 
 @pytest.mark.parametrize(
-    "http,location,problem",
+    ("http", "location", "problem"),
     [
         ('http = { url = "http://h/v1/x", outcomes = { "500" = "found" } }', "tools.t.http.outcomes.500",
          "does not apply here: use one of success, retryable, ambiguous, permanent"),
@@ -392,7 +393,7 @@ def response(status: int, body: Any = None, **headers: str) -> httpx2.Response:
     )
 
 
-def plain_request(**outcomes: str) -> Request:
+def plain_request(**outcomes: Outcome | Verdict) -> Request:
     return Request("POST", "http://api.test/v1/x", {}, None, "json", 5.0, outcomes)
 
 
@@ -406,7 +407,7 @@ def test_2xx_bodies_become_results() -> None:
 
 
 @pytest.mark.parametrize(
-    "status,expected",
+    ("status", "expected"),
     [(429, RetryableError), (503, RetryableError), (500, AmbiguousError), (502, AmbiguousError),
      (302, AmbiguousError), (400, PermanentError), (404, PermanentError), (409, PermanentError)],
 )  # fmt: skip
@@ -418,7 +419,7 @@ def test_status_codes_map_to_outcomes(status: int, expected: type[Exception]) ->
 
 
 def test_outcome_overrides_per_status_or_class() -> None:
-    request = plain_request(**{"404": "success", "5xx": "retryable"})
+    request = plain_request(**{"404": Outcome.SUCCESS, "5xx": Outcome.RETRYABLE})
     assert outcome_of(response(404, {"gone": True}), request).structured == {"gone": True}
     with pytest.raises(RetryableError):
         outcome_of(response(500), request)

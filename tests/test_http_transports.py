@@ -22,6 +22,7 @@ import anyio
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.e2e import as_meta, text_of
 from support.http_servers import (
     TOKEN_ENV,
     TOKENS,
@@ -144,7 +145,9 @@ async def test_two_principals_with_one_key_get_two_operations_and_see_only_their
     for who in ("alice", "bob"):
         async with connect(served, who) as client:
             result = await client.call_tool(
-                "create_ticket", {"title": "printer", "idempotency_key": key}, meta={SESSION: session}
+                "create_ticket",
+                {"title": "printer", "idempotency_key": key},
+                meta=as_meta({SESSION: session}),
             )
             assert not result.is_error and operation_of(result)["replayed"] is False
             ids[who] = operation_of(result)["operation_id"]
@@ -262,11 +265,11 @@ async def test_oversized_inputs_are_answered_clearly_and_the_server_stays_up(
     async with connect(served, "alice") as client:
         big = await client.call_tool("create_ticket", {"title": "x" * 5000, "idempotency_key": key})
         assert error_code(big) == "invalid_arguments"
-        assert "at most 4000 are accepted" in big.content[0].text
+        assert "at most 4000 are accepted" in text_of(big)
         long_key = await client.call_tool("create_ticket", {"title": "t", "idempotency_key": "k" * 300})
         assert error_code(long_key) == "invalid_idempotency_key"
         listing = await client.call_tool("list_operations", {"limit": 1000})
-        assert error_code(listing) == "invalid_arguments" and "at most 20" in listing.content[0].text
+        assert error_code(listing) == "invalid_arguments" and "at most 20" in text_of(listing)
 
         # A body over the transport's cap never reaches MCP: HTTP 413, whatever the session.
         huge = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list", "pad": "x" * (5 << 20)})
@@ -302,7 +305,7 @@ async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs
                 status.structured_content["operation"]["state"] == "RUNNING"
             )  # the limit was really reached
         assert error_code(refused) == "retries_exhausted"
-        assert "max_concurrent_per_principal" in refused.content[0].text
+        assert "max_concurrent_per_principal" in text_of(refused)
         assert refused.structured_content["error"]["operation"] is None
         assert not other.is_error  # one principal's load does not block another
         assert demo.count("tasks", idempotency_key=extra) == 0
@@ -354,7 +357,7 @@ async def test_stateless_replicas_sharing_a_ledger_execute_concurrent_duplicates
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    "transport,stop_signal,client_waits",
+    ("transport", "stop_signal", "client_waits"),
     [
         (
             "streamable-http",

@@ -20,6 +20,7 @@ import pytest
 
 from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
+    Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
@@ -520,7 +521,7 @@ async def test_sqlite_a_failing_step_takes_only_itself_down(tmp_path: Path) -> N
         )
         failure = results.pop(15)
         assert isinstance(failure, ValueError)
-        assert all(not isinstance(r, BaseException) and r.kind is ClaimKind.NEW for r in results)
+        assert all(isinstance(r, Claim) and r.kind is ClaimKind.NEW for r in results)
         counts = await ledger.counts()
         assert (counts.states["RUNNING"], counts.events["claimed"], counts.events.get("half-done", 0)) == (
             30,

@@ -24,6 +24,7 @@ from support.policy import Run, run
 
 from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.policy.models import load_policy
 from commitgate.server.serve.gateway import Gateway
@@ -376,9 +377,9 @@ async def test_stats_adds_what_only_a_running_server_counts(
     from commitgate.server.serve.metrics import Metrics
 
     metrics = Metrics()
-    for event in ("replay", "replay", "conflict", "retry"):
+    for event in (Event.REPLAY, Event.REPLAY, Event.CONFLICT, Event.RETRY):
         metrics(event, "send_email", IdempotencyClass.KEY_REQUIRED)
-    metrics("reconciliation", "charge_card", IdempotencyClass.KEY_AND_STATUS_CHECK, verdict="found")
+    metrics(Event.RECONCILIATION, "charge_card", IdempotencyClass.KEY_AND_STATUS_CHECK, verdict="found")
     body = generate_latest(metrics.registry)
 
     class Handler(http.server.BaseHTTPRequestHandler):

@@ -35,7 +35,7 @@ class CountingLedger:
 
 def boundary_on(ledger: Ledger, source: ScriptedTool, cls: str) -> tuple[CommitBoundary, CountingLedger]:
     counting = CountingLedger(ledger)
-    boundary = make_boundary(counting, [guarded("charge", cls, source)])  # type: ignore[arg-type]
+    boundary = make_boundary(counting, [guarded("charge", cls, source)])
     return boundary, counting
 
 

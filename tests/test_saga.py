@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from mcp import Client, StdioServerParameters
+from support.e2e import as_meta
 
 from commitgate.server.core.saga import TemplateError, render_arguments
 from commitgate.tools import demo
@@ -41,7 +42,7 @@ async def client(tmp: Path, faults: str = "") -> AsyncIterator[Client]:
 
 
 async def call(session: Client, tool: str, order: str, **arguments: Any) -> Any:
-    return await session.call_tool(tool, arguments, meta={"commitgate/session": order})
+    return await session.call_tool(tool, arguments, meta=as_meta({"commitgate/session": order}))
 
 
 def code(result: Any) -> str | None:
@@ -75,7 +76,9 @@ async def test_experiment_4_no_customer_charged_without_confirmation(
         assert 10 <= len(failed) <= 50  # 30 % of 100, loosely: the fault is random
         for order, _ in failed:
             answer = await session.call_tool(
-                "compensate_session", {"reason": "confirmation failed"}, meta={"commitgate/session": order}
+                "compensate_session",
+                {"reason": "confirmation failed"},
+                meta=as_meta({"commitgate/session": order}),
             )
             saga = answer.structured_content
             assert saga["state"] == "COMPLETED", saga
@@ -97,14 +100,18 @@ async def test_experiment_4_no_customer_charged_without_confirmation(
 
         # Re-running compensation changes nothing.
         for order, _ in failed:
-            again = await session.call_tool("compensate_session", {}, meta={"commitgate/session": order})
+            again = await session.call_tool(
+                "compensate_session", {}, meta=as_meta({"commitgate/session": order})
+            )
             assert again.structured_content["state"] == "COMPLETED"
             assert all(c.get("compensated_earlier") for c in again.structured_content["compensations"])
         assert demo.count("refunds") == len(failed)
         assert demo.count("bookings", status="released") == len(failed)
 
         # A session with nothing compensable.
-        nothing = await session.call_tool("compensate_session", {}, meta={"commitgate/session": "empty"})
+        nothing = await session.call_tool(
+            "compensate_session", {}, meta=as_meta({"commitgate/session": "empty"})
+        )
         assert nothing.structured_content["state"] == "NOTHING_TO_DO"
 
 
@@ -122,12 +129,14 @@ async def test_crash_in_the_middle_of_compensation_is_finished_without_doubling(
     # The release applies, then the server dies before recording it (kill -9 equivalent: os._exit).
     with contextlib.suppress(Exception):
         async with client(tmp_path, faults="release.crash_after_effect=1") as session:
-            await session.call_tool("compensate_session", {}, meta={"commitgate/session": "trip"})
+            await session.call_tool("compensate_session", {}, meta=as_meta({"commitgate/session": "trip"}))
     assert demo.count("refunds") == 1
     assert demo.rows("bookings", id=booking_id)[0]["status"] == "released"
 
     async with client(tmp_path) as session:
-        answer = await session.call_tool("compensate_session", {}, meta={"commitgate/session": "trip"})
+        answer = await session.call_tool(
+            "compensate_session", {}, meta=as_meta({"commitgate/session": "trip"})
+        )
         saga = answer.structured_content
         assert saga["state"] == "COMPLETED", saga
         assert [c["tool"] for c in saga["compensations"]] == ["pay_booking", "reserve"]
@@ -146,7 +155,7 @@ async def test_compensation_that_cannot_run_reports_partial_and_a_later_call_fin
         await call(session, "reserve", "s", resource="room-1", customer="bo", idempotency_key="r")
         await call(session, "pay_booking", "s", card="card-1", amount_cents=100, idempotency_key="p")
         first = (
-            await session.call_tool("compensate_session", {}, meta={"commitgate/session": "s"})
+            await session.call_tool("compensate_session", {}, meta=as_meta({"commitgate/session": "s"}))
         ).structured_content
     assert first["state"] == "PARTIAL"
     by_tool = {c["tool"]: c for c in first["compensations"]}
@@ -158,7 +167,7 @@ async def test_compensation_that_cannot_run_reports_partial_and_a_later_call_fin
     assert demo.count("refunds") == 0
     async with client(tmp_path) as session:
         second = (
-            await session.call_tool("compensate_session", {}, meta={"commitgate/session": "s"})
+            await session.call_tool("compensate_session", {}, meta=as_meta({"commitgate/session": "s"}))
         ).structured_content
     assert second["state"] == "COMPLETED"
     assert demo.count("refunds") == 1 and demo.count("bookings", status="released") == 1

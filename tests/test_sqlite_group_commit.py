@@ -154,7 +154,9 @@ async def test_a_batch_that_cannot_be_claimed_together_decides_step_by_step(
 
 def same(op: Operation | None) -> dict[str, Any] | None:
     """Everything an answer says about an operation but its id (two ledgers never share ids)."""
-    return op and {k: v for k, v in dataclasses.asdict(op).items() if k != "operation_id"}
+    if op is None:
+        return None
+    return {k: v for k, v in dataclasses.asdict(op).items() if k != "operation_id"}
 
 
 @pytest.mark.anyio

@@ -40,7 +40,7 @@ from commitgate.server.policy.models import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 from commitgate.tools.base import ToolBuildError
-from commitgate.tools.upstream import inventory
+from commitgate.tools.upstream import UpstreamTool, inventory
 
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
 SERVER = """
@@ -471,7 +471,10 @@ async def test_an_upstream_that_drops_a_declared_tool_leaves_the_served_tools_as
 
     try:
         assert gateway.upstreams is not None
-        connection = gateway.served["record"].guard.source.connection
+        source = gateway.served["record"].guard.source
+        assert isinstance(source, UpstreamTool)
+        connection = source.connection
+        assert connection is not None
         before = gateway.list_tools()
         assert await refresh_upstream_tools(gateway, announce) is False  # same tools: nothing to tell
         del connection.tools["record"]  # as if it came back without `record`

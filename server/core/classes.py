@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from commitgate.server.core.retry import Outcome
 from commitgate.server.model.facts import IdempotencyClass, RetryAdvice, State
+from commitgate.server.model.outcomes import Outcome
 
 C = IdempotencyClass
 

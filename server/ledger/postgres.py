@@ -543,7 +543,7 @@ class PostgresLedger:
                 self._host_prefix,
             )
             dead = [row[0] for row in owners if owner_known_dead(row[0])]
-            return await conn.fetch(_EXPIRE_LEASES, now, _dump(LEASE_LOST), dead)
+            return list(await conn.fetch(_EXPIRE_LEASES, now, _dump(LEASE_LOST), dead))
 
         return [_decode(row) for row in await self._run(step)]
 

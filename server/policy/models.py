@@ -410,26 +410,28 @@ def _got(item: ErrorDetails) -> str:
     return ""
 
 
+# What a value of the wrong type must be, by pydantic's error type.
+_MUST_BE = {
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "must be an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "must be a number"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), "must be true or false"),
+    "string_type": "must be a string",
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), "must be a table"),
+    "list_type": "must be an array",
+}
+_BOUNDS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
+
+
 def _message(item: ErrorDetails) -> str:
     kind, ctx = item["type"], item.get("ctx") or {}
     if kind == "extra_forbidden":
         return "unknown key" + _suggestion(item["loc"]) + " (see `commitgate policy schema`)"
     if kind == "missing":
         return "required key is missing"
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+    if kind in _BOUNDS:
         return _bound(kind, ctx) + _got(item)
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return "must be an integer" + _got(item)
-    if kind in ("float_type", "float_parsing"):
-        return "must be a number" + _got(item)
-    if kind in ("bool_type", "bool_parsing"):
-        return "must be true or false" + _got(item)
-    if kind == "string_type":
-        return "must be a string" + _got(item)
-    if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return "must be a table" + _got(item)
-    if kind == "list_type":
-        return "must be an array" + _got(item)
+    if kind in _MUST_BE:
+        return _MUST_BE[kind] + _got(item)
     if kind in ("literal_error", "enum"):
         return f"must be {ctx.get('expected', 'one of the allowed values')}" + _got(item)
     return item["msg"].removeprefix("Value error, ")
@@ -548,11 +550,27 @@ def _tool_problems(
     name: str, raw: dict[str, Any], tools: dict[str, dict[str, Any]], upstreams: Mapping[str, Any]
 ) -> list[Problem]:
     where = f"tools.{toml_key(name)}"
-    problems: list[Problem] = []
+    problems = _name_problems(name, where) + _source_problems(where, raw, upstreams)
+    problems += _schema_problems(where, raw)
+    problems += _class_problems(where, raw)
+    if isinstance(raw.get("compensate"), dict):
+        problems += _compensation_problems(name, raw, tools)
+    problems += _http_reference_problems(where, raw)
+    problems += _http_outcome_problems(where, raw)
+    return problems
+
+
+def _name_problems(name: str, where: str) -> list[Problem]:
+    problems = []
     if not TOOL_NAME.fullmatch(name):
         problems.append(Problem(where, "tool names are 1-128 characters of letters, digits, '_', '-', '.'"))
     if name in RESERVED_TOOL_NAMES:
         problems.append(Problem(where, f"{name!r} is the name of a commitgate meta tool; choose another"))
+    return problems
+
+
+def _source_problems(where: str, raw: Mapping[str, Any], upstreams: Mapping[str, Any]) -> list[Problem]:
+    problems = []
     sources = [s for s in ("python", "http", "upstream") if raw.get(s) is not None]
     if len(sources) != 1:
         found = " and ".join(sources) or "none"
@@ -564,8 +582,12 @@ def _tool_problems(
         problems.append(Problem(f"{where}.upstream", f"no [upstreams.{upstream}] is declared"))
     if raw.get("upstream_tool") is not None and upstream is None:
         problems.append(Problem(f"{where}.upstream_tool", "only meaningful with `upstream`"))
-    problems += _schema_problems(where, raw)
-    cls = _class_of(raw)
+    return problems
+
+
+def _class_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
+    """What the tool's class requires of the rest of its declaration, and what it rules out."""
+    cls, problems = _class_of(raw), []
     if cls is IdempotencyClass.KEY_AND_STATUS_CHECK and raw.get("status_check") is None:
         problems.append(Problem(f"{where}.status_check", "class key-and-status-check needs a status_check"))
     if cls is IdempotencyClass.COMPENSABLE and raw.get("compensate") is None:
@@ -578,10 +600,6 @@ def _tool_problems(
         problems.append(Problem(f"{where}.compensate", "only tools of class compensable declare compensate"))
     if cls is IdempotencyClass.SAFE_RETRY and raw.get("forwards_key") is True:
         problems.append(Problem(f"{where}.forwards_key", "safe-retry tools take no key to forward"))
-    if isinstance(raw.get("compensate"), dict):
-        problems += _compensation_problems(name, raw, tools)
-    problems += _http_reference_problems(where, raw)
-    problems += _http_outcome_problems(where, raw)
     return problems
 
 

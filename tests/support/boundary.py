@@ -161,9 +161,6 @@ class ScriptedTool:
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         return dict(arguments)
 
-    async def aclose(self) -> None:
-        return None
-
     def _effect(self, ctx: OperationContext, arguments: dict[str, Any]) -> dict[str, Any]:
         applied = self.record.apply(ctx, arguments, dedup=self.dedup)
         if self.on_effect is not None:
@@ -183,24 +180,32 @@ class ScriptedTool:
         name, _, value = kind.partition(":")
         if self.dedup and name in ("ok", "permanent", "slow") and (first := self.record.find(ctx)):
             return ToolResult.of(first)  # the downstream knows the key: it answers with its first response
-        if name == "retryable":
-            raise RetryableError("the service is busy")
-        if name == "retry_after":
-            raise RetryableError("rate limited", retry_after=float(value))
-        if name == "permanent":
-            raise PermanentError("card declined")
-        if name == "ambiguous_before":
-            raise AmbiguousError("connection reset before the request was sent")
-        if name == "crash_before":
-            raise Crash
+        if name == "stale":
+            await self._gate.wait()
+            return ToolResult.of({"effect_id": "stale-owner", "arguments": arguments})
+        await self._before_effect(name, value)
+        applied = self._effect(ctx, arguments)
+        await self._after_effect(name)
+        return ToolResult.of(applied)
+
+    async def _before_effect(self, name: str, value: str) -> None:
+        """Script steps that end (or delay) the attempt before anything happened in the world."""
+        raised: dict[str, BaseException] = {
+            "retryable": RetryableError("the service is busy"),
+            "retry_after": RetryableError("rate limited", retry_after=float(value or 0)),
+            "permanent": PermanentError("card declined"),
+            "ambiguous_before": AmbiguousError("connection reset before the request was sent"),
+            "crash_before": Crash(),
+        }
+        if name in raised:
+            raise raised[name]
         if name == "hold_before":
             await self._gate.wait()
         if name == "slow":
             await asyncio.sleep(self.slow_seconds)
-        if name == "stale":
-            await self._gate.wait()
-            return ToolResult.of({"effect_id": "stale-owner", "arguments": arguments})
-        applied = self._effect(ctx, arguments)
+
+    async def _after_effect(self, name: str) -> None:
+        """Script steps that lose or delay the answer after the effect happened."""
         if name == "ambiguous_after":
             raise AmbiguousError("the answer was lost after the service applied it")
         if name == "error_after":
@@ -211,7 +216,6 @@ class ScriptedTool:
             raise Crash
         if name == "hold_after":
             await self._gate.wait()
-        return ToolResult.of(applied)
 
     async def status(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult | None:
         self.status_calls += 1

@@ -21,7 +21,7 @@ from typing import Any, cast
 import anyio
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
-from mcp.types import CallToolResult, RequestParamsMeta
+from mcp.types import CallToolResult, RequestParamsMeta, TextContent
 
 from commitgate.tools import demo
 
@@ -214,6 +214,13 @@ class Server:
                 if answer["found"] and answer["operation"]["state"] in states:
                     return dict(answer["operation"])
                 await anyio.sleep(0.05)
+
+
+def text_of(result: CallToolResult, index: int = 0) -> str:
+    """The text of a result's content block (failing clearly when it is not text)."""
+    block = result.content[index]
+    assert isinstance(block, TextContent), block
+    return block.text
 
 
 def as_meta(values: Mapping[str, Any]) -> RequestParamsMeta:

@@ -18,6 +18,7 @@ import os
 import re
 import urllib.parse
 import uuid
+from typing import Any
 
 import asyncpg
 import pytest
@@ -112,6 +113,6 @@ async def fresh_url() -> str:
     return _with_database(ADMIN_URL, database, search_path=schema)
 
 
-async def open_test_ledger(**options: int) -> PostgresLedger:
+async def open_test_ledger(**options: Any) -> PostgresLedger:
     """A fresh, empty PostgreSQL ledger private to one test (its schema dies with the session database)."""
     return await PostgresLedger.open(await fresh_url(), **options)

@@ -31,7 +31,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiosqlite
 
@@ -113,7 +113,7 @@ class SQLiteLedger:
             ran, value = self._writer.run_inline(write)
             if ran:
                 await asyncio.sleep(0)  # let other tasks in, so that company (and batching) can form
-                return value  # ran => the write's own value
+                return cast(T, value)  # ran => the write's own value
         return await self._writer.submit(write)
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
