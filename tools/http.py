@@ -52,7 +52,13 @@ from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
+from commitgate.server.policy.models import (
+    HttpRequestSpec,
+    Policy,
+    StatusCheckSpec,
+    ToolPolicy,
+    url_argument_problem,
+)
 from commitgate.tools.base import Collaborators, DeclarationError, InvalidArguments
 from commitgate.tools.python import load_callable
 
@@ -461,11 +467,13 @@ def status_check_for(
 
 
 def _check_url_arguments(request: Request, properties: set[str] | None, where: str) -> None:
+    """The policy's rule (url_argument_problem), for tools whose properties are known only now."""
     if properties is None:
         return
-    missing = sorted(request.url_arguments() - properties)
-    if missing:
-        raise DeclarationError(where, f"{{arguments.{missing[0]}}} is not an argument of the tool")
+    schema = {"type": "object", "properties": {key: {} for key in properties}}
+    problem = url_argument_problem(request.url, schema)
+    if problem is not None:
+        raise DeclarationError(where, problem)
 
 
 # --- the source ----------------------------------------------------------------------------------

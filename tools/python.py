@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.records import ToolResult
+from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.tools.base import Collaborators, InvalidArguments, SourceLoadError
 
@@ -72,15 +73,6 @@ class _Signature:
         )
 
 
-def _describe(errors: ValidationError) -> str:
-    parts = []
-    for item in errors.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "(arguments)"
-        message = "unknown argument" if item["type"] == "extra_forbidden" else item["msg"]
-        parts.append(f"{field}: {message}")
-    return "; ".join(parts)
-
-
 class PythonTool:
     """A ToolSource calling a typed Python function; its schema comes from the signature."""
 
@@ -115,7 +107,7 @@ class PythonTool:
         try:
             model = self.signature.model.model_validate(arguments)
         except ValidationError as exc:
-            raise InvalidArguments(_describe(exc)) from None
+            raise InvalidArguments(describe(exc)) from None
         return model.model_dump(mode="json")
 
     def _kwargs(

@@ -702,13 +702,21 @@ def _http_reference_problems(where: str, raw: Mapping[str, Any]) -> list[Problem
             spec = status.get("http")
         if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
             continue
-        for match in REFERENCE.finditer(spec["url"]):
-            if match.group(1) != "arguments":
-                continue
+        problem = url_argument_problem(spec["url"], schema)
+        if problem is not None:
+            problems.append(Problem(f"{spec_where}.url", problem))
+    return problems
+
+
+def url_argument_problem(url: str, schema: Mapping[str, Any]) -> str | None:
+    """The first `{arguments.X}` of an HTTP url that the tool's input schema certainly lacks, said
+    as `policy check` says it. Sources ask too, for schemas only an upstream knows."""
+    for match in REFERENCE.finditer(url):
+        if match.group(1) == "arguments":
             missing = missing_path(schema, match.group(2).split(".")[1:])
             if missing is not None:
-                problems.append(Problem(f"{spec_where}.url", f"input_schema has no argument {missing}"))
-    return problems
+                return f"input_schema has no argument {missing}"
+    return None
 
 
 def template_references(

@@ -38,6 +38,7 @@ from commitgate.server.ledger.base import lease_over
 from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
 from commitgate.server.model.records import Operation
+from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.registry import ServedTool, build_tools
@@ -311,12 +312,7 @@ def _parse(model: type[M], args: dict[str, Any]) -> M:
     try:
         return model.model_validate(args)
     except ValidationError as exc:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: "
-            f"{'unknown argument' if e['type'] == 'extra_forbidden' else e['msg']}"
-            for e in exc.errors()
-        )
-        raise errors.invalid_arguments(detail) from None
+        raise errors.invalid_arguments(describe(exc)) from None
 
 
 # --- rendering ---------------------------------------------------------------------------------
