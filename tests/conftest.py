@@ -45,6 +45,7 @@ _PROCESS_MODULES = {
     "test_reload",
     "test_replicas_postgres",
     "test_saga",
+    "test_tracing_otlp",
     "test_upstream",
     "test_verify",
 }

@@ -48,6 +48,7 @@ import anyio.to_thread
 import httpx2
 import jsonschema
 
+from commitgate.server.model import traces
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
@@ -207,6 +208,7 @@ class Request:
         headers = dict(self.headers)
         if self.key_header and ctx.idempotency_key:
             headers[self.key_header] = ctx.idempotency_key
+        traces.inject(headers)  # `traceparent` when tracing is on: the downstream joins the trace
         timeout = httpx2.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
         if self.body == "json":
             return client.build_request(self.method, url, headers=headers, json=rest, timeout=timeout)

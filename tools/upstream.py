@@ -51,6 +51,7 @@ from mcp.client.sse import sse_client
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from commitgate.server.model import traces
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
@@ -328,6 +329,8 @@ class UpstreamTool:
             meta[STEP_META] = ctx.idempotency_key
             if self.passes_key:
                 args[KEY_ARGUMENT] = ctx.idempotency_key
+        # The upstream's tools/call span joins this trace (the SDK's client refines it to its own span).
+        traces.inject(meta)
         try:
             result = await client.call_tool(self.upstream_tool, args, meta=typing.cast(Any, meta))
         except MCPError as exc:

@@ -31,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from commitgate.server.serve.gateway import Gateway
     from commitgate.server.serve.logs import log_event
     from commitgate.server.serve.surface import serve_stdio
+    from commitgate.server.serve.tracing import configure_from_env, span_events
 
     _configure_logging(args.log_level, args.debug_unredacted)
     policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
@@ -38,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policy.ledger.url = args.ledger
 
     async def run() -> None:
-        gateway = await Gateway.open(policy, path, observers=[log_event])
+        gateway = await Gateway.open(policy, path, observers=[log_event, *span_events()])
         try:
             if args.transport == "stdio":
                 await serve_stdio(gateway, __version__, args.stdio)
@@ -57,10 +58,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             await gateway.close()
 
+    stop_tracing = configure_from_env(__version__)  # only when OTEL_* variables ask for traces
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         return 130
+    finally:
+        stop_tracing()
     return 0
 
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import commitgate.server.core.tracing as tracing
 from commitgate.server.core import errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
@@ -161,7 +162,7 @@ class CommitBoundary:
             retention_seconds=tool.policy.retention or self.settings.retention,
         )
         try:
-            claim = await self.ledger.claim(claim_request, self.clock())
+            claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool.idempotency_class)
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise errors.ledger_unavailable(str(exc)) from None
@@ -265,6 +266,7 @@ class CommitBoundary:
 
     # --- reconciliation -------------------------------------------------------------------
 
+    @tracing.reconcile
     async def _status_check(
         self, tool: GuardedTool, op: Operation, attempt: int | None = None
     ) -> tuple[Verdict, ToolResult | None, dict[str, Any]]:
@@ -405,6 +407,7 @@ class CommitBoundary:
         finally:
             self._leases.pop(op.operation_id, None)
 
+    @tracing.attempt
     async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
         try:
             async with asyncio.timeout(tool.policy.timeout):
@@ -497,6 +500,7 @@ class CommitBoundary:
             [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
         )
 
+    @tracing.record
     async def _record(self, op: Operation, change: Transition) -> Operation | None:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
         for delay in (0.05, 0.2, 1.0, None):

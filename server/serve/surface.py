@@ -18,6 +18,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
+from commitgate.server.serve import tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.calls import CallRecorder, PrincipalLimit
 from commitgate.server.serve.gateway import Gateway
@@ -59,6 +60,7 @@ def build_server(
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
     server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
+    tracing.install(server)  # commitgate's view on the SDK's tools/call span, when tracing is on
     return server
 
 
