@@ -213,3 +213,57 @@ def _assert_nothing_secret(receiver: Receiver, values: list[str]) -> None:
     assert exported  # the check means something only if spans were exported
     for value in values:
         assert value.encode() not in exported, f"{value!r} was exported in a span"
+
+
+UPSTREAM = """
+[upstreams.inner]
+command = "{command}"
+args = ["serve", "--policy", "{policy}", "--ledger", "sqlite:///{ledger}"]
+env = {{ OTEL_EXPORTER_OTLP_ENDPOINT = "{endpoint}", OTEL_SERVICE_NAME = "inner", OTEL_BSP_SCHEDULE_DELAY = "50", \
+COMMITGATE_SANDBOX = "{sandbox}", PYTHONPATH = "{pythonpath}" }}
+
+[tools.relay_email]
+upstream = "inner"
+upstream_tool = "send_email"
+class = "key-required"
+timeout = "20s"
+"""
+
+
+async def test_an_upstream_mcp_server_joins_the_trace(tmp_path: Path) -> None:
+    with otlp_receiver() as receiver:
+        inner = Deployment.create(tmp_path / "inner")
+        outer = Deployment.create(tmp_path / "outer")
+        outer.policy.write_text(
+            policy_toml(respond_within="20s")
+            + UPSTREAM.format(
+                command=CONSOLE_SCRIPT,
+                policy=inner.policy,
+                ledger=inner.ledger,
+                endpoint=receiver.endpoint,
+                sandbox=inner.sandbox,
+                pythonpath=Path(__file__).parent,
+            ),
+            encoding="utf-8",
+        )
+        trace = Trace.new()
+        arguments = {"to": "ops@example.com", "subject": "s", "body": "b", "idempotency_key": "relay-1"}
+        with (tmp_path / "server.stderr").open("w") as errlog:
+            transport = stdio_client(_params(outer, receiver, ""), errlog=errlog)
+            async with Client(transport, read_timeout_seconds=30) as client:
+                answer = await _call(client, "relay_email", arguments, trace)
+        assert not answer.is_error, answer.content
+        assert inner.count("emails") == 1  # the effect happened once, in the upstream's system of record
+
+        def done(spans: list[Span]) -> bool:
+            return {"tools/call relay_email", "tools/call send_email"} <= {s.name for s in _in(spans, trace)}
+
+        spans = _in(receiver.wait_for(done), trace)
+        relay = _call_span(spans, trace, "relay_email")
+        (attempt,) = [c for c in _children(spans, relay) if c.name == "commitgate.attempt"]
+        (sent,) = [s for s in _children(spans, attempt) if s.name.startswith("MCP send tools/call")]
+        (upstream_call,) = [s for s in spans if s.name == "tools/call send_email"]
+        assert upstream_call.service == "inner" and upstream_call.kind == SERVER_KIND
+        assert upstream_call.parent_id == sent.span_id  # one trace across both servers
+        inner_children = {s.name for s in _children(spans, upstream_call)}
+        assert {"commitgate.claim", "commitgate.attempt", "commitgate.record"} <= inner_children

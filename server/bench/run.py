@@ -60,7 +60,7 @@ from rich.table import Table
 from commitgate.server.demo.sandbox import server_pids
 from commitgate.server.model.facts import OPERATION_META, SESSION_META
 
-SECTIONS = ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory")
+SECTIONS = ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory", "tracing")
 
 
 class BenchError(Exception):
@@ -925,7 +925,15 @@ RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
     "overhead": overhead,
     "ledger": ledger_alone,
     "memory": memory,
+    "tracing": lambda bench: _tracing().tracing_cost(bench),
 }
+
+
+def _tracing() -> Any:
+    """The tracing section's module (it imports this one, so it is loaded on first use)."""
+    from commitgate.server.bench import tracing
+
+    return tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -1087,6 +1095,7 @@ def results_table(results: dict[str, Any]) -> Table:
         ("overhead", _rows_overhead),
         ("ledger", _rows_ledger),
         ("memory", _rows_memory),
+        ("tracing", lambda r: _tracing().rows(r)),
     ):
         if section in results:
             rows += build(results)
