@@ -41,8 +41,18 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]) -> None:
-    for section in ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory"):
+    for section in (
+        "double_charge",
+        "saga",
+        "backoff",
+        "concurrency",
+        "overhead",
+        "ledger",
+        "memory",
+        "tracing",
+    ):
         assert section in quick_run, section
+    assert quick_run["tracing"]["exported"]["requests"] > 0  # the traced server did export its spans
     assert set(quick_run["goals"]) == {"G1", "G2", "G3", "G4"}
     assert quick_run["checks"] and all(quick_run["checks"].values()), quick_run["checks"]
 
