@@ -17,7 +17,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support_boundary import ScriptedTool, SystemOfRecord, call_request, guarded, make_boundary
+from support.boundary import ScriptedTool, SystemOfRecord, call_request, guarded, make_boundary
 
 from commitgate.server.core import tracing
 from commitgate.server.ledger import open_ledger

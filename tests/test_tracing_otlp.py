@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from e2e_support import CONSOLE_SCRIPT, OPERATION_META, Deployment, policy_toml
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult, RequestParamsMeta
-from otlp_receiver import Receiver, Span, otlp_receiver
+from support.e2e import CONSOLE_SCRIPT, OPERATION_META, Deployment, policy_toml
+from support.otlp import Receiver, Span, otlp_receiver
 
 pytestmark = pytest.mark.anyio
 

@@ -162,7 +162,7 @@ class CommitBoundary:
             retention_seconds=tool.policy.retention or self.settings.retention,
         )
         try:
-            claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool.idempotency_class)
+            claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise errors.ledger_unavailable(str(exc)) from None

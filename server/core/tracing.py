@@ -58,11 +58,12 @@ def _failed(span: Any, reason: str, exc: BaseException | None = None) -> None:
     span.set_status(Status(StatusCode.ERROR, reason))
 
 
-async def claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
-    """`commitgate.claim` around a ledger claim: which operation, in which state, and how it was found."""
+async def claimed(step: Awaitable[T], tool: Any) -> T:
+    """`commitgate.claim` around a ledger claim of `tool`'s call: which operation, in which state, and
+    how it was found (new, existing, conflict...)."""
     if SWITCH.tracer is None:
         return await step
-    with _span("commitgate.claim", {CLASS: cls.value}) as span:
+    with _span("commitgate.claim", {CLASS: tool.idempotency_class.value}) as span:
         try:
             claim = await step
         except Exception as exc:
@@ -86,7 +87,7 @@ def attempt(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         if SWITCH.tracer is None:
             return await fn(*args, **kwargs)
         tool, ctx = args[1], args[3]
-        attributes: dict[str, Any] = {CLASS: tool.cls.value, ATTEMPT: ctx.attempt}  # type: ignore[attr-defined]
+        attributes: dict[str, Any] = {CLASS: tool.idempotency_class.value, ATTEMPT: ctx.attempt}  # type: ignore[attr-defined]
         if ctx.operation_id is not None:  # type: ignore[attr-defined]
             attributes[OPERATION_ID] = ctx.operation_id  # type: ignore[attr-defined]
         with _span("commitgate.attempt", attributes) as span:
