@@ -139,7 +139,7 @@ async def test_off_means_no_spans_and_the_observer_unchanged(tmp_path: Path, rec
 
 
 @pytest.mark.parametrize(
-    "environ, exporters",
+    ("environ", "exporters"),
     [
         ({}, []),
         ({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"}, []),  # nothing asks for export
