@@ -102,6 +102,22 @@ def check_key(key: object, tool: GuardedTool) -> str | None:
     return key
 
 
+def printable(text: str) -> bool:
+    """No control characters (NUL, newlines, terminal escapes...): what a session or key may hold."""
+    return text.isprintable()
+
+
+def check_session(session: object, where: str) -> str:
+    """A session names a workflow run: 1-255 printable characters, so it is safe to store and to show."""
+    if not isinstance(session, str) or not 1 <= len(session) <= 255:
+        raise errors.invalid_arguments(f"{where} must be a string of 1-255 characters")
+    if not printable(session):
+        raise errors.invalid_arguments(
+            f"{where} must hold printable characters only (no control characters, newlines or NUL)"
+        )
+    return session
+
+
 @dataclass(slots=True)
 class _Attempt:
     outcome: Outcome
@@ -165,7 +181,7 @@ class CommitBoundary:
             claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
-            raise errors.ledger_unavailable(str(exc)) from None
+            raise _unavailable(exc) from None
         if claim.kind is ClaimKind.CONFLICT:
             self._emit(
                 Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
@@ -221,7 +237,7 @@ class CommitBoundary:
         try:
             current = await self.ledger.get_by_id(op.principal, op.operation_id)
         except LedgerUnavailable as exc:
-            raise errors.ledger_unavailable(str(exc)) from None
+            raise _unavailable(exc) from None
         if current is None:  # purged meanwhile; nothing more is known
             return op
         return current
@@ -621,6 +637,12 @@ class CommitBoundary:
 
     async def _purge(self) -> None:
         await self.ledger.purge(self.clock())
+
+
+def _unavailable(exc: LedgerUnavailable) -> GateError:
+    """The client is told only that nothing ran; the reason (a host, a path, a driver error) is logged."""
+    log.warning("the ledger could not record a call, nothing was executed: %s", exc)
+    return errors.ledger_unavailable()
 
 
 def _missing_key(tool: GuardedTool) -> str:

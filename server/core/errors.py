@@ -112,9 +112,10 @@ def retries_exhausted(message: str, op: Operation | None) -> GateError:
     )
 
 
-def ledger_unavailable(detail: str) -> GateError:
+def ledger_unavailable() -> GateError:
+    """Why is the operator's business (it is logged): the client never sees where the ledger lives."""
     return GateError(
         ErrorCode.LEDGER_UNAVAILABLE,
         "The operation ledger could not record this call, so it was NOT executed. Try again shortly with the "
-        f"same idempotency_key. ({detail})",
+        "same idempotency_key.",
     )

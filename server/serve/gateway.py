@@ -15,11 +15,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import httpx2
 import mcp.types as types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from commitgate.server.core import errors
 from commitgate.server.core.boundary import (
@@ -28,7 +28,9 @@ from commitgate.server.core.boundary import (
     CommitBoundary,
     canonical_json,
     check_key,
+    check_session,
     error_for_state,
+    printable,
 )
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.saga import Saga
@@ -51,25 +53,40 @@ log = logging.getLogger("commitgate.gateway")
 M = TypeVar("M", bound=BaseModel)
 
 
+def _printable(value: str | None) -> str | None:
+    if value is not None and not printable(value):
+        raise ValueError("printable characters only (no control characters, newlines or NUL)")
+    return value
+
+
+def _all_printable(values: list[str] | None) -> list[str] | None:
+    for value in values or []:
+        _printable(value)
+    return values
+
+
+Printable = Annotated[str | None, AfterValidator(_printable)]
+
+
 class _StatusArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    idempotency_key: str | None = Field(None, min_length=1, max_length=255)
-    session: str | None = Field(None, min_length=1, max_length=255)
-    operation_id: str | None = Field(None, min_length=1, max_length=100)
+    idempotency_key: Printable = Field(None, min_length=1, max_length=255)
+    session: Printable = Field(None, min_length=1, max_length=255)
+    operation_id: Printable = Field(None, min_length=1, max_length=100)
 
 
 class _ListArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    session: str | None = Field(None, min_length=1, max_length=255)
+    session: Printable = Field(None, min_length=1, max_length=255)
     state: State | None = None
-    tool: str | None = Field(None, min_length=1, max_length=128)
+    tool: Printable = Field(None, min_length=1, max_length=128)
     limit: int = Field(50, ge=1)
 
 
 class _CompensateArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    session: str | None = Field(None, min_length=1, max_length=255)
-    idempotency_keys: list[str] | None = Field(None, min_length=1)
+    session: Printable = Field(None, min_length=1, max_length=255)
+    idempotency_keys: Annotated[list[str] | None, AfterValidator(_all_printable)] = Field(None, min_length=1)
     reason: str | None = Field(None, max_length=1000)
 
 
@@ -231,15 +248,14 @@ class Gateway:
         except GateError as exc:
             return render_error(exc, replayed=False)
         except LedgerUnavailable as exc:
-            return render_error(errors.ledger_unavailable(str(exc)), replayed=False)
+            log.warning("the ledger could not answer %s: %s", name, exc)
+            return render_error(errors.ledger_unavailable(), replayed=False)
 
     def _session(self, meta: Mapping[str, Any]) -> str:
         session = meta.get(SESSION_META)
         if session is None:
             return self.policy.server.session
-        if not isinstance(session, str) or not 1 <= len(session) <= 255:
-            raise errors.invalid_arguments(f"_meta[{SESSION_META!r}] must be a string of 1-255 characters")
-        return session
+        return check_session(session, f"_meta[{SESSION_META!r}]")
 
     def _request(
         self, served: ServedTool, args: dict[str, Any], meta: Mapping[str, Any], session: str, principal: str

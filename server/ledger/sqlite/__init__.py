@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -64,6 +65,8 @@ from commitgate.server.model.records import Operation
 
 T = TypeVar("T")
 
+log = logging.getLogger("commitgate.ledger")
+
 
 def _create_private(path: Path) -> None:
     """The ledger holds arguments and results: owner-only, from the first byte."""
@@ -71,6 +74,11 @@ def _create_private(path: Path) -> None:
         path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     os.close(fd)
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 class SQLiteLedger:
@@ -82,6 +90,36 @@ class SQLiteLedger:
         self._reader = reader
         self.inline_when_alone = True  # see `_write`
         self._open: set[str] = set()  # operations this process claimed and has not finished
+        self._where = os.path.abspath(path)  # a later chdir must not move the file we check
+        self._identity = _identity(self._where)
+        self._lost = False  # the file left its path; said once in the log, until it is back
+
+    def check_identity(self) -> None:
+        """Refuse to record into a file that is no longer the one at the path.
+
+        A ledger deleted, renamed or replaced under a running server would otherwise take claims
+        into an unlinked inode that nobody reads again: after a restart the same key runs twice.
+        One stat of the path per claim suffices: our open connections keep the file's inode
+        allocated, so a file at the path with its (device, inode) is that very file, and an
+        unlinked one has no path to match. (About a microsecond.)
+        """
+        try:
+            same = _identity(self._where) == self._identity
+        except OSError:
+            same = False
+        if same:
+            if self._lost:
+                self._lost = False
+                log.warning("the ledger file %s is back at its path; recording again", self._where)
+            return
+        if not self._lost:
+            self._lost = True
+            log.error(
+                "the ledger file %s was deleted, renamed or replaced while serving; keyed calls are refused"
+                " (nothing runs) until it is back or the server restarts",
+                self._where,
+            )
+        raise LedgerUnavailable("the ledger file was deleted, renamed or replaced while serving")
 
     @classmethod
     async def open(
@@ -121,6 +159,7 @@ class SQLiteLedger:
         # transaction a claim write takes even inline. Under load the writer hop is shared with a whole batch anyway,
         # and a read beside a busy writer contends with it (WAL read locks, the GIL) while most
         # claims are of new keys and find nothing: then go straight to the writer.
+        self.check_identity()
         settled: Claim | None = None
         alone = not self._open and self.inline_when_alone
         if not self._writer.busy:
@@ -243,6 +282,7 @@ class SQLiteLedger:
         return Counts(states, events)
 
     async def check_writable(self) -> None:
+        self.check_identity()
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
 
     @property

@@ -1,0 +1,177 @@
+"""What an attacker or a hostile environment tried, in-process: each fails closed, clearly.
+
+A real gateway on a real SQLite ledger file (PostgreSQL where the point is about it); effects are
+counted in the demo sandbox (the system of record).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp.types import CallToolResult
+
+from commitgate.server.ledger import LedgerUnavailable, OperationFilter
+from commitgate.server.policy.models import load_policy
+from commitgate.server.serve.gateway import Gateway
+from commitgate.tools import demo
+
+pytestmark = pytest.mark.anyio
+
+POLICY = """
+[server]
+principal = "agent"
+
+[ledger]
+url = "{url}"
+
+[tools.create_ticket]
+class = "key-required"
+python = "commitgate.tools.demo:create_ticket"
+"""
+
+
+def write_policy(tmp_path: Path, url: str | None = None) -> Path:
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY.format(url=url or f"sqlite:///{tmp_path / 'ledger.db'}"), encoding="utf-8")
+    return path
+
+
+@asynccontextmanager
+async def gateway(policy_file: Path) -> AsyncIterator[Gateway]:
+    gw = await Gateway.open(load_policy(policy_file), policy_file)
+    try:
+        yield gw
+    finally:
+        await gw.close()
+
+
+async def ticket(gw: Gateway, key: Any, session: Any = "s1") -> CallToolResult:
+    meta = {"commitgate/session": session}
+    return await gw.call_tool("create_ticket", {"title": "printer", "idempotency_key": key}, meta, None)
+
+
+def code_of(result: CallToolResult) -> str | None:
+    return (result.structured_content or {}).get("error", {}).get("code") if result.is_error else None
+
+
+def message_of(result: CallToolResult) -> str:
+    return str((result.structured_content or {}).get("error", {}).get("message", ""))
+
+
+# --- keys and sessions ------------------------------------------------------------------------
+
+
+async def test_a_key_with_a_trailing_newline_is_invalid_and_nothing_runs(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    async with gateway(write_policy(tmp_path)) as gw:
+        result = await ticket(gw, "ticket-1\n")
+        assert code_of(result) == "invalid_idempotency_key"
+        assert demo.count("tickets") == 0
+        assert not (await ticket(gw, "ticket-1")).is_error
+        assert demo.count("tickets") == 1
+
+
+@pytest.mark.parametrize(
+    "session",
+    ["\x1b[31mRED\x1b[0m\x1b]0;pwned\x07", "nul\x00byte", "line\nbreak", "c1\x9bcontrol", "del\x7f"],
+    ids=["escapes", "nul", "newline", "c1", "del"],
+)
+async def test_a_session_with_control_characters_is_refused_before_the_ledger(
+    tmp_path: Path, sandbox: Path, session: str
+) -> None:
+    async with gateway(write_policy(tmp_path)) as gw:
+        result = await ticket(gw, "ticket-1", session=session)
+        assert code_of(result) == "invalid_arguments"
+        assert "printable" in message_of(result)
+        assert demo.count("tickets") == 0
+        assert await gw.ledger.find(OperationFilter(None)) == []  # nothing recorded
+
+
+async def test_a_printable_unicode_session_is_accepted(tmp_path: Path, sandbox: Path) -> None:
+    async with gateway(write_policy(tmp_path)) as gw:
+        assert not (await ticket(gw, "ticket-1", session="Zürich – 東京")).is_error
+        assert demo.count("tickets") == 1
+
+
+async def test_postgres_a_nul_in_a_session_is_invalid_and_the_answer_names_no_database(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    from pg_support import fresh_url
+
+    url = await fresh_url()
+    async with gateway(write_policy(tmp_path, url)) as gw:
+        result = await ticket(gw, "ticket-1", session="nul\x00byte")
+        assert code_of(result) == "invalid_arguments"  # not ledger_unavailable: retrying cannot help
+        text = str(result.structured_content) + str(result.content)
+        for secret in ("postgres", "127.0.0.1", "commitgate_test_", "asyncpg", "Error"):
+            assert secret not in text
+        assert demo.count("tickets") == 0
+
+
+# --- the ledger file disappears under a running server --------------------------------------------
+
+
+def _remove_ledger(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def _rename_ledger(path: Path) -> None:
+    path.rename(path.with_name("moved.db"))
+
+
+def _replace_ledger(path: Path) -> None:
+    fresh = path.with_name("fresh.db")
+    fresh.write_bytes(b"")
+    fresh.replace(path)
+
+
+@pytest.mark.parametrize(
+    "remove", [_remove_ledger, _rename_ledger, _replace_ledger], ids=["unlinked", "renamed", "replaced"]
+)
+async def test_a_ledger_file_gone_from_its_path_fails_closed(
+    tmp_path: Path, sandbox: Path, caplog: pytest.LogCaptureFixture, remove: Any
+) -> None:
+    ledger_path = tmp_path / "ledger.db"
+    async with gateway(write_policy(tmp_path)) as gw:
+        assert not (await ticket(gw, "before")).is_error
+        remove(ledger_path)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            first, second = await ticket(gw, "after-1"), await ticket(gw, "after-2")
+        assert code_of(first) == code_of(second) == "ledger_unavailable"
+        assert str(tmp_path) not in message_of(first)  # where the ledger lives is the operator's business
+        assert demo.count("tickets") == 1  # nothing ran into a file nobody will read again
+        with pytest.raises(LedgerUnavailable):
+            await gw.ledger.check_writable()  # what /healthz asks
+        said = [r for r in caplog.records if str(ledger_path) in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]  # logged once, not per call
+
+
+async def test_a_ledger_moved_back_serves_again(tmp_path: Path, sandbox: Path) -> None:
+    ledger_path = tmp_path / "ledger.db"
+    async with gateway(write_policy(tmp_path)) as gw:
+        assert not (await ticket(gw, "before")).is_error
+        ledger_path.rename(tmp_path / "aside.db")
+        assert code_of(await ticket(gw, "while-away")) == "ledger_unavailable"
+        (tmp_path / "aside.db").rename(ledger_path)
+        assert not (await ticket(gw, "after")).is_error
+        assert demo.count("tickets") == 2
+
+
+async def test_a_restart_after_the_ledger_vanished_never_runs_a_key_twice(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    policy = write_policy(tmp_path)
+    async with gateway(policy) as gw:
+        _remove_ledger(tmp_path / "ledger.db")
+        assert code_of(await ticket(gw, "lost")) == "ledger_unavailable"
+    async with gateway(policy) as gw:
+        assert not (await ticket(gw, "lost")).is_error
+    assert demo.count("tickets") == 1
