@@ -7,6 +7,7 @@ counted in the demo sandbox (the system of record).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -175,3 +176,50 @@ async def test_a_restart_after_the_ledger_vanished_never_runs_a_key_twice(
     async with gateway(policy) as gw:
         assert not (await ticket(gw, "lost")).is_error
     assert demo.count("tickets") == 1
+
+
+# --- modules beside the policy ------------------------------------------------------------------------
+
+
+def test_a_policy_directory_writable_by_others_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from commitgate.server.serve.registry import importable_beside_policy
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    private.mkdir(mode=0o700)
+    with caplog.at_level(logging.WARNING):
+        importable_beside_policy(private)
+        assert not caplog.records
+        importable_beside_policy(shared)
+    assert [
+        str(shared) in r.getMessage() and "writable by other users" in r.getMessage() for r in caplog.records
+    ] == [True]
+    import sys
+
+    assert sys.path[-2:] == [str(private), str(shared)]  # after the standard library, never before
+
+
+def test_policy_check_refuses_a_fifo_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    import threading
+
+    from commitgate.server.policy.models import analyse_file
+
+    fifo = tmp_path / "policy.toml"
+    os.mkfifo(fifo)
+    reports: list[Any] = []
+    reader = threading.Thread(target=lambda: reports.append(analyse_file(fifo)), daemon=True)
+    reader.start()
+    reader.join(20)
+    if reader.is_alive():  # blocked in open(): let it go, then fail
+        os.close(os.open(fifo, os.O_WRONLY))
+        reader.join(5)
+        pytest.fail("reading a FIFO policy blocked until a writer came")
+    (report,) = reports
+    assert report.policy is None
+    assert [p.message for p in report.problems] == [
+        "not a regular file (a FIFO, socket or device?); refusing to read it"
+    ]

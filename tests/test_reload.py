@@ -121,7 +121,7 @@ async def reloader_for(path: Path) -> AsyncIterator[tuple[Gateway, PolicyReloade
         announced.append(len(names(gateway)))
 
     reloader = PolicyReloader(gateway, path, on_applied)
-    reloader.prime()
+    await reloader.prime()
     try:
         yield gateway, reloader, announced
     finally:
@@ -246,7 +246,7 @@ async def test_an_emptied_file_and_an_edit_before_watching(policy_path: Path) ->
             return None
 
         reloader = PolicyReloader(gateway, policy_path, nothing)
-        reloader.prime()
+        await reloader.prime()
         assert reloader.changed_on_disk()
         assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert names(gateway) == {"create_ticket"}

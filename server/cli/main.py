@@ -63,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(run())
     except KeyboardInterrupt:
         return 130
+    except asyncio.CancelledError:  # SIGTERM: served calls were drained into the ledger; a clean stop
+        return 0
     finally:
         stop_tracing()
     return 0

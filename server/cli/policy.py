@@ -24,6 +24,7 @@ from commitgate.server.policy.models import (
     default_policy_text,
     load_policy,
     policy_json_schema,
+    read_policy_file,
 )
 from commitgate.server.serve.checking import check_policy_file, format_report
 
@@ -108,7 +109,7 @@ def effective_policy(file: str | None) -> tuple[Policy, str, dict[str, Any]]:
     if path is None:
         return default_policy(), "bundled default policy", tomllib.loads(default_policy_text())
     policy = load_policy(path)
-    return policy, path, tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    return policy, path, tomllib.loads(read_policy_file(path))
 
 
 def keep_references(shown: Any, written: Any) -> Any:

@@ -13,6 +13,7 @@ import difflib
 import json
 import os
 import re
+import stat
 import tomllib
 import types
 import typing
@@ -948,12 +949,38 @@ def analyse_text(text: str, source: str = "<policy>") -> PolicyReport:
     return analyse_data(data, source, text)
 
 
+class NotAPolicyFile(OSError):
+    """The path names something other than a regular file (a directory, a FIFO, a device...)."""
+
+
+def read_policy_file(path: Path | str) -> str:
+    """The policy's text; a path that is not a regular file is refused before anything is read.
+
+    Opened without blocking, so a FIFO put in the policy's place cannot hang the reader waiting
+    for a writer; a device or a FIFO is never read at all.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise NotAPolicyFile("this is a directory, not a policy file")
+        if not stat.S_ISREG(mode):
+            raise NotAPolicyFile("not a regular file (a FIFO, socket or device?); refusing to read it")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read()
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
+
+
 def analyse_file(path: Path | str) -> PolicyReport:
     path = Path(path)
-    if path.is_dir():
-        return PolicyReport(str(path), None, [Problem("", "this is a directory, not a policy file")])
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_policy_file(path)
+    except NotAPolicyFile as exc:
+        return PolicyReport(str(path), None, [Problem("", str(exc))])
+    except IsADirectoryError:
+        return PolicyReport(str(path), None, [Problem("", "this is a directory, not a policy file")])
     except FileNotFoundError:
         return PolicyReport(str(path), None, [Problem("", "no such file")])
     except (OSError, UnicodeDecodeError) as exc:

@@ -8,6 +8,9 @@ their annotations say what kind of action they are.
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ from commitgate.server.core.boundary import GuardedTool
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy
 from commitgate.tools.base import Collaborators, ToolBuildError, ToolSource, build_source
+
+log = logging.getLogger("commitgate.registry")
 
 KEY_PROPERTY: dict[str, Any] = {
     "type": "string",
@@ -90,6 +95,29 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
     )
 
 
+def importable_beside_policy(policy_dir: Path) -> None:
+    """Let `python = "mytools:fn"` name a module next to the policy file.
+
+    The directory goes at the end of the import path, after the standard library and installed
+    packages: a stray `resource.py` beside the policy must never replace a module the server
+    itself imports. A directory others may write to could still plant the tool modules; say so.
+    """
+    where = str(policy_dir)
+    if where in sys.path:
+        return
+    sys.path.append(where)
+    try:
+        mode = os.stat(where).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IWOTH | stat.S_IWGRP):
+        log.warning(
+            "the policy directory %s is writable by other users: anyone who can write there can change"
+            " the Python tools it imports; make it writable by its owner only (chmod go-w)",
+            where,
+        )
+
+
 def build_tools(
     policy: Policy,
     policy_dir: Path | None,
@@ -100,8 +128,8 @@ def build_tools(
     not change); problems are collected, not raised one by one. Without `using`, sources are built
     to be checked, not called."""
     using = using or Collaborators()
-    if policy_dir is not None and str(policy_dir) not in sys.path:
-        sys.path.insert(0, str(policy_dir))  # `python = "mytools:fn"` next to the policy file just works
+    if policy_dir is not None:
+        importable_beside_policy(policy_dir)
     served: dict[str, ServedTool] = {}
     problems: list[Problem] = []
     for name, tool_policy in policy.tools.items():

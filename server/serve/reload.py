@@ -31,7 +31,14 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
-from commitgate.server.policy.models import Policy, PolicyReport, Problem, analyse_text, with_lines
+from commitgate.server.policy.models import (
+    Policy,
+    PolicyReport,
+    Problem,
+    analyse_text,
+    read_policy_file,
+    with_lines,
+)
 from commitgate.server.serve.checking import check_report, format_report, served_schemas, source_problems
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
@@ -118,11 +125,15 @@ class PolicyReloader:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def prime(self) -> None:
+    async def _read(self) -> str:
+        """The file's text, read off the event loop: a slow disk or an odd file never stalls serving."""
+        return await anyio.to_thread.run_sync(read_policy_file, self.path)
+
+    async def prime(self) -> None:
         """Remember the file when it is what serves now; otherwise the first tick reloads it."""
         signature = self._signature()
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = await self._read()
         except (OSError, UnicodeDecodeError):
             return
         report = analyse_text(text, str(self.path))
@@ -137,7 +148,7 @@ class PolicyReloader:
     async def reload(self) -> ReloadResult:
         self._stat = self._signature()
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = await self._read()
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("cannot read policy %s (%s); the current policy keeps serving", self.path, exc)
             return ReloadResult(ReloadStatus.UNREADABLE)
@@ -239,7 +250,7 @@ async def watch_policy(
     target = path.resolve()
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # one "change detected" line per save is noise
     reloader = PolicyReloader(gateway, target, on_applied)
-    reloader.prime()
+    await reloader.prime()
 
     def ours(change: Change, changed: str) -> bool:
         return Path(changed) == target

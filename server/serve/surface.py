@@ -8,9 +8,12 @@ per-call middleware of calls.py included) and the same duties beside it (`servin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import mcp.types as types
@@ -101,4 +104,26 @@ async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fas
     announcer = ToolListAnnouncer()
     server = build_server(gateway, version, announcer=announcer)
     async with serving(gateway, announcer), stdio_server() as (read, write):
-        await server.run(read, write, initialization_options(server))
+        with _stop_on_sigterm():
+            await server.run(read, write, initialization_options(server))
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM stops serving the way SIGINT does: the serving task is cancelled, and leaving
+    `boundary.running()` lets the operations in flight record their outcome before the exit.
+    (By default SIGTERM ends the process at once and leaves them RUNNING, later UNKNOWN.)"""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    if task is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # Windows' event loop: no signal handlers
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
