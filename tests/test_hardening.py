@@ -223,3 +223,51 @@ def test_policy_check_refuses_a_fifo_without_waiting_for_a_writer(tmp_path: Path
     assert [p.message for p in report.problems] == [
         "not a regular file (a FIFO, socket or device?); refusing to read it"
     ]
+
+
+# --- policy show ----------------------------------------------------------------------------------------
+
+SECRETS_POLICY = """
+[ledger]
+url = "postgresql://app:hunter2@db.internal:5432/ledger"
+
+[upstreams.files]
+url = "https://mcp.example.com/mcp?access_token=tok-upstream-777&region=eu"
+headers = { Authorization = "Bearer sk-live-upstream-555", X-Trace = "visible-trace" }
+
+[upstreams.local]
+command = "files-server"
+env = { API_TOKEN = "tok-env-999", LOG_LEVEL = "debug", FROM_ENV_KEY = "${HOME}" }
+
+[tools.notify]
+class = "key-required"
+http = { url = "https://api.example.com/v1/notify?api_key=abc123secret&channel=ops", headers = { Authorization = "Bearer sk-live-123", X-Api-Key = "k-456" } }
+input_schema = { type = "object", properties = { text = { type = "string" } } }
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_policy_show_masks_secrets_written_in_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    from support_policy import run
+
+    path = tmp_path / "policy.toml"
+    path.write_text(SECRETS_POLICY, encoding="utf-8")
+    shown = run(capsys, ["policy", "show", *(["--json"] if as_json else []), str(path)])
+    assert shown.code == 0, shown.text
+    for secret in ("hunter2", "tok-upstream-777", "sk-live-upstream-555", "tok-env-999", "abc123secret"):
+        assert secret not in shown.text
+    for secret in ("sk-live-123", "k-456"):
+        assert secret not in shown.text
+    assert "***" in shown.text
+    for kept in ("db.internal", "region=eu", "channel=ops"):
+        assert kept in shown.text  # what is not a secret still shows
+    if as_json:
+        doc = __import__("json").loads(shown.out)
+        assert doc["upstreams"]["local"]["env"] == {
+            "API_TOKEN": "***",
+            "LOG_LEVEL": "debug",
+            "FROM_ENV_KEY": "${HOME}",  # a reference is not a secret: shown as written
+        }
+        assert doc["upstreams"]["files"]["headers"]["X-Trace"] == "visible-trace"

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from commitgate.server.model.durations import format_duration
+from commitgate.server.policy.masking import mask_secrets
 from commitgate.server.policy.models import (
     Policy,
     PolicyError,
@@ -134,6 +135,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     ledger = resolved.ledger.model_copy(update={"url": resolved.ledger.url or default_ledger_url()})
     resolved = resolved.model_copy(update={"ledger": ledger})
     shown = keep_references(resolved.model_dump(mode="json", by_alias=True, exclude_none=True), written)
+    shown = mask_secrets(shown)  # a password or token written in the file is never printed
     inventory = upstream_inventory(resolved) if args.upstreams and resolved.upstreams else None
     if args.json:
         if inventory is not None:

@@ -1,0 +1,68 @@
+"""Secrets out of what commands print: passwords in URLs, credential headers, key-like query values.
+
+`policy show` prints the effective policy; a literal secret written in the file (rather than a
+`${ENV}` reference) must not reach a terminal, a ticket or a screenshot. What is masked keeps its
+place, so the reader still sees that something is set there.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Any
+
+MASK = "***"
+
+# Names of headers, query parameters and environment variables that carry credentials.
+_SECRET_NAME = re.compile(
+    r"auth|token|secret|passw|pwd|api[-_]?key|apikey|access[-_]?key|private|credential|cookie|signature|sig$",
+    re.IGNORECASE,
+)
+
+
+def secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name))
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password and its credential-like query values replaced by ***."""
+    if "${" in url or "://" not in url:
+        return url
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL after all (e.g. a bad port): show it only if nothing looks secret
+        return url if "@" not in url else MASK
+    masked = url
+    if password is not None:  # edited in place: unsplit would also rewrite e.g. sqlite:/// as sqlite://
+        userinfo, _, host = parts.netloc.rpartition("@")
+        masked = masked.replace(parts.netloc, f"{userinfo.partition(':')[0]}:{MASK}@{host}", 1)
+    pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(secret_name(name) for name, _ in pairs):
+        query = "&".join(f"{name}={MASK if secret_name(name) else value}" for name, value in pairs)
+        masked = masked.replace("?" + parts.query, "?" + query, 1)
+    return masked
+
+
+def _mask_named(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: MASK if secret_name(name) and isinstance(value, str) and "${" not in value else value
+        for name, value in values.items()
+    }
+
+
+def mask_secrets(document: Any) -> Any:
+    """A copy of a policy document (as `model_dump` gives it) with its secrets masked."""
+    if isinstance(document, str):
+        return mask_url(document)
+    if isinstance(document, list):
+        return [mask_secrets(item) for item in document]
+    if isinstance(document, dict):
+        masked = {}
+        for key, value in document.items():
+            if key in ("headers", "env") and isinstance(value, dict):
+                masked[key] = _mask_named({k: mask_secrets(v) for k, v in value.items()})
+            else:
+                masked[key] = mask_secrets(value)
+        return masked
+    return document
