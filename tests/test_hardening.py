@@ -271,3 +271,61 @@ def test_policy_show_masks_secrets_written_in_the_file(
             "FROM_ENV_KEY": "${HOME}",  # a reference is not a secret: shown as written
         }
         assert doc["upstreams"]["files"]["headers"]["X-Trace"] == "visible-trace"
+
+
+# --- what the CLI prints of what clients sent ------------------------------------------------------------
+
+HOSTILE = "\x1b[31mRED\x1b[0m\x1b]0;pwned\x07[bold]markup[/bold]\x9b2J\x7f"
+
+
+async def _hostile_record(path: Path) -> str:
+    """A record whose client-chosen fields hold terminal escapes (written before sessions were checked)."""
+    import time
+
+    from commitgate.server.ledger.base import ClaimRequest, this_owner
+    from commitgate.server.ledger.sqlite import SQLiteLedger
+    from commitgate.server.model.facts import IdempotencyClass
+
+    ledger = await SQLiteLedger.open(path)
+    try:
+        request = ClaimRequest(
+            "agent",
+            HOSTILE,
+            "key-1",
+            "send_email",
+            IdempotencyClass.KEY_REQUIRED,
+            "f" * 64,
+            '{"subject": "' + HOSTILE.replace("\x1b", "\\u001b").replace("\x07", "\\u0007") + '"}',
+            this_owner(),
+            60.0,
+            3600.0,
+        )
+        claim = await ledger.claim(request, time.time())
+    finally:
+        await ledger.close()
+    return claim.operation.operation_id
+
+
+@pytest.mark.parametrize(
+    "command", [["ops", "list"], ["ops", "list", "--json"], ["ops", "show"], ["ops", "show", "--json"]]
+)
+async def test_the_cli_escapes_what_a_client_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    import anyio.to_thread
+    from support_policy import run
+
+    op_id = await _hostile_record(tmp_path / "ledger.db")
+    argv = [
+        *command,
+        *([op_id] if command[1] == "show" else []),
+        "--ledger",
+        f"sqlite:///{tmp_path / 'ledger.db'}",
+    ]
+    shown = await anyio.to_thread.run_sync(run, capsys, argv)
+    assert shown.code == 0, shown.text
+    for raw in ("\x1b", "\x07", "\x9b", "\x7f"):
+        assert raw not in shown.out
+    assert "RED" in shown.out  # shown, escaped, not dropped
+    if "--json" not in command:
+        assert "[bold]" in shown.out  # rich markup from a client is shown, not applied

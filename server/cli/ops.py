@@ -21,8 +21,10 @@ from typing import Any
 
 import anyio.to_thread
 from rich.table import Table
+from rich.text import Text
 
 from commitgate.server.cli.policy import console
+from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import (
     Ledger,
@@ -169,7 +171,7 @@ def _run(args: argparse.Namespace, body: Callable[[], Coroutine[Any, Any, int]])
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    print(json_text(value))
 
 
 def ago(ts: float | None, now: float) -> str:
@@ -199,13 +201,13 @@ def operations_table(ops: list[Operation], now: float, title: str) -> Table:
         table.add_column(column, overflow="fold")
     for op in ops:
         state = op.state.value + (" (lease expired)" if lease_over(op, now) else "")
-        table.add_row(
-            op.operation_id,
-            op.tool,
+        table.add_row(  # session, key and the rest may come from a client: shown literally
+            cell(op.operation_id),
+            cell(op.tool),
             state,
-            op.principal,
-            op.session,
-            op.step,
+            cell(op.principal),
+            cell(op.session),
+            cell(op.step),
             str(op.attempts),
             ago(op.updated_at, now),
         )
@@ -272,20 +274,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
         for key in ("idempotency_class", "arguments", "result", "error", "reconciliation", "expires_at"):
             if view.get(key) is not None:
-                out.print(f"[bold]{key}[/bold]: {json.dumps(view[key], ensure_ascii=False)}")
+                out.print(Text.assemble((key, "bold"), ": ", json_text(view[key], indent=None)))
         table = Table(title="history", title_justify="left")
         for column in ("at", "event", "from", "to", "fence", "actor", "detail"):
             table.add_column(column, overflow="fold")
         for entry in view["history"]:
-            detail = json.dumps(entry["detail"], ensure_ascii=False) if entry["detail"] else ""
+            detail = json_text(entry["detail"], indent=None) if entry["detail"] else ""
             table.add_row(
                 entry["at"],
-                entry["event"],
+                cell(entry["event"]),
                 entry["from_state"] or "",
                 entry["to_state"] or "",
                 str(entry["attempt_fence"]),
-                entry["actor"] or "",
-                detail,
+                cell(entry["actor"]),
+                Text(detail),
             )
         out.print(table)
         return 0

@@ -1,0 +1,33 @@
+"""Text that came from a client, made safe to print: no terminal escapes, no rich markup.
+
+A session id or an argument can hold `ESC [ ...` sequences that recolour, retitle or clear an
+operator's terminal; rich would also read `[bold]` in it as markup. Non-printable characters are
+shown as Python escapes (`\\x1b`), and table cells are `Text` objects, never parsed as markup.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.text import Text
+
+
+def _escape(ch: str) -> str:
+    return repr(ch)[1:-1] if ch != "\\" else "\\"
+
+
+def plain(text: str) -> str:
+    """`text` with every non-printable character written as an escape (`\\x1b`, `\\n`, `\\x9b`)."""
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def cell(text: str | None) -> Text:
+    """A table cell that shows `text` literally."""
+    return Text(plain(text or ""))
+
+
+def json_text(value: Any, *, indent: int | None = 2) -> str:
+    """JSON for a terminal: characters JSON leaves raw (DEL, C1 controls...) become \\u escapes."""
+    text = json.dumps(value, indent=indent, ensure_ascii=False, default=str)
+    return "".join(ch if ch.isprintable() or ch in "\n" else f"\\u{ord(ch):04x}" for ch in text)
