@@ -329,3 +329,164 @@ async def test_the_cli_escapes_what_a_client_sent(
     assert "RED" in shown.out  # shown, escaped, not dropped
     if "--json" not in command:
         assert "[bold]" in shown.out  # rich markup from a client is shown, not applied
+
+
+# --- reading commands never create or migrate ---------------------------------------------------------
+
+
+def _foreign_db(path: Path, tables: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        conn.executescript(tables)
+    conn.close()
+
+
+FOREIGN = {
+    "unrelated-operations": "CREATE TABLE operations (id INTEGER PRIMARY KEY, amount REAL); INSERT INTO operations VALUES (1, 2.5);",
+    "other-app": "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO customers VALUES (1, 'ann');",
+    "not-sqlite": None,
+}
+
+
+@pytest.mark.parametrize("kind", list(FOREIGN))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ops", "list"],
+        ["ops", "show", "op_x"],
+        ["stats"],
+        ["ops", "purge"],
+        ["ops", "resolve", "op_x", "--failed", "--reason", "r"],
+    ],
+)
+async def test_ledger_commands_leave_a_foreign_database_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, command: list[str]
+) -> None:
+    import anyio.to_thread
+    from support_policy import run
+
+    path = tmp_path / "other-app.db"
+    tables = FOREIGN[kind]
+    if tables is None:
+        path.write_text("name,amount\nann,2.5\n", encoding="utf-8")
+    else:
+        _foreign_db(path, tables)
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", f"sqlite:///{path}"])
+    assert done.code != 0
+    assert "Traceback" not in done.text
+    reason = [line for line in done.err.splitlines() if not line.startswith("commitgate: ledger ")]
+    assert len(reason) == 1 and "not a commitgate ledger" in reason[0], done.err
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-app.db"]
+
+
+@pytest.mark.parametrize("command", [["ops", "list"], ["ops", "show", "op_x"], ["stats"]])
+async def test_reading_commands_on_a_missing_ledger_say_so_and_create_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    import anyio.to_thread
+    from support_policy import run
+
+    path = tmp_path / "nothing-here.db"
+    done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", f"sqlite:///{path}"])
+    assert done.code != 0
+    assert "no ledger at" in done.err and "Traceback" not in done.text
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+async def test_a_server_refuses_another_applications_database(tmp_path: Path) -> None:
+    from commitgate.server.ledger.sqlite import SQLiteLedger
+
+    path = tmp_path / "other-app.db"
+    _foreign_db(path, FOREIGN["unrelated-operations"] or "")
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    with pytest.raises(LedgerUnavailable, match="not a commitgate ledger"):
+        await SQLiteLedger.open(path)
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+async def test_reading_commands_leave_a_ledger_file_unchanged(
+    tmp_path: Path, sandbox: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import anyio.to_thread
+    from support_policy import run
+
+    async with gateway(write_policy(tmp_path)) as gw:
+        assert not (await ticket(gw, "one")).is_error
+    path = tmp_path / "ledger.db"
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    for command in (["ops", "list"], ["stats"]):
+        done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", f"sqlite:///{path}"])
+        assert done.code == 0, done.text
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+# --- one default ledger per policy file -----------------------------------------------------------------
+
+BARE = """
+[server]
+principal = "agent"
+
+[tools.{tool}]
+class = "key-required"
+python = "commitgate.tools.demo:{tool}"
+"""
+
+
+async def test_each_policy_file_has_its_own_default_ledger(
+    tmp_path: Path, sandbox: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    import anyio.to_thread
+    from support_policy import run
+
+    from commitgate.server.ledger import default_ledger_url
+
+    state = tmp_path / "state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("COMMITGATE_POLICY", raising=False)
+    tickets, emails = tmp_path / "tickets" / "policy.toml", tmp_path / "emails" / "policy.toml"
+    for path, tool in ((tickets, "create_ticket"), (emails, "send_email")):
+        path.parent.mkdir()
+        path.write_text(BARE.format(tool=tool), encoding="utf-8")
+    meta = {"commitgate/session": "s1"}
+    async with gateway(tickets) as gw:
+        one = await gw.call_tool("create_ticket", {"title": "t", "idempotency_key": "step-1"}, meta, None)
+        assert not one.is_error
+    async with gateway(emails) as gw:
+        arguments = {"to": "a@example.com", "subject": "s", "body": "b", "idempotency_key": "step-1"}
+        two = await gw.call_tool("send_email", arguments, meta, None)
+        assert not two.is_error, two.structured_content  # not idempotency_key_reused: another ledger
+    assert demo.count("tickets") == 1 and demo.count("emails") == 1
+
+    urls = {default_ledger_url(tickets), default_ledger_url(emails), default_ledger_url(None)}
+    assert len(urls) == 3 and default_ledger_url(None).endswith("/commitgate/ledger.db")
+    assert all(url.startswith(f"sqlite:///{state}/commitgate/") for url in urls)
+
+    listed = await anyio.to_thread.run_sync(run, capsys, ["ops", "list", "--json", "--policy", str(tickets)])
+    assert listed.code == 0, listed.text
+    assert [op["tool"] for op in json.loads(listed.out)["operations"]] == ["create_ticket"]
+    assert listed.err.strip() == (
+        f"commitgate: ledger {default_ledger_url(tickets)} (the default ledger of {tickets.resolve()})"
+    )
+
+
+@pytest.mark.parametrize("command", [["ops", "list"], ["stats"], ["ops", "purge"]])
+async def test_every_ledger_command_names_the_ledger_it_opened(
+    tmp_path: Path, sandbox: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    import anyio.to_thread
+    from support_policy import run
+
+    policy = write_policy(tmp_path)
+    async with gateway(policy) as gw:
+        assert not (await ticket(gw, "one")).is_error
+    done = await anyio.to_thread.run_sync(run, capsys, [*command, "--policy", str(policy)])
+    assert done.code == 0, done.text
+    said = [line for line in done.err.splitlines() if line.startswith("commitgate: ledger ")]
+    assert said == [
+        f"commitgate: ledger sqlite:///{tmp_path / 'ledger.db'} ([ledger] url of {policy.resolve()})"
+    ]

@@ -23,6 +23,7 @@ import anyio.to_thread
 from rich.table import Table
 from rich.text import Text
 
+from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core.views import status_view
@@ -31,7 +32,6 @@ from commitgate.server.ledger import (
     LedgerUnavailable,
     OperationFilter,
     Transition,
-    default_ledger_url,
     open_ledger,
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
@@ -39,7 +39,7 @@ from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult, iso
-from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+from commitgate.server.policy.models import PolicyError, default_policy, load_policy
 
 EXIT_STALE = 2
 STALE_LIST_LIMIT = 1000
@@ -126,20 +126,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 # --- plumbing ------------------------------------------------------------------------------
 
 
-def _policy(args: argparse.Namespace) -> Policy:
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
-    return load_policy(path) if path else default_policy()
-
-
 def ledger_url(args: argparse.Namespace) -> str:
-    if args.ledger:
-        return str(args.ledger)
-    return _policy(args).ledger.url or default_ledger_url()
+    """The ledger this command works on, said in one line on stderr."""
+    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    policy = default_policy() if args.ledger or not path else load_policy(path)
+    url, why = ledger_choice(args.ledger, policy, path)
+    say_ledger(url, why)
+    return url
 
 
 @asynccontextmanager
-async def opened(url: str, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
-    """The ledger at `url`; None when it is a SQLite file that does not exist yet (never creates one)."""
+async def opened(url: str, *, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
+    """The ledger at `url`, to change it; None when it is a SQLite file that does not exist yet
+    and `must_exist` is false (a file is never created, and another application's never migrated)."""
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
@@ -150,6 +149,17 @@ async def opened(url: str, must_exist: bool = True) -> AsyncIterator[Ledger | No
         yield None
         return
     ledger = await open_ledger(url)
+    try:
+        yield ledger
+    finally:
+        await ledger.close()
+
+
+@asynccontextmanager
+async def reading(url: str) -> AsyncIterator[Ledger]:
+    """The ledger at `url`, only to read: nothing is created or migrated; a missing, empty or foreign
+    database is a LedgerUnavailable that says which."""
+    ledger = await open_ledger(url, read_only=True)
     try:
         yield ledger
     finally:
@@ -220,15 +230,11 @@ def operations_table(ops: list[Operation], now: float, title: str) -> Table:
 def cmd_list(args: argparse.Namespace) -> int:
     async def body() -> int:
         now = time.time()
-        async with opened(ledger_url(args), must_exist=False) as ledger:
-            ops: list[Operation] = []
-            if ledger is not None:
-                older = now - args.older_than if args.older_than is not None else None
-                state = State(args.state) if args.state else None
-                where = OperationFilter(
-                    args.principal, args.session, state, args.tool, older, max(1, args.limit)
-                )
-                ops = await ledger.find(where)
+        async with reading(ledger_url(args)) as ledger:
+            older = now - args.older_than if args.older_than is not None else None
+            state = State(args.state) if args.state else None
+            where = OperationFilter(args.principal, args.session, state, args.tool, older, max(1, args.limit))
+            ops = await ledger.find(where)
         if args.json:
             _print_json({"operations": [op_view(op, now) for op in ops]})
         elif not ops:
@@ -250,8 +256,7 @@ async def _get(ledger: Ledger, operation_id: str) -> Operation:
 def cmd_show(args: argparse.Namespace) -> int:
     async def body() -> int:
         now = time.time()
-        async with opened(ledger_url(args)) as ledger:
-            assert ledger is not None
+        async with reading(ledger_url(args)) as ledger:
             op = await _get(ledger, args.operation_id)
             history = await ledger.history(op.operation_id)
         view = op_view(op, now, details=True)
@@ -492,10 +497,10 @@ def summarise(counts: Counts) -> dict[str, Any]:
 def cmd_stats(args: argparse.Namespace) -> int:
     async def body() -> int:
         now = time.time()
-        async with opened(ledger_url(args), must_exist=False) as ledger:
-            counts = await ledger.counts() if ledger is not None else Counts({}, {})
+        async with reading(ledger_url(args)) as ledger:
+            counts = await ledger.counts()
             stale: list[Operation] = []
-            if ledger is not None and args.unresolved_after is not None:
+            if args.unresolved_after is not None:
                 stale = await stale_operations(ledger, now - args.unresolved_after, now)
         summary = summarise(counts)
         if args.metrics:

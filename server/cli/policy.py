@@ -104,11 +104,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
 # --- show -----------------------------------------------------------------------------
 
 
+BUNDLED = "bundled default policy"
+
+
 def effective_policy(file: str | None) -> tuple[Policy, str, dict[str, Any]]:
     """The policy `serve` would use, where it comes from, and its document before `${ENV}` resolution."""
     path = file or os.environ.get("COMMITGATE_POLICY")
     if path is None:
-        return default_policy(), "bundled default policy", tomllib.loads(default_policy_text())
+        return default_policy(), BUNDLED, tomllib.loads(default_policy_text())
     policy = load_policy(path)
     return policy, path, tomllib.loads(read_policy_file(path))
 
@@ -132,7 +135,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(format_report(exc.source, exc.problems), file=sys.stderr)
         return 1
-    ledger = resolved.ledger.model_copy(update={"url": resolved.ledger.url or default_ledger_url()})
+    policy_path = None if source == BUNDLED else source
+    ledger = resolved.ledger.model_copy(
+        update={"url": resolved.ledger.url or default_ledger_url(policy_path)}
+    )
     resolved = resolved.model_copy(update={"ledger": ledger})
     shown = keep_references(resolved.model_dump(mode="json", by_alias=True, exclude_none=True), written)
     shown = mask_secrets(shown)  # a password or token written in the file is never printed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 import platformdirs
@@ -28,19 +30,37 @@ __all__ = [
     "LedgerUnavailable",
     "OperationFilter",
     "Transition",
+    "default_ledger_name",
     "default_ledger_url",
     "open_ledger",
     "parse_ledger_url",
 ]
 
 
-def default_ledger_url() -> str:
-    """A file in the user's state directory (platformdirs), so no configuration is needed."""
-    path = Path(platformdirs.user_state_path("commitgate")) / "ledger.db"
-    return f"sqlite:///{path}"
+def default_ledger_url(policy_path: Path | str | None = None) -> str:
+    """A file in the user's state directory (platformdirs), so no configuration is needed.
+
+    Each policy file gets its own: two policies never share records, so a key one of them used
+    cannot collide with the other's tools. The name carries the policy's file name (for people)
+    and a hash of its absolute path (for uniqueness). The bundled demo policy keeps `ledger.db`.
+    """
+    return f"sqlite:///{Path(platformdirs.user_state_path('commitgate')) / default_ledger_name(policy_path)}"
 
 
-async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True) -> Ledger:
+def default_ledger_name(policy_path: Path | str | None) -> str:
+    if policy_path is None:
+        return "ledger.db"
+    absolute = Path(policy_path).expanduser().resolve()
+    digest = hashlib.sha256(str(absolute).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", absolute.stem).strip("-")[:40] or "policy"
+    return f"ledger-{stem}-{digest}.db"
+
+
+async def open_ledger(
+    url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True, read_only: bool = False
+) -> Ledger:
+    """The ledger at `url`. `read_only`: for commands that only look; nothing is created or migrated,
+    and a database that is not a commitgate ledger is reported as such (LedgerUnavailable)."""
     try:
         where = parse_ledger_url(url or default_ledger_url())
     except ValueError as exc:
@@ -48,6 +68,8 @@ async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrat
     if where.backend is Backend.SQLITE:
         from commitgate.server.ledger.sqlite import SQLiteLedger
 
+        if read_only:
+            return await SQLiteLedger.open_read_only(where.sqlite_path)
         return await SQLiteLedger.open(where.sqlite_path, synchronous=synchronous)
     try:
         from commitgate.server.ledger.postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
@@ -55,5 +77,5 @@ async def open_ledger(url: str | None, *, synchronous: str = "FULL", auto_migrat
         raise LedgerUnavailable(
             f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
         ) from exc
-    ledger: Ledger = await PostgresLedger.open(where.url, auto_migrate=auto_migrate)
+    ledger: Ledger = await PostgresLedger.open(where.url, auto_migrate=auto_migrate and not read_only)
     return ledger

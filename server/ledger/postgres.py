@@ -402,6 +402,11 @@ class PostgresLedger:
 
     async def _require_current(self, conn: asyncpg.Connection) -> int:
         version = await _schema_version(conn)
+        if version == 0:
+            raise LedgerUnavailable(
+                "no commitgate ledger in this database: check the URL, or create one with"
+                " `commitgate ops migrate`"
+            )
         if version != SCHEMA_VERSION:
             raise LedgerUnavailable(
                 f"ledger schema is at version {version}, this commitgate needs {SCHEMA_VERSION}:"

@@ -35,7 +35,13 @@ from commitgate.server.core.boundary import (
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.saga import Saga
 from commitgate.server.core.views import operation_meta, status_view
-from commitgate.server.ledger import Ledger, LedgerUnavailable, OperationFilter, open_ledger
+from commitgate.server.ledger import (
+    Ledger,
+    LedgerUnavailable,
+    OperationFilter,
+    default_ledger_url,
+    open_ledger,
+)
 from commitgate.server.ledger.base import lease_over
 from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
@@ -172,7 +178,7 @@ class Gateway:
             using = Collaborators(http=http, upstream=upstreams.lookup(policy))
             served = build_tools(policy, policy_path.parent if policy_path else None, using)
             ledger = ledger or await open_ledger(
-                policy.ledger.url,
+                policy.ledger.url or default_ledger_url(policy_path),
                 synchronous=policy.ledger.synchronous,
                 auto_migrate=policy.ledger.auto_migrate,
             )

@@ -52,11 +52,14 @@ from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import (
     EXPIRES_AT,
     FINGERPRINT,
+    MIGRATIONS,
     SELECT,
     STATE,
     TOOL,
     decode,
+    foreign,
     migrate,
+    read_only_uri,
 )
 from commitgate.server.ledger.sqlite._writer import Writer
 from commitgate.server.ledger.sqlite._writes import SETTLED, ClaimWrite, OutcomeWrite, to_unknown
@@ -84,9 +87,9 @@ def _identity(path: str) -> tuple[int, int]:
 class SQLiteLedger:
     """A ledger in one SQLite file; see the module docstring for how writes are batched."""
 
-    def __init__(self, path: Path, writer: Writer, reader: aiosqlite.Connection) -> None:
+    def __init__(self, path: Path, writer: Writer | None, reader: aiosqlite.Connection) -> None:
         self.path = path
-        self._writer = writer
+        self._writer_or_none = writer  # None: opened read-only (see `open_read_only`)
         self._reader = reader
         self.inline_when_alone = True  # see `_write`
         self._open: set[str] = set()  # operations this process claimed and has not finished
@@ -121,6 +124,39 @@ class SQLiteLedger:
             )
         raise LedgerUnavailable("the ledger file was deleted, renamed or replaced while serving")
 
+    @property
+    def _writer(self) -> Writer:
+        if self._writer_or_none is None:
+            raise LedgerUnavailable("this ledger was opened read-only")
+        return self._writer_or_none
+
+    @classmethod
+    async def open_read_only(cls, path: Path | str, busy_timeout_ms: int = 5000) -> SQLiteLedger:
+        """For commands that only read: nothing is created, migrated or switched to WAL."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise LedgerUnavailable(f"no ledger at {path} (nothing has been recorded there)")
+        reason = foreign(path)
+        if reason is not None:
+            raise LedgerUnavailable(f"{path} is not a commitgate ledger: {reason}")
+        reader = await aiosqlite.connect(read_only_uri(path), uri=True)
+        ledger = cls(path, None, reader)
+        try:
+            await reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            rows = await ledger._read("SELECT name FROM sqlite_master WHERE type = 'table'", ())
+            if not {row[0] for row in rows}:
+                raise LedgerUnavailable(f"no ledger at {path} yet (the file is empty)")
+            version = (await ledger._read("SELECT max(version) FROM schema_version", ()))[0][0] or 0
+            if version != len(MIGRATIONS):
+                raise LedgerUnavailable(
+                    f"{path} is a commitgate ledger of schema version {version}, this commitgate reads"
+                    f" version {len(MIGRATIONS)}: {'upgrade commitgate' if version > len(MIGRATIONS) else 'start a server on it once to migrate it'}"
+                )
+        except BaseException:
+            await reader.close()
+            raise
+        return ledger
+
     @classmethod
     async def open(
         cls, path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000
@@ -128,6 +164,9 @@ class SQLiteLedger:
         path = Path(path).expanduser()
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA", "OFF"):
             raise ValueError(f"synchronous must be FULL, NORMAL, EXTRA or OFF, not {synchronous!r}")
+        reason = foreign(path)  # before anything writes: WAL mode alone would change the file
+        if reason is not None:
+            raise LedgerUnavailable(f"{path} is not a commitgate ledger: {reason}")
         try:
             _create_private(path)
             writer = Writer(path, synchronous.upper(), busy_timeout_ms)
@@ -291,6 +330,7 @@ class SQLiteLedger:
         return self._writer.batches, self._writer.writes
 
     async def close(self) -> None:
-        self._writer.stop()
-        await asyncio.to_thread(self._writer.join)
+        if self._writer_or_none is not None:
+            self._writer_or_none.stop()
+            await asyncio.to_thread(self._writer_or_none.join)
         await self._reader.close()

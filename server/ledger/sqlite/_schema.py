@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import urllib.parse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from commitgate.server.ledger.base import LedgerUnavailable
@@ -108,6 +110,57 @@ def decode(row: Sequence[Any]) -> Operation:
 
 def dump(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+_MAGIC = b"SQLite format 3\x00"
+OUR_TABLES = frozenset({"schema_version", "operations", "audit"})
+
+
+def read_only_uri(path: Path) -> str:
+    """A URI that opens `path` for reading only: nothing in the file can change through it."""
+    return "file:" + urllib.parse.quote(str(path.absolute())) + "?mode=ro"
+
+
+def foreign(path: Path) -> str | None:
+    """Why the file at `path` is not a commitgate ledger, or None (ours, empty or not there yet).
+
+    Read without changing anything: the header, then the table names through a read-only
+    connection. A ledger is never made out of another application's database.
+    """
+    try:
+        with path.open("rb") as file:
+            header = file.read(len(_MAGIC))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    if not header:
+        return None  # an empty file: a new ledger
+    if header != _MAGIC:
+        return "it is not a SQLite database"
+    try:
+        conn = sqlite3.connect(read_only_uri(path), uri=True)
+        try:
+            names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            version = (
+                conn.execute("SELECT max(version) FROM schema_version").fetchone()[0]
+                if "schema_version" in names
+                else None
+            )
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"it cannot be read as a SQLite database ({exc})"
+    if not names:
+        return None
+    if not names >= OUR_TABLES or version is None:
+        return "it is another application's SQLite database (it has no commitgate tables)"
+    return None
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(row[0] or 0)
 
 
 def migrate(conn: sqlite3.Connection) -> int:
