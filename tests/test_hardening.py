@@ -490,3 +490,23 @@ async def test_every_ledger_command_names_the_ledger_it_opened(
     assert said == [
         f"commitgate: ledger sqlite:///{tmp_path / 'ledger.db'} ([ledger] url of {policy.resolve()})"
     ]
+
+
+@pytest.mark.parametrize("command", [["ops", "list"], ["stats"]])
+async def test_postgres_reading_commands_never_create_tables(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    import anyio.to_thread
+    import asyncpg
+    from pg_support import fresh_url
+    from support_policy import run
+
+    url = await fresh_url()
+    done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", url])
+    assert done.code == 1 and "no commitgate ledger in this database" in done.err, done.text
+    conn = await asyncpg.connect(url)
+    try:
+        tables = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
+    finally:
+        await conn.close()
+    assert tables == []
