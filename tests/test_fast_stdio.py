@@ -261,6 +261,15 @@ RAW_CONVERSATION: list[tuple[str, int | None]] = [
     ('{"jsonrpc":"2.0","id":4,"method":"no/such/method"}', 4),
     ('{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"shout","arguments":{"text":"x"}}}', 5),
     ("{broken json, then a good line\n" + '{"jsonrpc":"2.0","id":6,"method":"ping"}', 6),
+    ('{"id": 7, "not": "json-rpc"}', None),
+]
+
+# What the lean transport adds: JSON-RPC's answer to each line that is not a message (the SDK's
+# transport drops them without a word, and the client waits forever).
+ERROR_REPLIES = [
+    '{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the line is not JSON"}}',
+    '{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the line is not JSON"}}',
+    '{"jsonrpc":"2.0","id":7,"error":{"code":-32600,"message":"Invalid request: not a JSON-RPC 2.0 message"}}',
 ]
 
 
@@ -305,7 +314,9 @@ async def raw_transcript(deployment: Deployment) -> tuple[list[str], int]:
 
 async def test_raw_framing_is_line_for_line_the_sdks(deployments: dict[str, Deployment]) -> None:
     sdk, fast = [await raw_transcript(deployments[name]) for name in ("sdk", "fast")]
-    assert fast == sdk
+    replies = [line for line in fast[0] if '"code":-32700' in line or '"code":-32600' in line]
+    assert replies == ERROR_REPLIES
+    assert ([line for line in fast[0] if line not in ERROR_REPLIES], fast[1]) == sdk
     lines, exit_code = fast
     assert exit_code == 0  # end of input ends the server cleanly
     answered = {json.loads(line).get("id") for line in lines}
@@ -329,3 +340,40 @@ def test_serve_uses_the_lean_transport_unless_told_otherwise() -> None:
 
     assert build_parser(serving_only=True).parse_args(["serve"]).stdio == "fast"
     assert build_parser(serving_only=True).parse_args(["serve", "--stdio", "sdk"]).stdio == "sdk"
+
+
+async def test_a_line_longer_than_many_chunks_arrives_whole() -> None:
+    """Lines are reassembled from chunks once, however many chunks they span."""
+    from mcp.shared._context_streams import create_context_streams
+    from mcp.shared.message import SessionMessage
+
+    from commitgate.server.serve import stdio
+
+    reader = asyncio.StreamReader()
+    big = "x" * (3 << 20)
+    first = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"big": big}})
+    for start in range(0, len(first), 1000):  # arriving in small pieces, as a pipe delivers
+        reader.feed_data(first[start : start + 1000].encode())
+    reader.feed_data(b'\n{"jsonrpc":"2.0","id":2,"method":"ping"}')  # the last line has no newline
+    reader.feed_eof()
+    send, receive = create_context_streams[SessionMessage | Exception](10)
+
+    class Sink:
+        def write(self, data: bytes) -> None:
+            raise AssertionError(f"nothing to answer here: {data[:80]!r}")
+
+        async def drain(self) -> None:
+            return None
+
+    got: list[SessionMessage | Exception] = []
+    async with anyio.create_task_group() as tasks:
+
+        async def collect() -> None:
+            async with receive:
+                async for item in receive:
+                    got.append(item)
+
+        tasks.start_soon(collect)
+        await stdio._pump_in(reader, send, Sink())  # type: ignore[arg-type]
+    assert [item.message.id for item in got if isinstance(item, SessionMessage)] == [1, 2]  # type: ignore[union-attr]
+    assert got[0].message.params["big"] == big  # type: ignore[union-attr]

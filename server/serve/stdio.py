@@ -9,9 +9,10 @@ as with the SDK transport (tests/test_fast_stdio.py holds the same
 conversations against both and compares them).
 
 Framing follows the SDK: one JSON-RPC message per line, UTF-8 with invalid
-bytes replaced, a line that does not parse is handed to the server as an
-exception, and fd 0/1 are claimed while serving (fd 0 reads /dev/null, fd 1
-writes to stderr) so a stray print() in a tool cannot corrupt the protocol.
+bytes replaced, and fd 0/1 are claimed while serving (fd 0 reads /dev/null, fd 1
+writes to stderr) so a stray print() in a tool cannot corrupt the protocol. One difference: a
+line that is not a JSON-RPC message is answered with JSON-RPC's error
+(-32700 or -32600) and logged, where the SDK's transport drops it silently.
 When stdin or stdout is not a pipe or a socket (a file, a terminal), or on
 Windows (whose event loop cannot read anonymous pipes), it falls back to the
 SDK transport; `commitgate serve --stdio sdk` asks for the SDK's outright.
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import stat
 import sys
@@ -34,6 +37,8 @@ from mcp.shared._context_streams import ContextReceiveStream, ContextSendStream,
 from mcp.shared.message import SessionMessage
 
 _CHUNK = 1 << 16
+
+log = logging.getLogger("commitgate.stdio")
 
 ReadStreams = tuple[ContextReceiveStream[SessionMessage | Exception], ContextSendStream[SessionMessage]]
 
@@ -83,28 +88,76 @@ def _start(
     writer: asyncio.StreamWriter,
     write_receive: ContextReceiveStream[SessionMessage],
 ) -> None:
-    group.start_soon(_pump_in, reader, read_send)
+    group.start_soon(_pump_in, reader, read_send, writer)
     group.start_soon(_pump_out, writer, write_receive)
 
 
-async def _pump_in(reader: asyncio.StreamReader, out: ContextSendStream[SessionMessage | Exception]) -> None:
-    """Lines from the pipe to the server, one message (or parse error) each, until end of input."""
+async def _pump_in(
+    reader: asyncio.StreamReader,
+    out: ContextSendStream[SessionMessage | Exception],
+    writer: asyncio.StreamWriter,
+) -> None:
+    """Lines from the pipe to the server, one message each, until end of input.
+
+    A line that is not a JSON-RPC message is answered here (-32700 / -32600, as JSON-RPC asks)
+    and logged: the server would drop it silently and the client wait forever. Partial lines
+    are kept as a list of chunks, joined once: re-joining a growing buffer per chunk made a
+    40 MB line cost seconds.
+    """
     async with out:
-        pending = b""
+        pending: list[bytes] = []
         while chunk := await reader.read(_CHUNK):
-            *lines, pending = (pending + chunk).split(b"\n")
+            if b"\n" not in chunk:
+                pending.append(chunk)
+                continue
+            first, *lines, last = chunk.split(b"\n")
+            lines.insert(0, b"".join([*pending, first]) if pending else first)
+            pending = [last] if last else []
             for line in lines:
-                await out.send(_parse(line))
+                await _deliver(line, out, writer)
         if pending:  # a last line without its newline still counts, as with the SDK
-            await out.send(_parse(pending))
+            await _deliver(b"".join(pending), out, writer)
+
+
+async def _deliver(
+    line: bytes, out: ContextSendStream[SessionMessage | Exception], writer: asyncio.StreamWriter
+) -> None:
+    parsed = _parse(line)
+    if isinstance(parsed, SessionMessage):
+        await out.send(parsed)
+    elif line.strip():  # a blank line is no message at all: nothing to answer
+        writer.write(_error_reply(line, parsed) + b"\n")
+        await writer.drain()
 
 
 def _parse(line: bytes) -> SessionMessage | Exception:
     try:
         text = line.decode("utf-8", errors="replace")
         return SessionMessage(types.jsonrpc_message_adapter.validate_json(text, by_name=False))
-    except Exception as exc:  # the server answers a malformed line; the connection lives on
+    except Exception as exc:  # answered by _deliver; the connection lives on
         return exc
+
+
+def _error_reply(line: bytes, problem: Exception) -> bytes:
+    """The JSON-RPC error for a line that is not a message: -32700 if not JSON, else -32600."""
+    try:
+        document = json.loads(line)
+    except ValueError:
+        code, message, request_id = types.PARSE_ERROR, "Parse error: the line is not JSON", None
+    else:
+        code, message = types.INVALID_REQUEST, "Invalid request: not a JSON-RPC 2.0 message"
+        candidate = document.get("id") if isinstance(document, dict) else None
+        request_id = (
+            candidate if isinstance(candidate, str | int) and not isinstance(candidate, bool) else None
+        )
+    log.warning(
+        "answered a malformed stdio line with JSON-RPC error %d (%d bytes, %s)",
+        code,
+        len(line),
+        type(problem).__name__,
+    )
+    reply = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+    return json.dumps(reply, separators=(",", ":")).encode()
 
 
 async def _pump_out(writer: asyncio.StreamWriter, source: ContextReceiveStream[SessionMessage]) -> None:
