@@ -6,8 +6,10 @@ Real server processes over stdio (tests/e2e_support.py); effects counted in the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -104,3 +106,76 @@ def test_a_module_beside_the_policy_never_shadows_the_standard_library(tmp_path:
     assert done.returncode == 0, done.stderr
     assert not marker.exists(), f"the policy directory's colorsys.py ran: {done.stdout}"
     assert str(tmp_path) not in done.stdout
+
+
+# --- the HTTP transports ------------------------------------------------------------------------------
+
+
+def _raw(port: int, request: bytes, timeout: float = 10.0) -> bytes:
+    """Send `request` as is (with `Connection: close`) and read the answer until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
+    from support_http import running, write_policy
+
+    policy, ledger = write_policy(tmp_path, auth=False), tmp_path / "ledger.db"
+    with running(
+        tmp_path, policy, "streamable-http", ledger=ledger, sandbox=tmp_path / "sandbox.db"
+    ) as served:
+        port = served.port
+
+        def healthz(host: str) -> int:
+            return _status(
+                _raw(port, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            )
+
+        assert healthz("127.0.0.1") == 200  # port 80 clients send no port
+        assert healthz(f"LOCALHOST:{port}") == 200  # host names are case-insensitive
+        assert healthz(f"evil.example:{port}") != 200  # DNS rebinding still refused
+
+        initialize = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": "2025-06-18",
+                    "capabilities": {},
+                    "clientInfo": {"name": "raw", "version": "0"},
+                },
+            }
+        ).encode()
+        answer = _raw(
+            port,
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json, text/event-stream\r\nConnection: close\r\n"
+            + f"Content-Length: {len(initialize)}\r\n\r\n".encode()
+            + initialize,
+        )
+        data = [
+            line[5:] for line in answer.split(b"\r\n\r\n", 1)[1].splitlines() if line.startswith(b"data:")
+        ]
+        result = json.loads(data[0] if data else answer.split(b"\r\n\r\n", 1)[1])["result"]
+        assert result["capabilities"]["tools"]["listChanged"] is True  # it does send the notification
+
+        with socket.create_connection(("127.0.0.1", port), timeout=40) as slow:
+            slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end of it
+            try:
+                closed = slow.recv(1024) == b""
+            except TimeoutError:
+                closed = False
+            assert closed, "a connection that never finished its headers was kept open"
+
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+        assert healthz("127.0.0.1") == 503  # a ledger gone from its path is not healthy

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import h11
 import uvicorn
 from mcp.server import Server
 from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
@@ -48,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier
 from commitgate.server.serve.gateway import Gateway
@@ -62,7 +64,9 @@ TRANSPORTS = ("sse", "streamable-http")
 MCP_PATH, SSE_PATH, MESSAGES_PATH = "/mcp", "/sse", "/messages/"
 BODY_MARGIN = 64 * 1024  # JSON-RPC envelope and _meta around the arguments
 HEALTH_TIMEOUT = 5.0
-LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*")
+# With a port, and without one (a client on port 80 sends `Host: 127.0.0.1`).
+LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", "[::1]")
+HEADER_TIMEOUT = 10  # seconds a connection may take to send a request's headers
 
 
 class ServeRefused(SystemExit):
@@ -105,7 +109,7 @@ def check_bind(host: str, authenticated: bool) -> None:
 
 def security_settings(host: str, allowed_hosts: Sequence[str] = ()) -> TransportSecuritySettings:
     """Host/Origin checks: always on loopback binds; elsewhere only for the hosts the operator names."""
-    hosts = list(allowed_hosts)
+    hosts = [h.lower() for h in allowed_hosts]  # compared with lower-cased headers (_HostCase)
     if is_loopback(host):
         hosts += LOOPBACK_HOSTS
     if not hosts:
@@ -114,6 +118,63 @@ def security_settings(host: str, allowed_hosts: Sequence[str] = ()) -> Transport
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
     )
+
+
+class _HostCase:
+    """ASGI middleware: Host and Origin in lower case before the DNS-rebinding check compares them.
+
+    Host names are case-insensitive; the SDK's check compares strings, so `Host: LOCALHOST:8765`
+    was refused on a loopback bind.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = [
+                (name, value.lower() if name in (b"host", b"origin") else value)
+                for name, value in scope.get("headers", [])
+            ]
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
+
+
+class _HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers within
+    HEADER_TIMEOUT seconds. Without it a client sending half a header held the connection (and
+    its memory) for ever: uvicorn's keep-alive timer runs only between requests."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the headers are complete
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT, self._headers_overdue)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
 
 def max_body_bytes(gateway: Gateway) -> int:
@@ -198,7 +259,7 @@ def build_app(
     server = build_server(gateway, version, metrics=metrics, announcer=announcer)
     routes = ops_routes(gateway, metrics, settings, verifier is not None)
     if transport == "streamable-http":
-        return server.streamable_http_app(
+        app = server.streamable_http_app(
             streamable_http_path=MCP_PATH,
             stateless_http=stateless,
             max_request_body_size=max_body_bytes(gateway),
@@ -208,7 +269,10 @@ def build_app(
             token_verifier=verifier,
             custom_starlette_routes=routes,
         )
-    return _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)
+    else:
+        app = _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)
+    app.add_middleware(_HostCase)  # outermost of ours: every route's Host check sees lower case
+    return app
 
 
 def _sse_app(
@@ -291,6 +355,7 @@ async def serve_http(
         log_config=None,  # our JSON handler on the root logger formats uvicorn's records too
         timeout_graceful_shutdown=shutdown_grace,
         server_header=False,
+        http=_HeaderTimeoutH11,
     )
     server = uvicorn.Server(config)
     path = MCP_PATH if transport == "streamable-http" else SSE_PATH

@@ -53,7 +53,7 @@ def build_server(
         meta: dict[str, Any] = dict(ctx.meta or {})
         return await answer(params.name, params.arguments, meta, principal_of_request())
 
-    server = Server(
+    server = _AnnouncingServer(
         gateway.policy.server.name,
         version=version,
         instructions=INSTRUCTIONS,
@@ -73,6 +73,20 @@ INSTRUCTIONS = (
     "lost or says operation_in_progress, poll get_operation_status with the key instead of calling again; "
     "follow its retry_advice. list_operations shows what you already did."
 )
+
+
+class _AnnouncingServer(Server[Any]):
+    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport.
+
+    The streamable-HTTP session manager asks the server for its default initialization options
+    and takes no options of its own, so the default has to say it.
+    """
+
+    def create_initialization_options(
+        self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        options = notification_options or NotificationOptions(tools_changed=True)
+        return super().create_initialization_options(options, *args, **kwargs)
 
 
 def initialization_options(server: Server[Any]) -> Any:
