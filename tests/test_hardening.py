@@ -510,3 +510,17 @@ async def test_postgres_reading_commands_never_create_tables(
     finally:
         await conn.close()
     assert tables == []
+
+
+def test_a_status_check_that_cannot_be_imported_is_reported_on_its_own_line(tmp_path: Path) -> None:
+    from commitgate.server.serve.checking import check_policy_file
+
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        '[tools.charge]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
+        'status_check = "no_such_module_here:find"\n',
+        encoding="utf-8",
+    )
+    problems = check_policy_file(path)
+    assert [(p.location, p.line) for p in problems] == [("tools.charge.status_check", 4)], problems
+    assert "no_such_module_here" in problems[0].message

@@ -62,7 +62,13 @@ class ToolSource(Protocol):
 
 
 class SourceLoadError(Exception):
-    """A `module:function` reference that cannot be imported or used."""
+    """A `module:function` reference that cannot be imported or used.
+
+    `field` names the policy key it came from when that is not the tool's own source (e.g.
+    `status_check`), so the problem is reported on the line that holds the reference.
+    """
+
+    field: str | None = None
 
 
 class DeclarationError(SourceLoadError):

@@ -89,10 +89,14 @@ class PythonTool:
         self.output_schema: dict[str, Any] | None = None
         doc = inspect.getdoc(self.fn) or ""
         self.description = description or doc.strip().split("\n\n")[0].replace("\n", " ") or ref
-        self.status_fn = load_callable(status_ref) if status_ref else None
-        self.has_status_check = self.status_fn is not None
-        if self.status_fn is not None:
-            self._check_status_signature(status_ref or "")
+        try:
+            self.status_fn = load_callable(status_ref) if status_ref else None
+            self.has_status_check = self.status_fn is not None
+            if self.status_fn is not None:
+                self._check_status_signature(status_ref or "")
+        except SourceLoadError as exc:
+            exc.field = "status_check"
+            raise
 
     def _check_status_signature(self, status_ref: str) -> None:
         status_signature = _Signature(typing.cast(Callable[..., Any], self.status_fn))

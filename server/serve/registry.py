@@ -136,7 +136,8 @@ def build_tools(
         try:
             source = (reuse or {}).get(name) or build_source(name, tool_policy, policy, using)
         except Exception as exc:  # a declaration mistake knows its own place in the file
-            location = getattr(exc, "location", None) or f"tools.{name}.{tool_policy.source_kind}"
+            field = getattr(exc, "field", None) or tool_policy.source_kind
+            location = getattr(exc, "location", None) or f"tools.{name}.{field}"
             problems.append(Problem(location, getattr(exc, "message", None) or str(exc)))
             continue
         if (
