@@ -82,6 +82,8 @@ async def test_a_policy_replaced_by_a_fifo_is_refused_and_the_server_keeps_answe
         )
         answer = await server.call("get_balance", {"card": "4242"})
         assert not answer.is_error, answer.content
+        said = [json.loads(line) for line in server.stderr.read_text(encoding="utf-8").splitlines()]
+        assert f"ledger sqlite:///{dep.ledger} (from --ledger)" in [r.get("msg") for r in said]
 
 
 def test_a_module_beside_the_policy_never_shadows_the_standard_library(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -25,3 +26,8 @@ def ledger_choice(given: str | None, policy: Policy, policy_path: Path | str | N
 def say_ledger(url: str, why: str) -> None:
     """One line on stderr (stdout stays for the command's output, or for MCP under stdio)."""
     print(f"commitgate: ledger {mask_url(url)} ({why})", file=sys.stderr, flush=True)
+
+
+def log_ledger(url: str, why: str) -> None:
+    """The same, for `serve`, whose stderr carries JSON log lines: one record, shown at the default level."""
+    logging.getLogger("commitgate.ledger").warning("ledger %s (%s)", mask_url(url), why)

@@ -28,7 +28,7 @@ def _configure_logging(level: str, unredacted: bool = False) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+    from commitgate.server.cli.ledgers import ledger_choice, log_ledger
     from commitgate.server.serve.gateway import Gateway
     from commitgate.server.serve.logs import log_event
     from commitgate.server.serve.surface import serve_stdio
@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.debug_unredacted)
     policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
     policy.ledger.url, why = ledger_choice(args.ledger, policy, path)
-    say_ledger(policy.ledger.url, why)
+    log_ledger(policy.ledger.url, why)
 
     async def run() -> None:
         gateway = await Gateway.open(policy, path, observers=[log_event, *span_events()])
