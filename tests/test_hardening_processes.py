@@ -181,3 +181,17 @@ def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{ledger}{suffix}").unlink(missing_ok=True)
         assert healthz("127.0.0.1") == 503  # a ledger gone from its path is not healthy
+
+
+async def test_a_truncated_shared_memory_file_is_not_a_silent_death(tmp_path: Path) -> None:
+    """SQLite maps `-shm`; truncating it under a server is a SIGBUS no Python code can catch.
+    The least the server owes its operator is a line saying what killed it."""
+    dep = Deployment.create(tmp_path)
+    email = {"to": "a@example.com", "subject": "s", "body": "b"}
+    with contextlib.suppress(Exception):
+        async with serve(dep, read_timeout=10) as server:
+            assert not (await server.call("send_email", {**email, "idempotency_key": new_id("a")})).is_error
+            os.truncate(f"{dep.ledger}-shm", 0)
+            await server.call("send_email", {**email, "idempotency_key": new_id("b")})
+    (log,) = tmp_path.glob("server-*.stderr")
+    assert "Fatal Python error: Bus error" in log.read_text(encoding="utf-8")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib
 import os
 import sys
@@ -35,6 +36,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from commitgate.server.serve.tracing import configure_from_env, span_events
 
     _configure_logging(args.log_level, args.debug_unredacted)
+    # A fatal signal (SIGBUS when the ledger's -shm file is truncated under SQLite's shared
+    # memory, SIGSEGV in a native extension) would otherwise end the server without a word.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     policy, path = _load(args.policy or os.environ.get("COMMITGATE_POLICY"))
     policy.ledger.url, why = ledger_choice(args.ledger, policy, path)
     log_ledger(policy.ledger.url, why)
