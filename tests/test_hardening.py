@@ -103,7 +103,7 @@ async def test_a_printable_unicode_session_is_accepted(tmp_path: Path, sandbox: 
 async def test_postgres_a_nul_in_a_session_is_invalid_and_the_answer_names_no_database(
     tmp_path: Path, sandbox: Path
 ) -> None:
-    from pg_support import fresh_url
+    from support.postgres import fresh_url
 
     url = await fresh_url()
     async with gateway(write_policy(tmp_path, url)) as gw:
@@ -250,7 +250,7 @@ input_schema = { type = "object", properties = { text = { type = "string" } } }
 def test_policy_show_masks_secrets_written_in_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool
 ) -> None:
-    from support_policy import run
+    from support.policy import run
 
     path = tmp_path / "policy.toml"
     path.write_text(SECRETS_POLICY, encoding="utf-8")
@@ -313,7 +313,7 @@ async def test_the_cli_escapes_what_a_client_sent(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     op_id = await _hostile_record(tmp_path / "ledger.db")
     argv = [
@@ -364,7 +364,7 @@ async def test_ledger_commands_leave_a_foreign_database_untouched(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, command: list[str]
 ) -> None:
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     path = tmp_path / "other-app.db"
     tables = FOREIGN[kind]
@@ -387,7 +387,7 @@ async def test_reading_commands_on_a_missing_ledger_say_so_and_create_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     path = tmp_path / "nothing-here.db"
     done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", f"sqlite:///{path}"])
@@ -411,7 +411,7 @@ async def test_reading_commands_leave_a_ledger_file_unchanged(
     tmp_path: Path, sandbox: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     async with gateway(write_policy(tmp_path)) as gw:
         assert not (await ticket(gw, "one")).is_error
@@ -441,7 +441,7 @@ async def test_each_policy_file_has_its_own_default_ledger(
     import json
 
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     from commitgate.server.ledger import default_ledger_url
 
@@ -479,7 +479,7 @@ async def test_every_ledger_command_names_the_ledger_it_opened(
     tmp_path: Path, sandbox: Path, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     import anyio.to_thread
-    from support_policy import run
+    from support.policy import run
 
     policy = write_policy(tmp_path)
     async with gateway(policy) as gw:
@@ -498,8 +498,8 @@ async def test_postgres_reading_commands_never_create_tables(
 ) -> None:
     import anyio.to_thread
     import asyncpg
-    from pg_support import fresh_url
-    from support_policy import run
+    from support.postgres import fresh_url
+    from support.policy import run
 
     url = await fresh_url()
     done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", url])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from e2e_support import Deployment, new_id, serve
+from support.e2e import Deployment, new_id, serve
 
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State
@@ -128,7 +128,7 @@ def _status(answer: bytes) -> int:
 
 
 def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
-    from support_http import running, write_policy
+    from support.http_servers import running, write_policy
 
     policy, ledger = write_policy(tmp_path, auth=False), tmp_path / "ledger.db"
     with running(

@@ -104,7 +104,7 @@ class SQLiteLedger:
         into an unlinked inode that nobody reads again: after a restart the same key runs twice.
         One stat of the path per claim suffices: our open connections keep the file's inode
         allocated, so a file at the path with its (device, inode) is that very file, and an
-        unlinked one has no path to match. (About a microsecond.)
+        unlinked one has no path to match. (A few microseconds per claim.)
         """
         try:
             same = _identity(self._where) == self._identity
