@@ -237,6 +237,7 @@ headers = { Authorization = "Bearer sk-live-upstream-555", X-Trace = "visible-tr
 
 [upstreams.local]
 command = "files-server"
+args = ["--api-key", "ak-args-111", "--token=tk-args-222", "--verbose", "serve"]
 env = { API_TOKEN = "tok-env-999", LOG_LEVEL = "debug", FROM_ENV_KEY = "${HOME}" }
 
 [tools.notify]
@@ -258,7 +259,7 @@ def test_policy_show_masks_secrets_written_in_the_file(
     assert shown.code == 0, shown.text
     for secret in ("hunter2", "tok-upstream-777", "sk-live-upstream-555", "tok-env-999", "abc123secret"):
         assert secret not in shown.text
-    for secret in ("sk-live-123", "k-456"):
+    for secret in ("sk-live-123", "k-456", "ak-args-111", "tk-args-222"):
         assert secret not in shown.text
     assert "***" in shown.text
     for kept in ("db.internal", "region=eu", "channel=ops"):
@@ -271,6 +272,7 @@ def test_policy_show_masks_secrets_written_in_the_file(
             "FROM_ENV_KEY": "${HOME}",  # a reference is not a secret: shown as written
         }
         assert doc["upstreams"]["files"]["headers"]["X-Trace"] == "visible-trace"
+        assert doc["upstreams"]["local"]["args"] == ["--api-key", "***", "--token=***", "--verbose", "serve"]
 
 
 # --- what the CLI prints of what clients sent ------------------------------------------------------------
@@ -498,8 +500,8 @@ async def test_postgres_reading_commands_never_create_tables(
 ) -> None:
     import anyio.to_thread
     import asyncpg
-    from support.postgres import fresh_url
     from support.policy import run
+    from support.postgres import fresh_url
 
     url = await fresh_url()
     done = await anyio.to_thread.run_sync(run, capsys, [*command, "--ledger", url])

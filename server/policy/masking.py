@@ -51,6 +51,26 @@ def _mask_named(values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mask_args(args: list[Any]) -> list[Any]:
+    """Command-line arguments: `--token=VALUE` and the value after a bare `--api-key`."""
+    masked: list[Any] = []
+    after_secret_flag = False
+    for item in args:
+        if not isinstance(item, str) or "${" in item:
+            masked.append(item)
+            after_secret_flag = False
+            continue
+        flag, equals, _ = item.partition("=")
+        if after_secret_flag and not item.startswith("-"):
+            masked.append(MASK)
+        elif item.startswith("-") and equals and secret_name(flag):
+            masked.append(f"{flag}={MASK}")
+        else:
+            masked.append(mask_url(item))
+        after_secret_flag = item.startswith("-") and not equals and secret_name(item)
+    return masked
+
+
 def mask_secrets(document: Any) -> Any:
     """A copy of a policy document (as `model_dump` gives it) with its secrets masked."""
     if isinstance(document, str):
@@ -58,10 +78,12 @@ def mask_secrets(document: Any) -> Any:
     if isinstance(document, list):
         return [mask_secrets(item) for item in document]
     if isinstance(document, dict):
-        masked = {}
+        masked: dict[str, Any] = {}
         for key, value in document.items():
             if key in ("headers", "env") and isinstance(value, dict):
                 masked[key] = _mask_named({k: mask_secrets(v) for k, v in value.items()})
+            elif key == "args" and isinstance(value, list):
+                masked[key] = _mask_args(value)
             else:
                 masked[key] = mask_secrets(value)
         return masked
