@@ -375,5 +375,8 @@ async def test_a_line_longer_than_many_chunks_arrives_whole() -> None:
 
         tasks.start_soon(collect)
         await stdio._pump_in(reader, send, Sink())  # type: ignore[arg-type]
-    assert [item.message.id for item in got if isinstance(item, SessionMessage)] == [1, 2]  # type: ignore[union-attr]
-    assert got[0].message.params["big"] == big  # type: ignore[union-attr]
+    requests = [item.message for item in got if isinstance(item, SessionMessage)]
+    assert len(requests) == len(got) == 2
+    one, two = (request.model_dump(by_alias=True) for request in requests)
+    assert (one["id"], two["id"]) == (1, 2)
+    assert one["params"]["big"] == big
