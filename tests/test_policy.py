@@ -248,7 +248,7 @@ def test_unset_env_reference_names_its_location(monkeypatch: pytest.MonkeyPatch)
 def test_durations_and_the_server_shorthand() -> None:
     policy = loads_policy(
         '[server]\nlease = "250ms"\nretention = "7d"\nmax_argument_bytes = 1000\n'
-        '[tools.t]\nclass = "safe-retry"\npython = "commitgate.tools.demo:get_balance"\ntimeout = 2\n'
+        '[tools.t]\nclass = "safe-retry"\npython = "commitgate.tools.demo:get_balance"\ntimeout = "2s"\n'
     )
     assert policy.server.lease == 0.25
     assert policy.server.retention == 7 * 86400

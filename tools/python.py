@@ -28,10 +28,7 @@ def load_callable(ref: str) -> Callable[..., Any]:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise SourceLoadError(f"{ref!r} is not of the form 'package.module:function'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SourceLoadError(f"cannot import module {module_name!r}: {exc}") from exc
+    target: Any = _import(module_name)
     for part in attr.split("."):
         try:
             target = getattr(target, part)
@@ -40,6 +37,24 @@ def load_callable(ref: str) -> Callable[..., Any]:
     if not callable(target):
         raise SourceLoadError(f"{ref!r} is not callable")
     return typing.cast(Callable[..., Any], target)
+
+
+def _import(module_name: str) -> Any:
+    """The module, or a SourceLoadError saying why not; its import may not end the process."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SourceLoadError(f"cannot import module {module_name!r}: {exc}") from exc
+    except SyntaxError as exc:
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else "its source"
+        raise SourceLoadError(f"module {module_name!r} has a syntax error ({where}): {exc.msg}") from exc
+    except SystemExit as exc:  # a script-style module: serving or checking must go on
+        raise SourceLoadError(
+            f"module {module_name!r} called sys.exit({exc.code!r}) while being imported;"
+            " guard script code with `if __name__ == '__main__':`"
+        ) from None
+    except Exception as exc:
+        raise SourceLoadError(f"importing module {module_name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _is_context(annotation: Any) -> bool:

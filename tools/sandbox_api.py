@@ -440,27 +440,116 @@ def run_sandbox(
 
 
 def _probability(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number between 0 and 1") from None
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError("a probability between 0 and 1")
+        raise argparse.ArgumentTypeError(f"{text} is not a probability: use a number between 0 and 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value <= 86400.0:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: use 0 to 86400 seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number: use 0-65535 (0 picks a free one)")
     return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="loopback only, unless you mean it")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    parser.add_argument("--db", help="store file (default: sandbox-api.db in the current directory)")
-    parser.add_argument("--no-idempotency", action="store_true", help="ignore Idempotency-Key")
-    parser.add_argument("--lose-response", type=_probability, default=0.0, metavar="P")
-    parser.add_argument("--lose-mode", choices=["drop", "hang"], default="drop")
-    parser.add_argument("--hang", type=float, default=30.0, metavar="S", help="how long a lost answer hangs")
-    parser.add_argument("--latency", type=float, default=0.0, metavar="S")
-    parser.add_argument("--fail-5xx", type=_probability, default=0.0, metavar="P")
-    parser.add_argument("--rate-limit", type=_probability, default=0.0, metavar="P")
-    parser.add_argument("--retry-after", type=float, default=1.0, metavar="S")
-    parser.add_argument("--fault-budget", type=int, default=None, metavar="N", help="at most N faults in all")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--token-env", metavar="VAR", help="require `Authorization: Bearer $VAR` on /v1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; loopback unless you mean it (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"TCP port, 0 picks a free one (default: {DEFAULT_PORT})",
+    )
+    parser.add_argument("--db", help="store file, SQLite (default: sandbox-api.db in the current directory)")
+    parser.add_argument(
+        "--no-idempotency",
+        action="store_true",
+        help="ignore Idempotency-Key, so every POST acts again (default: honoured, like Stripe)",
+    )
+    parser.add_argument(
+        "--lose-response",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="probability, 0 to 1, that a successful POST loses its answer AFTER the charge or refund"
+        " was stored: the effect happened, the client never hears (default: 0)",
+    )
+    parser.add_argument(
+        "--lose-mode",
+        choices=["drop", "hang"],
+        default="drop",
+        help="how an answer is lost: drop the connection, or hang --hang seconds (default: drop)",
+    )
+    parser.add_argument(
+        "--hang", type=_seconds, default=30.0, metavar="S", help="seconds a lost answer hangs (default: 30)"
+    )
+    parser.add_argument(
+        "--latency",
+        type=_seconds,
+        default=0.0,
+        metavar="S",
+        help="seconds added before every /v1 request (default: 0)",
+    )
+    parser.add_argument(
+        "--fail-5xx",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="probability, 0 to 1, of answering 500 BEFORE doing anything (default: 0)",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="probability, 0 to 1, of answering 429 BEFORE doing anything (default: 0)",
+    )
+    parser.add_argument(
+        "--retry-after",
+        type=_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds a 429 asks the client to wait, in Retry-After (default: 1)",
+    )
+    parser.add_argument(
+        "--fault-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inject at most N faults in all, then behave (default: no limit)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for the fault dice, for repeatable runs (default: random)",
+    )
+    parser.add_argument(
+        "--token-env",
+        metavar="VAR",
+        help="require `Authorization: Bearer $VAR` on /v1 (default: no authentication)",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -485,10 +574,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
+    db = Path(args.db or "sandbox-api.db")
+    if db.is_dir():
+        raise SystemExit(
+            f"commitgate sandbox: --db {db} is a directory; give a file name, e.g. {db / 'sandbox-api.db'}"
+        )
     try:
-        run_sandbox(args.db or "sandbox-api.db", settings_from(args), host=args.host, port=args.port)
+        run_sandbox(db, settings_from(args), host=args.host, port=args.port)
     except KeyboardInterrupt:
         return 130
+    except sqlite3.Error as exc:
+        raise SystemExit(f"commitgate sandbox: cannot open the store {db}: {exc}") from None
+    except (OSError, OverflowError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise SystemExit(f"commitgate sandbox: cannot listen on {args.host}:{args.port}: {reason}") from None
     return 0
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from commitgate.server import __version__
 from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+from commitgate.tools.base import ToolBuildError
 
 
 def _load(path: str | None) -> tuple[Policy, Path | None]:
@@ -59,6 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     __version__,
                     stateless=args.stateless,
                     allowed_hosts=args.allowed_host,
+                    announce=lambda url: print(
+                        f"commitgate: serving MCP ({args.transport}) at {url}", file=sys.stderr, flush=True
+                    ),
                 )
         finally:
             await gateway.close()
@@ -75,6 +80,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 0-65535 (0 picks a free one)")
+    return port
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from commitgate.server.demo.run import run_demo
 
@@ -89,43 +105,76 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"commitgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the policy's tools over MCP")
-    serve.add_argument("--transport", choices=["stdio", "sse", "streamable-http"], default="stdio")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
-    serve.add_argument(
-        "--policy", help="policy file (default: $COMMITGATE_POLICY, else the bundled demo policy)"
+    serve = sub.add_parser(
+        "serve",
+        help="serve the policy's tools over MCP",
+        description="Serve the policy's tools over MCP. Over HTTP it prints the URL it serves on.",
     )
-    serve.add_argument("--ledger", help="ledger URL, overriding [ledger] url")
-    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--transport",
+        choices=["stdio", "sse", "streamable-http"],
+        default="stdio",
+        help="stdio for clients that start the server themselves (Claude Desktop); streamable-http"
+        " (at /mcp) or sse (at /sse) to listen on a port (default: stdio)",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on over HTTP; a non-loopback one needs [[auth.tokens]] (default: 127.0.0.1)",
+    )
+    serve.add_argument(
+        "--port",
+        type=port_number,
+        default=8765,
+        help="TCP port to listen on over HTTP, 0-65535; 0 picks a free one (default: 8765)",
+    )
+    serve.add_argument(
+        "--policy",
+        help="policy file (default: $COMMITGATE_POLICY, else the bundled demo policy)",
+    )
+    serve.add_argument(
+        "--ledger",
+        help="ledger URL such as sqlite:////abs/path.db or postgresql://user@host/db, overriding"
+        " [ledger] url (default: the policy's, else a file in your state directory)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log lines written to stderr, as JSON (default: warning)",
+    )
     serve.add_argument(
         "--stdio",
         choices=["fast", "sdk"],
         default="fast",
-        help="stdio transport: a lean asyncio one (default; the SDK's on Windows) or the MCP SDK's own;"
-        " both behave the same on the wire",
+        help="stdio transport: a lean asyncio one or the MCP SDK's own; both behave the same on the"
+        " wire (default: fast; the SDK's on Windows)",
     )
     serve.add_argument(
         "--stateless",
         action="store_true",
-        help="streamable-http without sessions: any replica behind a load balancer can answer any request",
+        help="streamable-http without sessions: any replica behind a load balancer can answer any"
+        " request (default: off)",
     )
     serve.add_argument(
         "--allowed-host",
         action="append",
         default=[],
         metavar="HOST",
-        help="a Host header to accept besides the loopback names, e.g. mcp.example.com (repeatable)",
+        help="a Host header to accept besides the loopback names, e.g. mcp.example.com (repeatable;"
+        " default: none)",
     )
     serve.add_argument(
         "--debug-unredacted",
         action="store_true",
-        help="let logs show argument values and error messages (never in production)",
+        help="let logs show argument values and error messages; never in production (default: off)",
     )
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="watch the guard work against a real server process")
-    demo.add_argument("--quick", action="store_true", help="a shorter run")
+    demo.add_argument(
+        "--quick", action="store_true", help="a shorter run: fewer calls per step (default: off)"
+    )
     demo.set_defaults(func=cmd_demo)
     if not serving_only:
         for module in _COMMAND_MODULES:
@@ -151,7 +200,19 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
-        return 1
+    except ToolBuildError as exc:
+        where = getattr(args, "policy", None) or "the policy"
+        print(f"commitgate: {where}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        print("\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
     except LedgerUnavailable as exc:
         print(f"commitgate: ledger: {exc}", file=sys.stderr)
-        return 1
+    except UserFacingError as exc:
+        print(f"commitgate: {exc}", file=sys.stderr)
+    except OSError as exc:  # the environment said no (a port in use, a directory given as a file, ...)
+        print(f"commitgate: {describe_os_error(exc)}", file=sys.stderr)
+    return 1
+
+
+def describe_os_error(exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    return f"{reason}: {exc.filename}" if exc.filename else reason

@@ -56,6 +56,19 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+MAX_LIST_LIMIT = 100_000
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_LIST_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use 1-{MAX_LIST_LIMIT}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
@@ -71,7 +84,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     listing.add_argument("--session")
     listing.add_argument("--principal")
     listing.add_argument("--older-than", type=_duration, metavar="AGE", help="last changed at least AGE ago")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument(
+        "--limit", type=_limit, default=50, help=f"at most this many, 1-{MAX_LIST_LIMIT} (default: 50)"
+    )
     listing.set_defaults(func=cmd_list)
 
     show = actions.add_parser("show", parents=[where], help="one operation with its audit history")
@@ -539,16 +554,39 @@ def scrape_metrics(url: str, token: str | None) -> dict[str, float]:
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx2.get(url, headers=headers, timeout=10.0)
-        response.raise_for_status()
+        families = list(text_string_to_metric_families(_read_metrics_text(url, headers)))
     except httpx2.HTTPError as exc:
         raise CommandError(f"cannot read metrics from {url}: {exc}") from None
+    except ValueError:  # the parser's: the answer is not Prometheus text
+        raise CommandError(f"{url} did not answer Prometheus metrics: point --metrics at /metrics") from None
     totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(response.text):
+    for family in families:
         name = family.name.removeprefix("commitgate_")
         if name in totals:
             totals[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return totals
+
+
+METRICS_DEADLINE = 10.0
+METRICS_MAX_BYTES = 8 << 20
+
+
+def _read_metrics_text(url: str, headers: dict[str, str]) -> str:
+    """The body of a /metrics answer, within a deadline and a size cap: a stream (SSE) never ends."""
+    import httpx2
+
+    deadline = time.monotonic() + METRICS_DEADLINE
+    with httpx2.stream("GET", url, headers=headers, timeout=METRICS_DEADLINE) as response:
+        response.raise_for_status()
+        kind = response.headers.get("content-type", "")
+        if kind.startswith("text/event-stream"):
+            raise CommandError(f"{url} is an event stream (the SSE endpoint?): point --metrics at /metrics")
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > METRICS_MAX_BYTES or time.monotonic() > deadline:
+                raise CommandError(f"{url} did not answer like /metrics (too long or too slow)")
+        return body.decode("utf-8", errors="replace")
 
 
 def _print_stats(summary: dict[str, Any], stale: list[Operation], now: float, after: float | None) -> None:

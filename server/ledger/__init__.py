@@ -18,7 +18,7 @@ from commitgate.server.ledger.base import (
     OperationFilter,
     Transition,
 )
-from commitgate.server.ledger.urls import Backend, LedgerURL, parse_ledger_url
+from commitgate.server.ledger.urls import Backend, LedgerURL, check_postgres_url, parse_ledger_url
 
 __all__ = [
     "Claim",
@@ -63,6 +63,8 @@ async def open_ledger(
     and a database that is not a commitgate ledger is reported as such (LedgerUnavailable)."""
     try:
         where = parse_ledger_url(url or default_ledger_url())
+        if where.backend is Backend.POSTGRESQL:
+            check_postgres_url(where.url)
     except ValueError as exc:
         raise LedgerUnavailable(f"unsupported ledger URL: {exc}") from None
     if where.backend is Backend.SQLITE:

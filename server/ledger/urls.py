@@ -6,9 +6,11 @@ The SQLAlchemy convention: `sqlite:///relative.db`, `sqlite:////absolute/path.db
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlsplit
 
 _SQLITE = "sqlite:///"
 _POSTGRES = ("postgresql://", "postgres://")
@@ -40,3 +42,24 @@ def parse_ledger_url(url: str) -> LedgerURL:
     if url.startswith(_POSTGRES):
         return LedgerURL(url, Backend.POSTGRESQL)
     raise ValueError(f"use {FORMS}")
+
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[^\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?$")
+
+
+def check_postgres_url(url: str) -> None:
+    """Raise ValueError naming the part of a postgresql:// URL that cannot work."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError as exc:  # e.g. an unclosed "[" of an IPv6 address
+        raise ValueError(f"malformed ledger URL: {exc}; write e.g. postgresql://user@[::1]:5432/db") from None
+    hosts = netloc.rpartition("@")[2]
+    for spec in hosts.split(",") if hosts else []:
+        match = _HOST_PORT.match(spec)
+        if match is None:
+            raise ValueError(
+                f"malformed host {spec!r} in the ledger URL: put an IPv6 address in brackets, e.g. [::1]:5432"
+            )
+        port = match.group("port")
+        if port is not None and not (port.isdigit() and 0 < int(port) <= 65535):
+            raise ValueError(f"the ledger URL's port {port!r} is not a port number (1-65535)")

@@ -31,6 +31,7 @@ from pydantic import (
     PlainSerializer,
     StrictBool,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -38,9 +39,22 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from commitgate.server.ledger.urls import parse_ledger_url
-from commitgate.server.model.durations import DURATION_PATTERN, format_duration, parse_duration
+from commitgate.server.model.durations import (
+    DURATION_PATTERN,
+    format_duration,
+    parse_duration,
+    parse_written_duration,
+)
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass
 from commitgate.server.model.outcomes import Outcome, Verdict
+
+# Set in the validation context when a document is read from a file: durations must carry their unit.
+FROM_FILE = {"written": True}
+
+
+def _duration(value: Any, info: ValidationInfo) -> float:
+    written = bool(info.context and info.context.get("written"))
+    return parse_written_duration(value) if written else parse_duration(value)
 
 
 def _dump_duration(seconds: float) -> str:
@@ -52,16 +66,10 @@ def _dump_duration(seconds: float) -> str:
 
 Duration = Annotated[
     float,
-    BeforeValidator(parse_duration),
+    BeforeValidator(_duration),
     PlainSerializer(_dump_duration, return_type=str, when_used="json"),
     WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "pattern": DURATION_PATTERN},
-                {"type": "number", "minimum": 0},
-            ],
-            "examples": ["250ms", "10s", "5m", "24h"],
-        }
+        {"type": "string", "pattern": DURATION_PATTERN, "examples": ["250ms", "10s", "5m", "24h"]}
     ),
 ]
 PositiveDuration = Annotated[Duration, Field(gt=0)]
@@ -221,10 +229,16 @@ class ToolPolicy(_Strict):
 class LimitsPolicy(_Strict):
     """Input limits; each answers with a clear error, none takes the server down."""
 
-    max_argument_bytes: int = Field(1 << 20, ge=1, description="Largest arguments object, in bytes.")
-    max_result_bytes: int = Field(4 << 20, ge=1, description="Largest result stored in the ledger.")
-    list_limit: int = Field(200, ge=1, description="Most operations one list_operations returns.")
-    max_concurrent_per_principal: int = Field(64, ge=1, description="Operations one principal may run.")
+    max_argument_bytes: int = Field(
+        1 << 20, ge=1, le=1 << 30, description="Largest arguments object, in bytes."
+    )
+    max_result_bytes: int = Field(
+        4 << 20, ge=1, le=1 << 30, description="Largest result stored in the ledger."
+    )
+    list_limit: int = Field(200, ge=1, le=10_000, description="Most operations one list_operations returns.")
+    max_concurrent_per_principal: int = Field(
+        64, ge=1, le=100_000, description="Operations one principal may run."
+    )
 
 
 def _add_shorthand(schema: dict[str, Any]) -> None:
@@ -900,7 +914,7 @@ class PolicyReport:
         valid: dict[str, ToolPolicy] = {}
         for name, raw in _tables((self.data or {}).get("tools")).items():
             try:
-                valid[name] = ToolPolicy.model_validate(raw)
+                valid[name] = ToolPolicy.model_validate(raw, context=FROM_FILE)
             except ValidationError:
                 continue
         return valid
@@ -915,7 +929,7 @@ def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | Non
     data = _substitute_env(data, "", problems)
     policy: Policy | None = None
     try:
-        policy = Policy.model_validate(data)
+        policy = Policy.model_validate(data, context=FROM_FILE)
     except ValidationError as exc:
         problems += _pydantic_problems(exc)
     problems = _dedupe(problems + _cross_field_problems(data))
@@ -946,6 +960,9 @@ def analyse_text(text: str, source: str = "<policy>") -> PolicyReport:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         return PolicyReport(source, None, [_syntax_problem(exc)], None, text)
+    except RecursionError:
+        problem = Problem("", "TOML nested too deeply to read (arrays or tables within each other)")
+        return PolicyReport(source, None, [problem], None, None)
     return analyse_data(data, source, text)
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import h11
@@ -105,6 +107,36 @@ def check_bind(host: str, authenticated: bool) -> None:
         "act with this server's tools. Add [[auth.tokens]] to the policy (principal + token_env or "
         "token_sha256), or bind a loopback address such as 127.0.0.1."
     )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before anything is announced; ServeRefused says why it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as exc:
+        raise ServeRefused(f"cannot listen on {host!r} port {port}: {_reason(exc)}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        hint = "; pick another with --port" if getattr(exc, "errno", None) == errno.EADDRINUSE else ""
+        raise ServeRefused(f"cannot listen on {host}:{port}: {_reason(exc)}{hint}") from None
+    return sock
+
+
+def _reason(exc: BaseException) -> str:
+    return (getattr(exc, "strerror", None) or str(exc)).rstrip(".")
+
+
+def served_url(transport: str, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}{MCP_PATH if transport == 'streamable-http' else SSE_PATH}"
 
 
 def security_settings(host: str, allowed_hosts: Sequence[str] = ()) -> TransportSecuritySettings:
@@ -330,8 +362,12 @@ async def serve_http(
     metrics: Metrics | None = None,
     shutdown_grace: int = 5,
     environ: Mapping[str, str] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM, then let in-flight operations record their outcome."""
+    """Serve until SIGINT/SIGTERM, then let in-flight operations record their outcome.
+
+    `announce` is told the URL once the socket listens (the CLI prints it for the person who started it).
+    """
     verifier = token_verifier(gateway, environ)
     check_bind(host, verifier is not None)
     metrics = metrics or Metrics()
@@ -358,12 +394,17 @@ async def serve_http(
         http=_HeaderTimeoutH11,
     )
     server = uvicorn.Server(config)
-    path = MCP_PATH if transport == "streamable-http" else SSE_PATH
-    url = f"http://{host}:{port}{path}"
+    sock = listen(host, port)
+    url = served_url(transport, sock)
     log.info(
         "serving", extra=extra(url=url, transport=transport, auth=verifier is not None, stateless=stateless)
     )
-    async with serving(gateway, announcer):
-        with _signals_end_serving():
-            await server.serve()
-        log.info("stopped accepting requests; letting in-flight operations record their outcome")
+    if announce is not None:
+        announce(url)
+    try:
+        async with serving(gateway, announcer):
+            with _signals_end_serving():
+                await server.serve(sockets=[sock])
+            log.info("stopped accepting requests; letting in-flight operations record their outcome")
+    finally:
+        sock.close()
