@@ -36,12 +36,14 @@ def record(tmp_path: Path) -> SystemOfRecord:
 # Modules that start real server processes; `make test-fast` leaves them out.
 _PROCESS_MODULES = {
     "test_agent_eval",
+    "test_bad_inputs",
     "test_bench",
     "test_demo_command",
     "test_e2e_stdio",
     "test_fast_stdio",
     "test_hardening_processes",
     "test_http_transports",
+    "test_model_facing",
     "test_multiprocess",
     "test_reload",
     "test_replicas_postgres",

@@ -44,8 +44,8 @@ from commitgate.server.ledger import (
 )
 from commitgate.server.ledger.base import lease_over
 from commitgate.server.model.events import Observer
-from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, State
-from commitgate.server.model.records import Operation
+from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, IdempotencyClass, State
+from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
@@ -217,12 +217,19 @@ class Gateway:
 
     def list_tools(self) -> list[types.Tool]:
         exposed = [s.definition for s in self.served.values() if s.exposed]
-        return exposed + list(META_TOOLS.values())
+        return exposed + [META_TOOLS[name] for name in self._meta_tools()]
 
     def has_tool(self, name: str) -> bool:
-        if name in META_TOOLS or (name in self.served and self.served[name].exposed):
+        if name in self._meta_tools() or (name in self.served and self.served[name].exposed):
             return True
         return self.faults is not None and name == CONTROL_TOOL
+
+    def _meta_tools(self) -> list[str]:
+        """compensate_session only where something can be compensated: a model should not try it in vain."""
+        compensable = any(
+            s.guard.policy.idempotency_class is IdempotencyClass.COMPENSABLE for s in self.served.values()
+        )
+        return [name for name in META_TOOLS if compensable or name != "compensate_session"]
 
     def handler(self) -> CallTool:
         """What answers tools/call: `call_tool`, seen through the fault plan on a test server.
@@ -243,7 +250,8 @@ class Gateway:
             session = self._session(meta)
             args = dict(arguments or {})
             if name == "get_operation_status":
-                return _structured(await self._get_operation_status(args, session, principal))
+                status = await self._get_operation_status(args, session, principal)
+                return _structured(status, None if status["found"] else _not_found_advice(args, session))
             if name == "list_operations":
                 return _structured(await self._list_operations(args, principal))
             if name == "compensate_session":
@@ -347,10 +355,38 @@ def render(answer: Answer) -> types.CallToolResult:
         assert answer.operation is not None
         return render_error(error_for_state(answer.operation), answer.replayed)
     meta = {OPERATION_META: operation_meta(answer.operation, answer.replayed)} if answer.operation else None
+    content = list(answer.result.content)
+    if answer.replayed and answer.operation is not None:
+        # Clients such as Claude Desktop show the model the content, not `_meta`: say it in words too.
+        content.append({"type": "text", "text": replay_note(answer.operation)})
     return types.CallToolResult(
-        content=answer.result.content,  # validated into content blocks by pydantic
+        content=content,  # validated into content blocks by pydantic
         structured_content=answer.result.structured,
         _meta=meta,
+    )
+
+
+def replay_note(op: Operation) -> str:
+    """The block added after a replayed result's own content (its structuredContent is unchanged)."""
+    when = iso(op.completed_at or op.updated_at)
+    return (
+        f"Already done at {when} (idempotency_key {op.step!r}): this is the recorded outcome; "
+        "nothing was executed again."
+    )
+
+
+def _not_found_advice(args: Mapping[str, Any], session: str) -> str:
+    if args.get("operation_id") is not None:
+        what = f"No operation with operation_id {args['operation_id']!r} is visible to you."
+    else:
+        what = (
+            f"No operation with idempotency_key {args.get('idempotency_key')!r} in session "
+            f"{args.get('session') or session!r} is visible to you."
+        )
+    return (
+        f"{what} Either it was never started (so nothing was done: call the tool with that key to do it), "
+        "or the key or session differs from the ones you used (list_operations shows what you ran), "
+        "or its record was deleted after its retention period."
     )
 
 
@@ -367,6 +403,29 @@ def render_error(error: GateError, replayed: bool) -> types.CallToolResult:
     )
 
 
-def _structured(value: dict[str, Any]) -> types.CallToolResult:
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=value)
+def _structured(value: dict[str, Any], advice: str | None = None) -> types.CallToolResult:
+    """A meta tool's answer: the structured value, and the same as readable JSON text for the model."""
+    text = json.dumps(_readable(value), indent=2, ensure_ascii=False)
+    blocks = [types.TextContent(type="text", text=text)]
+    if advice:
+        blocks.append(types.TextContent(type="text", text=advice))
+    return types.CallToolResult(content=list(blocks), structured_content=value)
+
+
+def _readable(value: Any) -> Any:
+    """Recorded results shown by their structured value (or text) instead of JSON nested in strings."""
+    if isinstance(value, dict):
+        result = value.get("result")
+        if isinstance(result, dict) and "content" in result and "structuredContent" in result:
+            value = {**value, "result": _shown_result(result)}
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_readable(v) for v in value]
+    return value
+
+
+def _shown_result(result: dict[str, Any]) -> Any:
+    if result["structuredContent"] is not None:
+        return result["structuredContent"]
+    texts = [b.get("text") for b in result["content"] if isinstance(b, dict) and b.get("type") == "text"]
+    return "\n".join(t for t in texts if isinstance(t, str)) if texts else result["content"]

@@ -80,11 +80,17 @@ def annotations_for(policy: ToolPolicy) -> types.ToolAnnotations:
     )
 
 
+def _sentence_end(text: str) -> str:
+    """`text` ending as a sentence, so the key sentence after it reads as a sentence of its own."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else f"{text}."
+
+
 def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.Tool:
     description = policy.description or source.description or name
     sentence = KEY_SENTENCE.get(policy.idempotency_class)
     if sentence:
-        description = f"{description.rstrip()} {sentence}"
+        description = f"{_sentence_end(description)} {sentence}"
     return types.Tool(
         name=name,
         title=policy.title,

@@ -1,0 +1,113 @@
+"""What the model reads: a real MCP client against a real `commitgate serve` over stdio.
+
+Clients such as Claude Desktop show the model a result's content blocks, not its `_meta`; so
+what the model must know (this was a replay; nothing matches that key; the record as JSON it
+can read) has to be in the content, while the structured content stays what the contract says.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.e2e import Deployment, new_id, operation, serve
+from mcp.shared.exceptions import MCPError
+from mcp.types import CallToolResult, TextContent
+
+from commitgate.server.policy.models import loads_policy
+from commitgate.server.serve.registry import definition_for
+
+pytestmark = pytest.mark.anyio
+
+SAGA_TOOLS = """
+[tools.reserve]
+class = "compensable"
+python = "commitgate.tools.demo:reserve"
+compensate = { tool = "release", arguments = { booking_id = "{result.booking_id}" } }
+
+[tools.release]
+class = "key-and-status-check"
+python = "commitgate.tools.demo:release"
+status_check = "commitgate.tools.demo:find_release"
+expose = false
+"""
+
+
+def texts(result: CallToolResult) -> list[str]:
+    return [block.text for block in result.content if isinstance(block, TextContent)]
+
+
+def email(key: str) -> dict[str, Any]:
+    return {"to": "a@example.com", "subject": "hi", "body": "hello", "idempotency_key": key}
+
+
+async def test_a_replay_says_in_words_that_nothing_ran_again(tmp_path: Path) -> None:
+    d = Deployment.create(tmp_path)
+    key, session = new_id("mail"), new_id("s")
+    async with serve(d) as server:
+        first = await server.call("send_email", email(key), session=session)
+        again = await server.call("send_email", email(key), session=session)
+    assert not first.is_error and not again.is_error
+    assert operation(again)["replayed"] is True
+    assert again.structured_content == first.structured_content
+    assert again.content[: len(first.content)] == first.content  # the tool's own blocks, then the note
+    note = texts(again)[-1]
+    assert note.startswith(f"Already done at {operation(first)['completed_at']}")
+    assert "nothing was executed again" in note and key in note
+    assert not any("Already done" in t for t in texts(first))
+    assert d.count("emails", idempotency_key=key, session=session) == 1
+
+
+async def test_meta_tools_answer_readable_json_and_advice_when_nothing_is_found(tmp_path: Path) -> None:
+    d = Deployment.create(tmp_path)
+    key, session = new_id("mail"), new_id("s")
+    async with serve(d) as server:
+        await server.call("send_email", email(key), session=session)
+        status = await server.call("get_operation_status", {"idempotency_key": key}, session=session)
+        listing = await server.call("list_operations", {"session": session})
+        missing = await server.call(
+            "get_operation_status", {"idempotency_key": "never-used"}, session=session
+        )
+    for result in (status, listing):
+        text = texts(result)[0]
+        assert '\\"' not in text, text  # no JSON escaped inside a JSON string
+        json.loads(text)
+    shown_status = json.loads(texts(status)[0])
+    assert (
+        shown_status["operation"]["result"]
+        == status.structured_content["operation"]["result"]["structuredContent"]
+    )
+    assert missing.structured_content == {"found": False, "operation": None}
+    advice = texts(missing)[-1]
+    assert "never-used" in advice and "never started" in advice and "list_operations" in advice
+    assert d.count("emails", idempotency_key=key, session=session) == 1
+
+
+async def test_compensate_session_is_offered_only_when_a_tool_can_be_compensated(tmp_path: Path) -> None:
+    plain = Deployment.create(tmp_path / "plain")
+    saga = Deployment.create(tmp_path / "saga")
+    saga.policy.write_text(saga.policy.read_text() + SAGA_TOOLS)
+    async with serve(plain) as server:
+        names = {tool.name for tool in (await server.client.list_tools()).tools}
+        with pytest.raises(MCPError, match="Unknown tool: compensate_session"):
+            await server.call("compensate_session", {})
+    assert "compensate_session" not in names and {"get_operation_status", "list_operations"} <= names
+    async with serve(saga) as server:
+        names = {tool.name for tool in (await server.client.list_tools()).tools}
+    assert "compensate_session" in names
+
+
+class _Source:
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.input_schema: dict[str, Any] = {"type": "object", "properties": {}}
+        self.output_schema = None
+
+
+@pytest.mark.parametrize("written", ["Create an issue", "Create an issue  ", "Create an issue."])
+def test_an_upstream_description_ends_its_sentence_before_the_key_sentence(written: str) -> None:
+    policy = loads_policy('[tools.t]\nclass = "key-required"\nupstream = "u"\n[upstreams.u]\ncommand = "x"\n')
+    description = definition_for("t", policy.tools["t"], _Source(written)).description or ""
+    assert description.startswith("Create an issue. Pass a new idempotency_key")
