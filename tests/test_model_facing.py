@@ -8,13 +8,16 @@ can read) has to be in the content, while the structured content stays what the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.e2e import Deployment, new_id, operation, serve
+from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, TextContent
+from support.e2e import Deployment, new_id, operation, serve
 
 from commitgate.server.policy.models import loads_policy
 from commitgate.server.serve.registry import definition_for
@@ -111,3 +114,36 @@ def test_an_upstream_description_ends_its_sentence_before_the_key_sentence(writt
     policy = loads_policy('[tools.t]\nclass = "key-required"\nupstream = "u"\n[upstreams.u]\ncommand = "x"\n')
     description = definition_for("t", policy.tools["t"], _Source(written)).description or ""
     assert description.startswith("Create an issue. Pass a new idempotency_key")
+
+
+async def test_the_printed_claude_desktop_entry_starts_the_server_as_the_app_would(tmp_path: Path) -> None:
+    """Command and args exactly as printed, in a small environment without this venv on PATH."""
+    d = Deployment.create(tmp_path)
+    d.policy.write_text(
+        f'[ledger]\nurl = "sqlite:///{d.ledger}"\n'
+        '[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+    )
+    printed = subprocess.run(
+        [str(Path(sys.executable).parent / "commitgate"), "claude-config", "--policy", str(d.policy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert "claude_desktop_config.json" in printed.stderr and "Application Support" in printed.stderr
+    entry = json.loads(printed.stdout)["mcpServers"]["commitgate"]
+    assert Path(entry["command"]).is_absolute() and str(d.policy) in entry["args"]
+    bare = {  # what a desktop app hands its servers: no virtual environment, no project directory
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "COMMITGATE_SANDBOX": str(d.sandbox),
+        "PYTHONPATH": "",
+    }
+    key = new_id("desk")
+    params = StdioServerParameters(command=entry["command"], args=entry["args"], env=bare, cwd="/")
+    async with Client(params, read_timeout_seconds=30) as client:
+        result = await client.call_tool("send_email", email(key))
+    assert not result.is_error, result.content
+    assert d.count("emails", idempotency_key=key) == 1

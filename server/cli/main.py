@@ -187,6 +187,7 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
 _COMMAND_MODULES = (
     "commitgate.server.cli.policy",
     "commitgate.server.cli.ops",
+    "commitgate.server.cli.desktop",
     "commitgate.server.bench.run",
     "commitgate.tools.sandbox_api",
     "commitgate.server.verify.command",
