@@ -340,6 +340,49 @@ async def test_status_check_not_found_executes_again_at_once(ledger: Ledger, rec
 
 
 @pytest.mark.anyio
+async def test_forwards_key_retries_with_the_same_key_when_the_status_check_cannot_tell(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """A 500 after the effect, a status check that cannot tell: the downstream dedups, so go again."""
+    rig = Rig(
+        ledger,
+        record,
+        "key-and-status-check",
+        ["ambiguous_after", "ambiguous_after", "ok"],
+        ["fail", "fail"],
+        forwards_key=True,
+        retry={"attempts": 3},
+    )
+    effect = succeeded(await rig.call(), replayed=False)
+    assert [ctx.idempotency_key for ctx in rig.source.contexts] == ["k1", "k1", "k1"]
+    assert (record.count(), rig.source.calls, rig.source.status_calls) == (1, 3, 2)
+    assert record.effect_ids() == [effect]
+    assert (await rig.op()).attempts == 3
+
+
+@pytest.mark.anyio
+async def test_forwards_key_status_check_tool_left_unknown_reruns_on_the_next_call(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    script = ["ambiguous_after", "ok"]
+    rig = Rig(
+        ledger,
+        record,
+        "key-and-status-check",
+        script,
+        ["fail", "fail"],
+        forwards_key=True,
+        retry={"attempts": 1},
+    )
+    op = failed_with(await rig.call(), ErrorCode.OPERATION_OUTCOME_UNKNOWN)
+    assert op is not None and op.state is State.UNKNOWN
+    assert retry_advice(op.idempotency_class, op.state, True, False) is RetryAdvice.SAFE_TO_RETRY_SAME_KEY
+    effect = succeeded(await rig.call(), replayed=False)  # cannot tell again: re-run, deduplicated downstream
+    assert record.effect_ids() == [effect]
+    assert (record.count(), rig.source.calls, rig.source.status_calls) == (1, 2, 2)
+
+
+@pytest.mark.anyio
 async def test_status_check_that_fails_leaves_unknown_until_a_later_check_finds_it(
     ledger: Ledger, record: SystemOfRecord
 ) -> None:

@@ -278,6 +278,8 @@ class CommitBoundary:
         if verdict is Verdict.NOT_FOUND:
             return await self._rerun(request, op)
         await self._note_reconciliation(op, note)
+        if request.tool.policy.forwards_key:  # the downstream dedups on the key: the same key may go again
+            return await self._rerun(request, await self._reread(op), maybe_applied=True)
         raise errors.outcome_unknown(op)
 
     # --- reconciliation -------------------------------------------------------------------
@@ -405,6 +407,8 @@ class CommitBoundary:
                             _Attempt(Outcome.RETRYABLE, error=attempt.error, immediate=True),
                         )
                         maybe_applied = False  # the check covers every attempt under this key
+                    elif policy.forwards_key:  # cannot tell, but the downstream dedups on the same key
+                        next_move, maybe_applied = Next.RETRY, True
                     else:
                         return await self._finish(
                             op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error, note

@@ -98,6 +98,6 @@ def retry_advice(cls: IdempotencyClass, state: State, forwards_key: bool, lease_
     if state is State.RUNNING:  # lease ran out: about to become UNKNOWN
         return RetryAdvice.WAIT_AND_POLL if cls is C.KEY_AND_STATUS_CHECK else RetryAdvice.DO_NOT_RETRY
     # UNKNOWN: re-running is safe only when the downstream dedups on our key
-    if cls is C.KEY_REQUIRED and forwards_key:
+    if cls in (C.KEY_REQUIRED, C.KEY_AND_STATUS_CHECK) and forwards_key:
         return RetryAdvice.SAFE_TO_RETRY_SAME_KEY
     return RetryAdvice.DO_NOT_RETRY

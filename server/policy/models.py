@@ -448,7 +448,12 @@ def _message(item: ErrorDetails) -> str:
     if kind in _MUST_BE:
         return _MUST_BE[kind] + _got(item)
     if kind in ("literal_error", "enum"):
-        return f"must be {ctx.get('expected', 'one of the allowed values')}" + _got(item)
+        expected = str(ctx.get("expected", "one of the allowed values"))
+        return (
+            f"must be {expected}"
+            + _got(item)
+            + _closest(item.get("input"), re.findall(r"'([^']*)'", expected))
+        )
     return item["msg"].removeprefix("Value error, ")
 
 
@@ -461,6 +466,13 @@ def _bound(kind: str, ctx: Mapping[str, Any]) -> str:
     }
     op, key = names[kind]
     return f"must be {op} {ctx.get(key)}"
+
+
+def _closest(given: Any, options: list[str]) -> str:
+    if not isinstance(given, str):
+        return ""
+    close = difflib.get_close_matches(given, options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _suggestion(loc: tuple[int | str, ...]) -> str:
@@ -913,11 +925,31 @@ class PolicyReport:
             return dict(self.policy.tools)
         valid: dict[str, ToolPolicy] = {}
         for name, raw in _tables((self.data or {}).get("tools")).items():
-            try:
-                valid[name] = ToolPolicy.model_validate(raw, context=FROM_FILE)
-            except ValidationError:
-                continue
+            tool = _buildable(raw)
+            if tool is not None:
+                valid[name] = tool
         return valid
+
+
+def _buildable(raw: dict[str, Any]) -> ToolPolicy | None:
+    """The tool with its invalid settings left at their defaults, so its source can still be checked.
+
+    Its own problems are reported already; this only keeps them from hiding the source's (a module
+    that does not import, a function that is missing) until they are fixed.
+    """
+    try:
+        return ToolPolicy.model_validate(raw, context=FROM_FILE)
+    except ValidationError as exc:
+        broken = {str(item["loc"][0]) for item in exc.errors() if item["loc"]}
+    if not broken or broken & {"python", "http", "upstream", "upstream_tool", "input_schema"}:
+        return None
+    repaired = {k: v for k, v in raw.items() if k not in broken}
+    if "class" in broken:
+        repaired["class"] = IdempotencyClass.KEY_REQUIRED.value  # any keyed class builds the same source
+    try:
+        return ToolPolicy.model_validate(repaired, context=FROM_FILE)
+    except ValidationError:
+        return None
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:

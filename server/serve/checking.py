@@ -71,7 +71,7 @@ def check_report(report: PolicyReport, policy_dir: Path | None) -> list[Problem]
         schemas[name] = schemas_of(built[name])
     problems += source_problems(tools, schemas)
     if report.text is not None:
-        problems = with_lines(problems, report.text)
+        problems = sorted(with_lines(problems, report.text), key=lambda p: (p.line is None, p.line or 0))
     return list(dict.fromkeys(problems))
 
 

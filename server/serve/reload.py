@@ -226,7 +226,7 @@ class PolicyReloader:
         before = self.gateway.list_tools()
         self.gateway.apply(policy, served)
         changed = self.gateway.list_tools() != before
-        log.warning(
+        log.info(  # routine news: an operator asked for this change
             "policy %s applied: %d tool(s)%s",
             self.path,
             len(served),
