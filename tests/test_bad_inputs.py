@@ -53,6 +53,7 @@ class Case:
     name: str
     argv: list[str]
     reason: str  # a part of the last line of stderr
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def write_corpus(tmp: Path) -> None:
@@ -62,6 +63,11 @@ def write_corpus(tmp: Path) -> None:
         )
     for file, text in MODULES.items():
         (tmp / file).write_text(text)
+    (tmp / "demo.toml").write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp}/demo.db"\n'
+        '[tools.charge_card]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
+        'status_check = "commitgate.tools.demo:find_charge"\n'
+    )
     (tmp / "nested.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
     good_tool = '[tools.t]\nclass = "key-required"\npython = "goodmod:ok"\n'
     ledger = f'[ledger]\nurl = "sqlite:///{tmp}/absurd.db"\n'
@@ -133,6 +139,15 @@ def cases(tmp: Path, busy_port: int) -> list[Case]:
         Case("sandbox/db-directory", ["sandbox", "--db", str(tmp), "--port", "0"], "is a directory"),
         Case("sandbox/lose-response", ["sandbox", "--lose-response", "50"], "between 0 and 1"),
     ]
+    for spec, reason in (
+        ("charge_card.explode=1x", "unknown kind 'explode'"),
+        ("charge_card.lose_ack=1", "a count like '1x'"),
+    ):
+        faults = (("COMMITGATE_SANDBOX_FAULTS", spec),)
+        found += [
+            Case(f"serve/faults {spec}", ["serve", "--ledger", ledger], reason, faults),
+            Case(f"policy-check/faults {spec}", ["policy", "check", str(tmp / "demo.toml")], reason, faults),
+        ]
     return found
 
 
@@ -166,7 +181,7 @@ def test_a_bad_input_gets_one_line_and_no_traceback(corpus: tuple[Path, int], na
     done = subprocess.run(
         [str(CONSOLE_SCRIPT), *case.argv],
         cwd=tmp,
-        env=environment(tmp),
+        env={**environment(tmp), **dict(case.env)},
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

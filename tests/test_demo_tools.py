@@ -153,7 +153,7 @@ def test_status_check_without_a_key_cannot_tell() -> None:
 
 
 def test_status_check_can_be_made_unable_to_tell(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "find_charge.fail_before=1")
+    faults(monkeypatch, "find_charge.fail_before=1x")
     with pytest.raises(RetryableError):
         demo.find_charge("4242", 500, ctx=ctx("k1"))
     assert demo.find_charge("4242", 500, ctx=ctx("k1")) is None
@@ -163,7 +163,7 @@ def test_status_check_can_be_made_unable_to_tell(monkeypatch: pytest.MonkeyPatch
 
 
 def test_lose_ack_applies_then_raises_ambiguous(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "charge_card.lose_ack=1")
+    faults(monkeypatch, "charge_card.lose_ack=1x")
     with pytest.raises(AmbiguousError, match="acknowledgement lost"):
         demo.charge_card("4242", 500, ctx=ctx("k1"))
     assert demo.count("charges", idempotency_key="k1") == 1
@@ -173,7 +173,7 @@ def test_lose_ack_applies_then_raises_ambiguous(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_fail_before_leaves_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "send_email.fail_before=2")
+    faults(monkeypatch, "send_email.fail_before=2x")
     for _ in range(2):
         with pytest.raises(RetryableError):
             demo.send_email("a@b.c", "s", "b", ctx=ctx("e1"))
@@ -183,7 +183,7 @@ def test_fail_before_leaves_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fail_permanent_and_probabilities(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "confirm.fail_permanent=1.0,create_ticket.lose_ack=0.0")
+    faults(monkeypatch, "confirm.fail_permanent=100%,create_ticket.lose_ack=0%")
     booking = demo.reserve("r", "c", ctx=ctx("b1"))
     with pytest.raises(PermanentError, match="injected"):
         demo.confirm(booking["booking_id"], ctx=ctx("c1"))
@@ -192,7 +192,7 @@ def test_fail_permanent_and_probabilities(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_rejected_effect_does_not_spend_a_post_effect_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "charge_card.lose_ack=1")
+    faults(monkeypatch, "charge_card.lose_ack=1x")
     with pytest.raises(PermanentError):
         demo.charge_card("4000000000000002", 100, ctx=ctx("k1"))
     with pytest.raises(AmbiguousError):
@@ -212,7 +212,7 @@ def test_integer_budgets_are_shared_across_store_instances(sandbox: Path) -> Non
 
 
 def test_latency_and_timeout_after_effect_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
-    faults(monkeypatch, "create_ticket.latency=0.05,create_ticket.timeout_after_effect=0.05")
+    faults(monkeypatch, "create_ticket.latency=0.05s,create_ticket.timeout_after_effect=0.05s")
     start = time.monotonic()
     demo.create_ticket("slow", ctx=ctx("t1"))
     assert time.monotonic() - start >= 0.1
@@ -231,7 +231,7 @@ def test_crash_after_effect_exits_137_with_the_row_committed_and_only_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     charge = demo.charge_card("4242", 1000, ctx=ctx("c"))
-    env = {**os.environ, "COMMITGATE_SANDBOX_FAULTS": "refund.crash_after_effect=1"}
+    env = {**os.environ, "COMMITGATE_SANDBOX_FAULTS": "refund.crash_after_effect=1x"}
     code = _CRASH_CHILD.format(charge_id=charge["charge_id"])
 
     def child() -> subprocess.CompletedProcess[str]:
@@ -255,13 +255,16 @@ def test_crash_after_effect_exits_137_with_the_row_committed_and_only_once(
     [
         ("charge_card", "expected tool.kind=value"),
         ("charge_card.lose_ack", "expected tool.kind=value"),
-        ("charge_crad.lose_ack=1", "unknown tool"),
+        ("charge_crad.lose_ack=1x", "unknown tool"),
         ("charge_card.explode=1", "unknown kind"),
-        ("charge_card.lose_ack=1.5", "bad value"),
+        ("charge_card.lose_ack=150%", "bad value"),
         ("charge_card.lose_ack=-1", "bad value"),
         ("charge_card.latency=soon", "bad value"),
-        ("find_charge.lose_ack=1", "needs a tool with a side effect"),
-        ("refund.fail_before=1,refund.fail_before=2", "given twice"),
+        ("find_charge.lose_ack=1x", "needs a tool with a side effect"),
+        ("refund.fail_before=1x,refund.fail_before=2x", "given twice"),
+        ("charge_card.lose_ack=1", "a count like '1x'"),  # a count or a chance? say which
+        ("charge_card.lose_ack=0.5", "a chance like '50%'"),
+        ("charge_card.latency=2", "a time with its unit"),
     ],
 )
 def test_malformed_specs_name_the_bad_entry(spec: str, fragment: str) -> None:
@@ -272,8 +275,8 @@ def test_malformed_specs_name_the_bad_entry(spec: str, fragment: str) -> None:
 
 def test_spec_grammar_example_parses() -> None:
     parsed = demo.parse_faults(
-        "charge_card.lose_ack=0.5, refund.crash_after_effect=1,charge_card.latency=0.2,"
-        "send_email.fail_before=2,confirm.fail_permanent=0.3,"
+        "charge_card.lose_ack=50%, refund.crash_after_effect=1x,charge_card.latency=0.2s,"
+        "send_email.fail_before=2x,confirm.fail_permanent=30%,"
     )
     assert parsed["charge_card"]["lose_ack"].probability == 0.5
     assert parsed["charge_card"]["latency"].seconds == 0.2
@@ -296,7 +299,7 @@ print(failed)
 
 def test_processes_share_the_store_and_the_fault_budget(sandbox: Path) -> None:
     # The children also race to create the fresh database file.
-    env = {**os.environ, "COMMITGATE_SANDBOX_FAULTS": "create_ticket.fail_before=5"}
+    env = {**os.environ, "COMMITGATE_SANDBOX_FAULTS": "create_ticket.fail_before=5x"}
     children = [
         subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(4)

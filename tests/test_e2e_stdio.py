@@ -342,7 +342,7 @@ async def test_sixteen_concurrent_calls_with_one_key_act_once(shared: Server, se
 
 async def test_transient_failures_exhaust_retries_and_the_same_key_may_run_again(tmp_path: Path) -> None:
     d = Deployment.create(tmp_path)
-    async with serve(d, faults="charge_card.fail_before=4") as server:  # one more failure than attempts
+    async with serve(d, faults="charge_card.fail_before=4x") as server:  # one more failure than attempts
         first = await server.call("charge_card", charge("pay-1"), session="s")
         problem = error(first)
         assert problem["code"] == "retries_exhausted"
@@ -368,7 +368,7 @@ async def test_a_lost_acknowledgement_on_a_key_required_tool_is_unknown_and_neve
     tmp_path: Path,
 ) -> None:
     d = Deployment.create(tmp_path)
-    async with serve(d, mode="legacy", faults="send_email.lose_ack=1") as server:
+    async with serve(d, mode="legacy", faults="send_email.lose_ack=1x") as server:
         first = await server.call("send_email", email("mail-1"), session="s")
         problem = error(first)
         assert problem["code"] == "operation_outcome_unknown"
@@ -387,7 +387,7 @@ async def test_a_lost_acknowledgement_on_a_status_check_tool_is_reconciled_in_th
     tmp_path: Path,
 ) -> None:
     d = Deployment.create(tmp_path)
-    async with serve(d, faults="charge_card.lose_ack=1") as server:
+    async with serve(d, faults="charge_card.lose_ack=1x") as server:
         result = await server.call("charge_card", charge("ack-1"), session="s")
         op = succeeded(result)
         assert op["replayed"] is True  # the answer came from the status check, not this call's execution
@@ -403,7 +403,7 @@ async def test_a_lost_acknowledgement_on_a_status_check_tool_is_reconciled_in_th
 async def test_a_safe_retry_tool_is_retried_automatically(tmp_path: Path) -> None:
     d = Deployment.create(tmp_path)
     # Five injected failures: the first call spends three (all its attempts), the second call two.
-    async with serve(d, mode="legacy", faults="get_balance.fail_before=5") as server:
+    async with serve(d, mode="legacy", faults="get_balance.fail_before=5x") as server:
         exhausted = await server.call("get_balance", {"card": CARD}, session="s")
         problem = error(exhausted)
         assert (problem["code"], problem["operation"]) == ("retries_exhausted", None)
@@ -468,7 +468,7 @@ async def test_a_crash_after_an_email_leaves_it_unknown_and_never_resent(
     tmp_path: Path, first_mode: str, second_mode: str
 ) -> None:
     d = Deployment.create(tmp_path, lease="1s", in_progress_wait="3s")
-    async with serve(d, mode=first_mode, faults="send_email.crash_after_effect=1") as server:
+    async with serve(d, mode=first_mode, faults="send_email.crash_after_effect=1x") as server:
         await _crash_during(server, "send_email", email("crash-1"))
     assert d.count("emails", idempotency_key="crash-1") == 1
     async with serve(d, mode=second_mode) as server:
@@ -491,7 +491,7 @@ async def test_a_crash_after_a_charge_is_reconciled_after_restart(
     tmp_path: Path, first_mode: str, second_mode: str, poll_first: bool
 ) -> None:
     d = Deployment.create(tmp_path, lease="1s", in_progress_wait="3s")
-    async with serve(d, mode=first_mode, faults="charge_card.crash_after_effect=1") as server:
+    async with serve(d, mode=first_mode, faults="charge_card.crash_after_effect=1x") as server:
         await _crash_during(server, "charge_card", charge("crash-2"))
     (row,) = d.rows("charges", idempotency_key="crash-2")
     async with serve(d, mode=second_mode) as server:
@@ -528,7 +528,7 @@ async def test_a_charge_killed_before_its_effect_is_found_missing_and_runs_once(
     tmp_path: Path, poll_first: bool
 ) -> None:
     d = Deployment.create(tmp_path, lease="1s", respond_within="300ms", in_progress_wait="3s")
-    async with serve(d, faults="charge_card.latency=30") as server:  # stalls before charging
+    async with serve(d, faults="charge_card.latency=30s") as server:  # stalls before charging
         assert error_code(await server.call("charge_card", charge("late-1"), session="s")) == (
             "operation_in_progress"
         )

@@ -322,7 +322,7 @@ async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs
 async def test_stateless_replicas_sharing_a_ledger_execute_concurrent_duplicates_once(tmp_path: Path) -> None:
     policy = write_policy(tmp_path)
     ledger, store = tmp_path / "ledger.db", tmp_path / "sandbox.db"
-    slow_charge = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.latency=0.5"}  # duplicates overlap the first
+    slow_charge = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.latency=0.5s"}  # duplicates overlap the first
     key = new_key()
     with (
         running(tmp_path, policy, "streamable-http", ledger=ledger, sandbox=store, args=["--stateless"],

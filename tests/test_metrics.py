@@ -111,7 +111,7 @@ async def test_retries_and_reconciliations_are_counted(
 ) -> None:
     metrics = Metrics()
     metrics.attach(gateway)
-    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "charge_card.fail_before=1,create_ticket.lose_ack=1")
+    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "charge_card.fail_before=1x,create_ticket.lose_ack=1x")
     retried = await gateway.call_tool("charge_card", charge("k2"), {}, "alice")
     assert not retried.is_error
     lost = await gateway.call_tool("create_ticket", {"title": "t", "idempotency_key": "k3"}, {}, "alice")
@@ -126,7 +126,7 @@ async def test_retries_and_reconciliations_are_counted(
     assert value(scraped, "commitgate_completions_total", state="UNKNOWN", **ct) == 1
     assert value(scraped, "commitgate_operations", state="UNKNOWN") == 1
 
-    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "charge_card.lose_ack=1")
+    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "charge_card.lose_ack=1x")
     found = await gateway.call_tool("charge_card", charge("k4"), {}, "alice")
     assert not found.is_error  # the status check found the charge that lost its acknowledgement
     scraped = await scrape(metrics, gateway)

@@ -100,7 +100,7 @@ async def cli(capsys: pytest.CaptureFixture[str], command: list[str]) -> Run:
 
 async def unknown_email(gw: Gateway, monkeypatch: pytest.MonkeyPatch, key: str = "receipt-1") -> str:
     """Send an email whose acknowledgement is lost: applied once, recorded UNKNOWN. Its operation id."""
-    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "send_email.lose_ack=1")
+    monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "send_email.lose_ack=1x")
     result = await call(gw, "send_email", key, **EMAIL)
     assert error_code(result) == "operation_outcome_unknown"
     assert demo.count("emails") == 1
@@ -176,7 +176,7 @@ async def test_resolve_as_failed_replays_the_failure_and_retryable_runs_again(
         assert demo.count("emails") == 1
 
         monkeypatch.setenv(
-            "COMMITGATE_SANDBOX_FAULTS", "send_email.lose_ack=2"
+            "COMMITGATE_SANDBOX_FAULTS", "send_email.lose_ack=2x"
         )  # a fresh budget: one more loss
         again = await call(gw, "send_email", "receipt-again", **EMAIL)
         assert error_code(again) == "operation_outcome_unknown"

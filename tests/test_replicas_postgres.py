@@ -59,7 +59,7 @@ def ledger_url() -> str:
 def trio(workdir: Path, ledger_url: str) -> Iterator[list[Served]]:
     """Three replicas launched at the same moment against the empty schema."""
     policy = write_replica_policy(workdir, "replicas.toml")
-    slow_charge = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.latency=0.5"}  # duplicates overlap the first
+    slow_charge = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.latency=0.5s"}  # duplicates overlap the first
     with replicas(workdir, policy, ledger_url, workdir / "sandbox.db", 3, slow_charge) as started:
         yield started
 
@@ -234,7 +234,7 @@ async def test_a_replica_killed_mid_charge_is_reconciled_by_another_and_replayed
     trio: list[Served], workdir: Path, ledger_url: str, sandbox: Path
 ) -> None:
     policy = write_replica_policy(workdir, "doomed.toml", lease="1s")
-    hang = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.timeout_after_effect=30"}  # charged, then no answer
+    hang = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.timeout_after_effect=30s"}  # charged, then no answer
     key = new_key()
     with replica(workdir, policy, ledger_url, sandbox, hang) as doomed:
         async with anyio.create_task_group() as tg:

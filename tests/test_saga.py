@@ -70,7 +70,7 @@ async def test_experiment_4_no_customer_charged_without_confirmation(
 ) -> None:
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(tmp_path / "sandbox.db"))
     orders = 100
-    async with client(tmp_path, faults="confirm.fail_permanent=0.3") as session:
+    async with client(tmp_path, faults="confirm.fail_permanent=30%") as session:
         booked = [await book(session, n) for n in range(orders)]
         failed = [(order, booking) for order, booking, ok in booked if not ok]
         assert 10 <= len(failed) <= 50  # 30 % of 100, loosely: the fault is random
@@ -128,7 +128,7 @@ async def test_crash_in_the_middle_of_compensation_is_finished_without_doubling(
 
     # The release applies, then the server dies before recording it (kill -9 equivalent: os._exit).
     with contextlib.suppress(Exception):
-        async with client(tmp_path, faults="release.crash_after_effect=1") as session:
+        async with client(tmp_path, faults="release.crash_after_effect=1x") as session:
             await session.call_tool("compensate_session", {}, meta=as_meta({"commitgate/session": "trip"}))
     assert demo.count("refunds") == 1
     assert demo.rows("bookings", id=booking_id)[0]["status"] == "released"
@@ -151,7 +151,7 @@ async def test_compensation_that_cannot_run_reports_partial_and_a_later_call_fin
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(tmp_path / "sandbox.db"))
-    async with client(tmp_path, faults="refund.fail_before=9") as session:
+    async with client(tmp_path, faults="refund.fail_before=9x") as session:
         await call(session, "reserve", "s", resource="room-1", customer="bo", idempotency_key="r")
         await call(session, "pay_booking", "s", card="card-1", amount_cents=100, idempotency_key="p")
         first = (

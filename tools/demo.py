@@ -5,7 +5,11 @@ does NOT deduplicate by idempotency key (that is commitgate's job): it only
 records the key, so status checks and tests can look effects up by it.
 
 Fault injection (env `COMMITGATE_SANDBOX_FAULTS`) makes the guard's work
-visible: a comma-separated list of `tool.kind=value`, see `parse_faults`.
+visible: a comma-separated list of `tool.kind=value` (README, "Injecting
+faults"). Values carry their unit so none can be misread: `2x` fires twice in
+all (a budget shared by every process on the store, kept across restarts),
+`50%` fires on about half of the calls, `500ms`/`2s` are times. A spec that
+does not parse stops the server at start rather than failing calls.
 
 Annotations are deliberately evaluated (no `from __future__ import annotations`)
 so `inspect.signature` sees the real `OperationContext` type.
@@ -14,6 +18,7 @@ so `inspect.signature` sees the real `OperationContext` type.
 import contextlib
 import os
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -272,9 +277,9 @@ class Fault:
 
     tool: str
     kind: str
-    seconds: float = 0.0  # latency / timeout_after_effect
-    probability: float | None = None  # "0.5": fires per call with this probability
-    budget: int | None = None  # "2": fires this many times in total, across processes and restarts
+    seconds: float = 0.0  # latency / timeout_after_effect: "500ms", "2s"
+    probability: float | None = None  # "50%": fires per call with this probability
+    budget: int | None = None  # "2x": fires this many times in total, across processes and restarts
 
 
 def parse_faults(spec: str) -> dict[str, dict[str, Fault]]:
@@ -300,31 +305,48 @@ def _parse_entry(entry: str) -> Fault:
         raise ValueError(f"bad fault entry {entry!r}: unknown tool {tool!r}")
     if kind not in PRE_KINDS | POST_KINDS:
         raise ValueError(
-            f"bad fault entry {entry!r}: unknown kind {kind!r}; known: {sorted(PRE_KINDS | POST_KINDS)}"
+            f"bad fault entry {entry!r}: unknown kind {kind!r}; known: {', '.join(sorted(PRE_KINDS | POST_KINDS))}"
         )
     if kind in POST_KINDS and tool in READ_TOOLS:
         raise ValueError(f"bad fault entry {entry!r}: {kind} needs a tool with a side effect")
-    try:
-        return _fault_value(tool, kind, value)
-    except ValueError:
-        raise ValueError(f"bad fault entry {entry!r}: bad value {value!r}") from None
+    fault = _fault_value(tool, kind, value)
+    if fault is None:
+        form = TIME_FORM if kind in SECONDS_KINDS else CHANCE_FORM
+        raise ValueError(f"bad fault entry {entry!r}: bad value {value!r}; {kind} takes {form}")
+    return fault
 
 
-def _fault_value(tool: str, kind: str, value: str) -> Fault:
+TIME_FORM = "a time with its unit, like '500ms' or '2s'"
+CHANCE_FORM = (
+    "a count like '1x' (fires that many times in all, shared by every process) "
+    "or a chance like '50%' (per call)"
+)
+_TIME = re.compile(r"(\d+(?:\.\d+)?)(ms|s)")
+_COUNT = re.compile(r"(\d+)x")
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
+
+
+def _fault_value(tool: str, kind: str, value: str) -> Fault | None:
     if kind in SECONDS_KINDS:
-        seconds = float(value)
-        if not seconds >= 0:  # also rejects NaN
-            raise ValueError(value)
-        return Fault(tool, kind, seconds=seconds)
-    if "." in value:
-        p = float(value)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(value)
-        return Fault(tool, kind, probability=p)
-    n = int(value)
-    if n < 0:
-        raise ValueError(value)
-    return Fault(tool, kind, budget=n)
+        time_ = _TIME.fullmatch(value)
+        if time_ is None:
+            return None
+        return Fault(tool, kind, seconds=float(time_.group(1)) * (0.001 if time_.group(2) == "ms" else 1.0))
+    count, percent = _COUNT.fullmatch(value), _PERCENT.fullmatch(value)
+    if count is not None:
+        return Fault(tool, kind, budget=int(count.group(1)))
+    if percent is not None and float(percent.group(1)) <= 100:
+        return Fault(tool, kind, probability=float(percent.group(1)) / 100)
+    return None
+
+
+def check_fault_spec() -> None:
+    """Parse the environment's spec now: a mistake stops the server at start, not each call."""
+    spec = os.environ.get(ENV_FAULTS, "")
+    try:
+        parse_faults(spec)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_FAULTS}: {exc}") from None
 
 
 _parsed: tuple[str, dict[str, dict[str, Fault]]] = ("", {})
@@ -719,3 +741,6 @@ async def slow_task(seconds: float, label: str = "", ctx: OperationContext | Non
         await anyio.sleep(after.sleep)
     _finish(after)
     return result
+
+
+check_fault_spec()  # at import, which is when a server builds its tools

@@ -335,7 +335,7 @@ async def double_charge(bench: Bench) -> dict[str, Any]:
     naive = await _bookings(bench, guarded=False, tick=tick)
     guarded = await _bookings(bench, guarded=True, tick=tick)
     return {
-        "sandbox": "demo sandbox store (SQLite), fault charge_card.lose_ack=0.5: the charge commits, "
+        "sandbox": "demo sandbox store (SQLite), fault charge_card.lose_ack=50%: the charge commits, "
         "then its acknowledgement is lost",
         "naive": naive,
         "guarded": guarded,
@@ -349,7 +349,7 @@ async def _bookings(bench: Bench, *, guarded: bool, tick: Callable[[int], None])
 
     arm = "guarded" if guarded else "naive"
     policy = None if guarded else bench.policy("naive-charge", NAIVE_POLICY)
-    params = bench.serve(policy, bench.ledger(f"double-charge-{arm}"), faults="charge_card.lose_ack=0.5")
+    params = bench.serve(policy, bench.ledger(f"double-charge-{arm}"), faults="charge_card.lose_ack=50%")
     bookings = bench.scale.bookings
     calls = recovered = 0
     started = time.perf_counter()
@@ -418,7 +418,7 @@ class _Order:
 async def saga(bench: Bench) -> dict[str, Any]:
     orders = [_Order(n) for n in range(bench.scale.orders)]
     tick = bench.task("2 saga", 2 * len(orders))
-    faults = "confirm.fail_permanent=0.3,refund.lose_ack=0.3"
+    faults = "confirm.fail_permanent=30%,refund.lose_ack=30%"
     outcomes: Counter[str] = Counter()
     started = time.perf_counter()
     async with bench.connect(bench.serve(None, bench.ledger("saga"), faults=faults)) as client:
@@ -592,7 +592,7 @@ async def _duplicates(bench: Bench, *, processes: int, tick: Callable[[int], Non
     params = bench.serve(
         bench.policy("concurrency", CONCURRENCY_POLICY),
         ledger,
-        faults=f"create_ticket.latency={scale.tool_latency}",
+        faults=f"create_ticket.latency={scale.tool_latency}s",
     )
     answers: Counter[str] = Counter()
     started = time.perf_counter()

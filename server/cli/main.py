@@ -13,7 +13,7 @@ from pathlib import Path
 from commitgate.server import __version__
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.errors import UserFacingError
-from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+from commitgate.server.policy.models import Policy, PolicyError, Problem, default_policy, load_policy
 from commitgate.tools.base import ToolBuildError
 
 
@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
     except ToolBuildError as exc:
-        where = getattr(args, "policy", None) or "the policy"
+        where = getattr(args, "policy", None) or os.environ.get("COMMITGATE_POLICY") or "the bundled policy"
         print(f"commitgate: {where}: {len(exc.problems)} problem(s)", file=sys.stderr)
-        print("\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
+        print("\n".join(grouped(exc.problems)), file=sys.stderr)
     except LedgerUnavailable as exc:
         print(f"commitgate: ledger: {exc}", file=sys.stderr)
     except UserFacingError as exc:
@@ -212,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the environment said no (a port in use, a directory given as a file, ...)
         print(f"commitgate: {describe_os_error(exc)}", file=sys.stderr)
     return 1
+
+
+def grouped(problems: list[Problem]) -> list[str]:
+    """One line per distinct message (a module that fails to import fails every tool it serves)."""
+    places: dict[str, list[str]] = {}
+    for problem in problems:
+        places.setdefault(problem.message, []).append(problem.location)
+    return [f"  {', '.join(where)}: {message}" for message, where in places.items()]
 
 
 def describe_os_error(exc: OSError) -> str:

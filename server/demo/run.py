@@ -48,7 +48,7 @@ def _code(result: Any) -> str:
 
 async def scenario_basics(box: Sandbox, steps: list[Step]) -> None:
     charge = {"card": "4242424242424242", "amount_cents": 1999, "idempotency_key": "order-1001-charge"}
-    async with connect(box.server(faults="refund.lose_ack=1")) as client:
+    async with connect(box.server(faults="refund.lose_ack=1x")) as client:
         first = await client.call_tool("charge_card", charge)
         op = _op(first)
         console.print(
@@ -112,7 +112,7 @@ async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
     charge = {"card": "5555555555554444", "amount_cents": 4200, "idempotency_key": "order-1002-charge"}
     before = box.count("charges")
     with contextlib.suppress(Exception):
-        async with connect(box.server(faults="charge_card.timeout_after_effect=60")) as client:
+        async with connect(box.server(faults="charge_card.timeout_after_effect=60s")) as client:
             with contextlib.suppress(MCPError, TimeoutError):
                 await client.call_tool("charge_card", charge, read_timeout_seconds=2)
             killed = kill_servers(str(box.root))
@@ -147,7 +147,7 @@ async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
         "idempotency_key": "order-1002-receipt",
     }
     with contextlib.suppress(Exception):
-        async with connect(box.server(faults="send_email.crash_after_effect=1")) as client:
+        async with connect(box.server(faults="send_email.crash_after_effect=1x")) as client:
             await client.call_tool("send_email", email)
     async with connect(box.server()) as client:
         retry = await client.call_tool("send_email", email)
@@ -167,7 +167,7 @@ async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
 
 async def double_charge(box: Sandbox, bookings: int, guarded: bool) -> dict[str, int]:
     """Seed experiment 1 in small: 50 % of acknowledgements lost after commit."""
-    faults = "charge_card.lose_ack=0.5"
+    faults = "charge_card.lose_ack=50%"
     policy = None
     if not guarded:
         policy = box.root / "naive.toml"
