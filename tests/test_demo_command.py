@@ -1,9 +1,12 @@
-"""`commitgate demo` is the README's first command: it must run and every step must hold."""
+"""`commitgate demo` is the README's first command: it must run, every step must hold, and it must
+speak plainly: what each step did, what happened, why that is good, and what to try next."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+JARGON = ("replayed=", "lost ack", "system of record", "as expected", "duplicates=")
 
 
 def test_demo_quick_runs_and_every_step_holds() -> None:
@@ -14,5 +17,10 @@ def test_demo_quick_runs_and_every_step_holds() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "NO" not in done.stdout.split("What happened")[-1]
-    assert "duplicates=0" in done.stdout
+    out = done.stdout
+    assert "NO" not in out.split("What happened")[-1]
+    assert out.count("why it matters:") == 7 and out.count("did:") == 7
+    assert "charges, 0 extra" in out  # through commitgate
+    assert "the problem" in out  # the direct calls are the baseline, not a passed check
+    assert "What to try next" in out and "commitgate claude-config" in out
+    assert not [word for word in JARGON if word in out]

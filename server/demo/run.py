@@ -30,10 +30,11 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
 
 @dataclass
 class Step:
-    what: str
-    outcome: str
-    effects: str
-    ok: bool
+    what: str  # the situation, in a few words
+    answer: str  # what the agent was told
+    happened: str  # what the payments/email store really holds
+    ok: bool  # commitgate behaved as it should
+    verdict: str = ""  # shown instead of yes/NO where a row is the baseline, not a check
 
 
 def _op(result: Any) -> dict[str, Any]:
@@ -46,45 +47,70 @@ def _code(result: Any) -> str:
     return str((result.structured_content or {}).get("error", {}).get("code"))
 
 
+def say(number: int, title: str, did: str, saw: str, why: str) -> None:
+    """One step: what the agent did, what happened, and why that is the right outcome."""
+    console.print(f"\n[bold]{number}. {title}[/]")
+    console.print(f"   [dim]did:[/]  {did}")
+    console.print(f"   [dim]saw:[/]  {saw}")
+    console.print(f"   [dim]why it matters:[/] {why}")
+
+
+def times(n: int, thing: str) -> str:
+    plural = thing[:-1] + "ies" if thing.endswith("y") else thing + "s"
+    return f"{n} {thing}" if n == 1 else f"{n} {plural}"
+
+
 async def scenario_basics(box: Sandbox, steps: list[Step]) -> None:
     charge = {"card": "4242424242424242", "amount_cents": 1999, "idempotency_key": "order-1001-charge"}
     async with connect(box.server(faults="refund.lose_ack=1x")) as client:
         first = await client.call_tool("charge_card", charge)
-        op = _op(first)
-        console.print(
-            f"[bold]1. first call[/]  charge_card key={charge['idempotency_key']} -> {first.structured_content}"
+        charges = box.count("charges")
+        say(
+            1,
+            "A first charge",
+            "the agent charges $19.99 to a card, naming the action with the key 'order-1001-charge'.",
+            f"the card was charged ({times(charges, 'charge')} in the payments store); "
+            "commitgate recorded the outcome under that key.",
+            "every later call with the same key will be answered from this record.",
         )
-        steps.append(
-            Step(
-                "first call",
-                f"{op.get('state')}, replayed={op.get('replayed')}",
-                f"charges={box.count('charges')}",
-                box.count("charges") == 1,
-            )
-        )
+        steps.append(Step("first charge", "charged", times(charges, "charge"), charges == 1))
 
         again = await client.call_tool("charge_card", charge)
         same = again.structured_content == first.structured_content
-        console.print(
-            f"[bold]2. replay[/]      same key again -> replayed={_op(again).get('replayed')}, identical result: {same}"
+        charges = box.count("charges")
+        say(
+            2,
+            "The same charge again (a retry)",
+            "the agent sends the identical call once more, as it would after a timeout.",
+            f"it got the first answer back{' unchanged' if same else ' (CHANGED)'}, marked as a replay; "
+            f"the payments store still holds {times(charges, 'charge')}.",
+            "a retry can never charge the card a second time.",
         )
         steps.append(
             Step(
-                "replay (same key)",
-                f"replayed={_op(again).get('replayed')}, identical={same}",
-                f"charges={box.count('charges')}",
-                box.count("charges") == 1 and same,
+                "retry with the same key",
+                "the first answer, replayed",
+                times(charges, "charge"),
+                charges == 1 and same and _op(again).get("replayed") is True,
             )
         )
 
         other = await client.call_tool("charge_card", {**charge, "amount_cents": 2999})
-        console.print(f"[bold]3. conflict[/]    same key, other amount -> {_code(other)}")
+        charges = box.count("charges")
+        say(
+            3,
+            "The same key for a different amount",
+            "the agent reuses 'order-1001-charge' but asks for $29.99.",
+            f"refused with {_code(other)}; nothing was charged ({times(charges, 'charge')} in the store).",
+            "a key names one action: reusing it by mistake is caught instead of silently replaying "
+            "or charging again.",
+        )
         steps.append(
             Step(
-                "same key, other arguments",
-                _code(other),
-                f"charges={box.count('charges')}",
-                _code(other) == "idempotency_key_reused" and box.count("charges") == 1,
+                "same key, other amount",
+                f"refused ({_code(other)})",
+                times(charges, "charge"),
+                _code(other) == "idempotency_key_reused" and charges == 1,
             )
         )
 
@@ -94,31 +120,35 @@ async def scenario_basics(box: Sandbox, steps: list[Step]) -> None:
         )
         status = await client.call_tool("get_operation_status", {"idempotency_key": "order-1001-refund"})
         recon = (status.structured_content or {}).get("operation", {}).get("reconciliation", {})
-        console.print(
-            f"[bold]4. lost ack[/]    refund applied but its acknowledgement was lost -> status check "
-            f"{recon.get('verdict')} -> {_op(refund).get('state')}"
+        refunds = box.count("refunds")
+        found = recon.get("verdict") == "found"
+        say(
+            4,
+            "A refund whose answer is lost",
+            "the agent refunds $5; the refund goes through but its answer never comes back.",
+            "commitgate asked the payments system whether that refund exists"
+            f"{' and found it' if found else ''}, so the agent was told it succeeded; "
+            f"{times(refunds, 'refund')} in the store.",
+            "an answer lost on the way is not a reason to refund twice, nor to leave the agent guessing.",
         )
         steps.append(
             Step(
-                "lost acknowledgement (refund)",
-                f"{_op(refund).get('state')} via status check",
-                f"refunds={box.count('refunds')}",
-                box.count("refunds") == 1 and not refund.is_error,
+                "refund, answer lost",
+                "succeeded (checked with the payments system)",
+                times(refunds, "refund"),
+                refunds == 1 and not refund.is_error,
             )
         )
 
 
-async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
+async def scenario_crash(box: Sandbox, steps: list[Step], quick: bool) -> None:
     charge = {"card": "5555555555554444", "amount_cents": 4200, "idempotency_key": "order-1002-charge"}
     before = box.count("charges")
     with contextlib.suppress(Exception):
         async with connect(box.server(faults="charge_card.timeout_after_effect=60s")) as client:
             with contextlib.suppress(MCPError, TimeoutError):
-                await client.call_tool("charge_card", charge, read_timeout_seconds=2)
-            killed = kill_servers(str(box.root))
-            console.print(
-                f"[bold]5. kill -9[/]     charge applied, server killed before recording it ({killed} process)"
-            )
+                await client.call_tool("charge_card", charge, read_timeout_seconds=1 if quick else 2)
+            kill_servers(str(box.root))
             await anyio.sleep(0.2)
     async with connect(box.server()) as client:
         status = await client.call_tool(
@@ -127,16 +157,21 @@ async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
         op = (status.structured_content or {}).get("operation") or {}
         retry = await client.call_tool("charge_card", charge)
     charges = box.count("charges") - before
-    console.print(
-        f"              restarted; poll -> {op.get('state')} ({op.get('retry_advice')}), "
-        f"retry -> replayed={_op(retry).get('replayed')}; charges for this order: {charges}"
+    say(
+        5,
+        "The server is killed in the middle of a charge",
+        "the card is charged, then the server process is killed (kill -9) before it can write down "
+        "the outcome; a new server starts and the agent asks about its key, then retries.",
+        f"the new server checked with the payments system, found the charge and answered "
+        f"{op.get('state')}; the retry got that answer back; {times(charges, 'charge')} for this order.",
+        "a crash at the worst moment neither loses the charge nor makes the retry charge again.",
     )
     steps.append(
         Step(
-            "kill -9 mid-operation, restart",
-            f"{op.get('state')} after reconciliation",
-            f"charges={charges}",
-            charges == 1 and op.get("state") == "SUCCEEDED",
+            "server killed mid-charge, restarted",
+            f"{op.get('state')} (checked with the payments system)",
+            times(charges, "charge"),
+            charges == 1 and op.get("state") == "SUCCEEDED" and _op(retry).get("replayed") is True,
         )
     )
 
@@ -152,21 +187,28 @@ async def scenario_crash(box: Sandbox, steps: list[Step]) -> None:
     async with connect(box.server()) as client:
         retry = await client.call_tool("send_email", email)
     emails = box.count("emails")
-    console.print(
-        f"[bold]6. crash[/]       email sent, server crashed before recording; retry -> {_code(retry)}; emails: {emails}"
+    say(
+        6,
+        "A crash after an email that cannot be looked up",
+        "an email goes out, then the server crashes before recording it; email has no way to ask "
+        "'was it sent?', and the agent retries.",
+        f"the retry was not sent; it answered {_code(retry)} (may or may not have happened; "
+        f"check before acting); {times(emails, 'email')} sent.",
+        "when nobody can know, commitgate says so instead of guessing: a person or a later check "
+        "decides (`commitgate ops resolve`), and the customer never gets the email twice.",
     )
     steps.append(
         Step(
-            "crash after email, retry",
-            _code(retry),
-            f"emails={emails}",
+            "crash after an email, retry",
+            f"not sent again ({_code(retry)})",
+            times(emails, "email"),
             emails == 1 and _code(retry) == "operation_outcome_unknown",
         )
     )
 
 
 async def double_charge(box: Sandbox, bookings: int, guarded: bool) -> dict[str, int]:
-    """Seed experiment 1 in small: 50 % of acknowledgements lost after commit."""
+    """Bookings by an agent that retries until it hears back, while half of the answers are lost."""
     faults = "charge_card.lose_ack=50%"
     policy = None
     if not guarded:
@@ -190,36 +232,74 @@ async def run_demo(quick: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="commitgate-demo-") as tmp:
         box = Sandbox(Path(tmp))
         steps: list[Step] = []
-        console.rule("commitgate demo: a real MCP client against a real server process (stdio)")
+        console.rule("commitgate demo")
+        console.print(
+            "An agent talks to a real commitgate server over MCP (stdio), which charges cards and sends "
+            "emails in a small payments store kept in a temporary folder. Each step does something that "
+            "goes wrong in real life and shows what ends up in the store."
+        )
         await scenario_basics(box, steps)
-        await scenario_crash(box, steps)
+        await scenario_crash(box, steps, quick)
         bookings = 10 if quick else 40
         naive = await double_charge(box, bookings, guarded=False)
         guarded = await double_charge(box, bookings, guarded=True)
-        console.print(
-            f"[bold]7. double charge[/] {bookings} bookings, 50 % of acknowledgements lost: "
-            f"naive client {naive['duplicates']} duplicate charges, through commitgate {guarded['duplicates']}"
+        say(
+            7,
+            "Many bookings while half of the answers get lost",
+            f"the same agent makes {bookings} bookings twice: once calling the payment tool directly, once "
+            "through commitgate; half of the 'charged' answers are lost, and the agent retries until it "
+            "hears back.",
+            f"directly: {naive['charges']} charges for {bookings} bookings, "
+            f"{times(naive['duplicates'], 'extra charge')}; through commitgate: {guarded['charges']} charges, "
+            f"{times(guarded['duplicates'], 'extra charge')}.",
+            "agents retry; with commitgate the retries are free of double charges.",
         )
         steps.append(
             Step(
-                f"naive client, {bookings} bookings",
-                f"{naive['retries']} retries",
-                f"duplicates={naive['duplicates']}",
+                f"{bookings} bookings, calling the tool directly",
+                f"{times(naive['retries'], 'retry')}",
+                f"{naive['charges']} charges, {naive['duplicates']} extra",
                 True,
+                verdict="the problem",
             )
         )
         steps.append(
             Step(
-                f"through commitgate, {bookings} bookings",
-                f"{guarded['retries']} retries",
-                f"duplicates={guarded['duplicates']}",
+                f"{bookings} bookings through commitgate",
+                f"{times(guarded['retries'], 'retry')}",
+                f"{guarded['charges']} charges, {guarded['duplicates']} extra",
                 guarded["duplicates"] == 0,
             )
         )
-        table = Table(title="What happened")
-        for column in ("step", "answer", "effects in the system of record", "as expected"):
-            table.add_column(column)
-        for step in steps:
-            table.add_row(step.what, step.outcome, step.effects, "[green]yes[/]" if step.ok else "[red]NO[/]")
-        console.print(table)
-        return 0 if all(step.ok for step in steps) else 1
+        console.print()
+        console.print(summary_table(steps))
+        all_good = all(step.ok for step in steps)
+        console.print(
+            "Every step ended as it should: one effect per action, whatever went wrong."
+            if all_good
+            else "[red]Some step did not end as it should (marked NO above).[/]"
+        )
+        console.print(NEXT_STEPS)
+        return 0 if all_good else 1
+
+
+def summary_table(steps: list[Step]) -> Table:
+    table = Table(title="What happened")
+    for column in ("step", "what the agent was told", "what the store really holds", "as it should be?"):
+        table.add_column(column)
+    for step in steps:
+        verdict = step.verdict or ("[green]yes[/]" if step.ok else "[red]NO[/]")
+        table.add_row(step.what, step.answer, step.happened, verdict)
+    return table
+
+
+NEXT_STEPS = """
+[bold]What to try next[/]
+  commitgate serve                       serve these demo tools to your own MCP client (stdio)
+  commitgate claude-config               the entry that adds them to Claude Desktop
+  commitgate policy show                 each tool and how it is guarded
+  commitgate ops list                    what the server recorded (after you used it)
+  COMMITGATE_SANDBOX_FAULTS="charge_card.lose_ack=50%" commitgate serve
+                                         lose half of the charge answers and watch retries stay safe
+  commitgate bench                       the full measurements behind the last step
+"""
