@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from pathlib import Path
 
 import pytest
 
+from commitgate.server.cli.main import build_parser
 from commitgate.server.policy.models import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
@@ -44,3 +46,50 @@ async def test_an_applied_policy_is_routine_news_logged_at_info(
         await gateway.close()
     applied = [r for r in caplog.records if "applied" in r.getMessage()]
     assert applied and all(r.levelno == logging.INFO for r in applied)
+
+
+async def test_a_reload_that_imports_a_module_calling_sys_exit_keeps_the_server(
+    tmp_path: Path, sandbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "quits_on_import.py").write_text("import sys\nsys.exit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "policy.toml"
+    ledger = f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n'
+    write(path, ledger + TOOL)
+    gateway = await Gateway.open(load_policy(path), path)
+
+    async def on_applied() -> None:
+        return None
+
+    try:
+        reloader = PolicyReloader(gateway, path, on_applied)
+        reloader.prime()
+        write(path, ledger + TOOL + '[tools.quit]\nclass = "key-required"\npython = "quits_on_import:f"\n')
+        result = await reloader.reload()
+        assert result.verdict is Verdict.REJECTED
+        assert any("called sys.exit(2)" in p.message for p in result.problems)
+        assert gateway.has_tool("send_email") and not gateway.has_tool("quit")
+    finally:
+        await gateway.close()
+
+
+def _options(argv: list[str]) -> list[argparse.Action]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices[argv[0]]
+    return [a for a in command._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("command", ["serve", "sandbox"])
+def test_every_serve_and_sandbox_option_says_its_default(command: str) -> None:
+    undocumented = [a.option_strings[0] for a in _options([command]) if not a.help or "default" not in a.help]
+    assert undocumented == []
+
+
+def test_sandbox_probabilities_and_seconds_say_their_units() -> None:
+    helps = {a.option_strings[0]: a.help or "" for a in _options(["sandbox"])}
+    for option in ("--lose-response", "--fail-5xx", "--rate-limit"):
+        assert "0 to 1" in helps[option]
+    assert "AFTER" in helps["--lose-response"] and "BEFORE" in helps["--fail-5xx"]
+    for option in ("--hang", "--latency", "--retry-after"):
+        assert "seconds" in helps[option]
