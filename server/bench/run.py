@@ -1073,6 +1073,14 @@ def checks(results: dict[str, Any]) -> dict[str, bool]:
 Row = tuple[str, str, str, str, str]
 
 
+TARGET_ROWS = {
+    "guarded_call_cost": "time of a guarded call with a new key ÷ the same tool unguarded",
+    "replay_cost": "time of a replayed answer ÷ the same tool unguarded",
+    "cost_against_plain_sdk": "time of a guarded call ÷ a no-op tool on a plain MCP SDK server",
+    "ledger_throughput": "ledger alone: 64 tasks recording and completing operations",
+}
+
+
 def missed_notes(results: dict[str, Any]) -> list[str]:
     """Below the table: why each missed target was missed, in words, and any failed safety check."""
     targets, overhead = results.get("goals", {}), results.get("overhead", {})
@@ -1094,7 +1102,7 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
         "else runs on the machine.",
     }
     lines = [
-        f"[bold]{name.replace('_', ' ')}[/] missed its target ({target['goal']}): {why[name]}{busy}"
+        f"[bold]{TARGET_ROWS[name]}[/] missed its target ({target['goal']}): {why[name]}{busy}"
         for name, target in targets.items()
         if not target.get("met", True) and name in why
     ]
@@ -1102,6 +1110,14 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
         f"[red]safety check failed:[/] {claim}" for claim, ok in results.get("checks", {}).items() if not ok
     ]
     return lines
+
+
+VARIANT_NAMES = {
+    "plain_sdk": "plain SDK server",
+    "guarded_no_fsync": "guarded without disk syncs",
+    "unguarded_sdk_stdio": "unguarded on the SDK's stdio",
+    "guarded_sdk_stdio": "guarded on the SDK's stdio",
+}
 
 
 def _verdict(ok: bool | None) -> str:
@@ -1144,17 +1160,18 @@ def _rows_double_charge(results: dict[str, Any]) -> list[Row]:
     return [
         (
             "double charge",
-            "naive client: duplicate charges",
+            "calling the tool directly: extra charges",
             f"{naive['duplicate_charges']} / {naive['bookings']} bookings ({naive['duplicate_rate']:.0%}), "
             f"{naive['retries']} retries",
-            "≈ 1 per booking at 50 % lost acks",
+            "(the problem: about 1 per booking when half the answers are lost)",
             "—",
         ),
         (
             "double charge",
-            "through commitgate: duplicate charges",
+            "through commitgate: extra charges",
             f"{guarded['duplicate_charges']}  ({guarded['retries']} retries; "
-            f"{guarded.get('lost_acks_recovered_by_status_check', 0)} lost acks recovered)",
+            f"{guarded.get('lost_acks_recovered_by_status_check', 0)} lost answers recovered by asking the"
+            " payments system)",
             "0",
             _verdict(guarded["duplicate_charges"] == 0),
         ),
@@ -1181,7 +1198,7 @@ def _rows_saga(results: dict[str, Any]) -> list[Row]:
         (
             "saga",
             "refunds issued twice",
-            f"{figures['refunds_issued_twice']}  ({figures['refunds']} refunds, 30 % of their acks lost)",
+            f"{figures['refunds_issued_twice']}  ({figures['refunds']} refunds, 30 % of their answers lost)",
             "0",
             _verdict(figures["refunds_issued_twice"] == 0),
         ),
@@ -1250,21 +1267,19 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     calls = figures["per_call_us"]
     rows: list[Row] = [
         (
-            "overhead",
-            "per call (median of round medians)",
-            ", ".join(f"{name} {value['median']:.0f} µs" for name, value in calls.items()),
+            "cost",
+            "time per call (median of round medians)",
+            ", ".join(
+                f"{VARIANT_NAMES.get(name, name)} {value['median']:.0f} µs" for name, value in calls.items()
+            ),
             "lower is better",
             "—",
         )
     ]
-    for name, text in (
-        ("guarded_call_cost", "time of a guarded call with a new key ÷ the same tool unguarded"),
-        ("replay_cost", "time of a replayed answer ÷ the same tool unguarded"),
-        ("cost_against_plain_sdk", "time of a guarded call ÷ a no-op tool on a plain MCP SDK server"),
-    ):
-        g = goal[name]
+    for name in ("guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
+        g, text = goal[name], TARGET_ROWS[name]
         target = g["goal"] + (f" (aim {g['aim']})" if "aim" in g else f" (stretch {g['stretch']})")
-        rows.append(("overhead", text, _ratio_text(g["spread"]), target, _verdict(g["met"])))
+        rows.append(("cost", text, _ratio_text(g["spread"]), target, _verdict(g["met"])))
     for name, text, limit in (
         (
             "guarded_call_cost",
@@ -1279,10 +1294,10 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     ):
         other = goal[name].get("with_sdk_stdio")
         if other:
-            rows.append(("overhead", text, _ratio_text(other), limit, _verdict(other["median"] <= 1.15)))
+            rows.append(("cost", text, _ratio_text(other), limit, _verdict(other["median"] <= 1.15)))
     rows.append(
         (
-            "overhead",
+            "cost",
             "least a guarded call can cost: 2 durable commits (before and after the effect)",
             f"{figures['commit_sync_us']:.0f} µs per commit on this disk ⇒ guarded ÷ unguarded ≥ "
             f"{figures['guarded_over_unguarded_floor']:.3f}",
@@ -1294,7 +1309,7 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     if syncs:
         rows.append(
             (
-                "overhead",
+                "cost",
                 "what the 2 disk syncs add to guarded ÷ unguarded (guarded minus synchronous=NORMAL)",
                 f"+{_ratio_text(syncs['added_to_guarded_ratio'])}; {syncs['us_per_call']['median']:.0f} µs per call",
                 "the whole target allows +0.15",
@@ -1305,7 +1320,7 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     if no_fsync:
         rows.append(
             (
-                "overhead",
+                "cost",
                 "guarded ÷ unguarded without disk syncs (ledger synchronous=NORMAL)",
                 _ratio_text(no_fsync),
                 "the guard's software cost alone",
@@ -1319,11 +1334,11 @@ def _rows_ledger(results: dict[str, Any]) -> list[Row]:
     g3 = results["goals"]["ledger_throughput"]
     conc = results["ledger"]["concurrent_claim_complete"]
     seq = results["ledger"]["sequential_claim_complete"]
-    batch = f", mean batch {conc['mean_batch']}" if "mean_batch" in conc else ""
+    batch = f", {conc['mean_batch']} operations per commit on average" if "mean_batch" in conc else ""
     return [
         (
             "ledger alone",
-            "64 tasks, durable claim+complete",
+            TARGET_ROWS["ledger_throughput"].removeprefix("ledger alone: "),
             f"{conc['ops_per_s']:.0f} ops/s, p99 {g3['p99_ms']:.1f} ms{batch}",
             g3["goal"],
             _verdict(g3["met"]),
@@ -1352,16 +1367,16 @@ def _rows_memory(results: dict[str, Any]) -> list[Row]:
             f"server RSS, ledger of {figures['ledger_rows']:,} rows",
             f"{(rss['big_ledger']['vm_rss'] or 0) / 1024:.1f} MiB "
             f"(empty ledger {(rss['empty_ledger']['vm_rss'] or 0) / 1024:.1f} MiB)",
-            "report",
+            "",
             "—",
         ),
-        ("memory", "ledger bytes per operation", per_op, "report", "—"),
+        ("memory", "ledger bytes per operation", per_op, "", "—"),
         (
             "memory",
             "start-up: spawn → first tools/list (median)",
             f"commitgate {startup['commitgate_empty_ledger']['median']:.0f} ms, with the big ledger "
             f"{startup['commitgate_big_ledger']['median']:.0f} ms, plain SDK {startup['plain_sdk']['median']:.0f} ms",
-            "report",
+            "",
             "—",
         ),
     ]
