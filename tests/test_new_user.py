@@ -66,7 +66,7 @@ async def test_a_reload_that_imports_a_module_calling_sys_exit_keeps_the_server(
         reloader.prime()
         write(path, ledger + TOOL + '[tools.quit]\nclass = "key-required"\npython = "quits_on_import:f"\n')
         result = await reloader.reload()
-        assert result.verdict is Verdict.REJECTED
+        assert result.status is ReloadStatus.REJECTED
         assert any("called sys.exit(2)" in p.message for p in result.problems)
         assert gateway.has_tool("send_email") and not gateway.has_tool("quit")
     finally:
