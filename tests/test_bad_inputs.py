@@ -203,13 +203,13 @@ def test_stats_metrics_pointed_at_an_event_stream_answers_at_once(tmp_path: Path
         [str(CONSOLE_SCRIPT), "serve", "--transport", "sse", "--port", "0", "--ledger", ledger],
         env=env,
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,  # the URL, for a person; stderr stays JSON log lines
+        stderr=subprocess.DEVNULL,
         text=True,
     )
     try:
-        assert server.stderr is not None
-        line = server.stderr.readline()
+        assert server.stdout is not None
+        line = server.stdout.readline()
         match = re.search(r"serving MCP \(sse\) at (http://127\.0\.0\.1:\d+/sse)$", line.strip())
         assert match, line
         done = subprocess.run(

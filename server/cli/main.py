@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     stateless=args.stateless,
                     allowed_hosts=args.allowed_host,
                     announce=lambda url: print(
-                        f"commitgate: serving MCP ({args.transport}) at {url}", file=sys.stderr, flush=True
+                        f"commitgate: serving MCP ({args.transport}) at {url}", flush=True
                     ),
                 )
         finally:
