@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from mcp import Client, StdioServerParameters
@@ -21,6 +21,7 @@ from support.e2e import Deployment, new_id, operation, serve
 
 from commitgate.server.policy.models import loads_policy
 from commitgate.server.serve.registry import definition_for
+from commitgate.tools.base import ToolSource
 
 pytestmark = pytest.mark.anyio
 
@@ -112,7 +113,7 @@ class _Source:
 @pytest.mark.parametrize("written", ["Create an issue", "Create an issue  ", "Create an issue."])
 def test_an_upstream_description_ends_its_sentence_before_the_key_sentence(written: str) -> None:
     policy = loads_policy('[tools.t]\nclass = "key-required"\nupstream = "u"\n[upstreams.u]\ncommand = "x"\n')
-    description = definition_for("t", policy.tools["t"], _Source(written)).description or ""
+    description = definition_for("t", policy.tools["t"], cast(ToolSource, _Source(written))).description or ""
     assert description.startswith("Create an issue. Pass a new idempotency_key")
 
 

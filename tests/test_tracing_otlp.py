@@ -134,7 +134,7 @@ async def test_spans_of_a_retried_call_and_of_an_http_downstream(tmp_path: Path)
         secret_args = {"to": "secret-recipient@example.com", "subject": "secret-subject-91c2", "body": "b-6a"}
         key = "key-value-3d5e"
         with (tmp_path / "server.stderr").open("w") as errlog:
-            transport = stdio_client(_params(d, receiver, "send_email.fail_before=2"), errlog=errlog)
+            transport = stdio_client(_params(d, receiver, "send_email.fail_before=2x"), errlog=errlog)
             async with Client(transport, read_timeout_seconds=30) as client:
                 first = await _call(client, "send_email", {**secret_args, "idempotency_key": key}, retried)
                 again = await _call(client, "send_email", {**secret_args, "idempotency_key": key}, replayed)
