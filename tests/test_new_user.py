@@ -38,7 +38,7 @@ async def test_an_applied_policy_is_routine_news_logged_at_info(
 
     try:
         reloader = PolicyReloader(gateway, path, on_applied)
-        reloader.prime()
+        await reloader.prime()
         write(path, ledger + TOOL + 'timeout = "20s"\n')
         with caplog.at_level(logging.DEBUG, logger="commitgate"):
             assert (await reloader.reload()).status is ReloadStatus.APPLIED
@@ -63,7 +63,7 @@ async def test_a_reload_that_imports_a_module_calling_sys_exit_keeps_the_server(
 
     try:
         reloader = PolicyReloader(gateway, path, on_applied)
-        reloader.prime()
+        await reloader.prime()
         write(path, ledger + TOOL + '[tools.quit]\nclass = "key-required"\npython = "quits_on_import:f"\n')
         result = await reloader.reload()
         assert result.status is ReloadStatus.REJECTED
