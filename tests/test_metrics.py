@@ -127,7 +127,7 @@ async def test_retries_and_reconciliations_are_counted(
     assert value(scraped, "commitgate_operations", state="UNKNOWN") == 1
 
     monkeypatch.setenv("COMMITGATE_SANDBOX_FAULTS", "charge_card.lose_ack=1x")
-    found = await gateway.call_tool("charge_card", charge("k4"), {}, "alice")
+    found = await gateway.call_tool("charge_card", charge("k4", 700), {}, "alice")
     assert not found.is_error  # the status check found the charge that lost its acknowledgement
     scraped = await scrape(metrics, gateway)
     assert value(scraped, "commitgate_reconciliations_total", verdict="found", **CS) == 1

@@ -27,7 +27,7 @@ from commitgate.server.policy.models import (
     policy_json_schema,
     read_policy_file,
 )
-from commitgate.server.serve.checking import check_policy_file, format_report
+from commitgate.server.serve.checking import check_policy_file, format_report, policy_warnings
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,14 +69,18 @@ def console() -> Console:
 
 def cmd_check(args: argparse.Namespace) -> int:
     problems = check_policy_file(Path(args.file))
+    warnings = policy_warnings(Path(args.file))
     if args.json:
+        problem_list = [p.as_json() for p in problems]
         print(
             json.dumps(
-                {"file": args.file, "valid": not problems, "problems": [p.as_json() for p in problems]}
+                {"file": args.file, "valid": not problems, "problems": problem_list, "warnings": warnings}
             )
         )
     else:
         print(format_report(args.file, problems))
+        for warning in warnings:
+            print(f"  warning: {warning}")
     return 1 if problems else 0
 
 

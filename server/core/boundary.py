@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import errors
+from commitgate.server.core import duplicates, errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
 from commitgate.server.core.retry import Backoff, classify, error_record
+from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import (
     LEASE_LOST,
     ClaimKind,
@@ -68,6 +69,7 @@ class CallRequest:
     session: str
     principal: str
     arguments_json: str | None = None  # canonical JSON of `arguments`, when the caller encoded it already
+    confirm_duplicate: bool = False  # the caller means a second action like a recent one
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +178,7 @@ class CommitBoundary:
             owner=self.owner,
             lease_seconds=self.settings.lease,
             retention_seconds=tool.policy.retention or self.settings.retention,
+            duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
         )
         try:
             claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
@@ -187,10 +190,29 @@ class CommitBoundary:
                 Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
             )
             raise errors.key_reused(claim.operation, tool.name)
+        if claim.kind is ClaimKind.DUPLICATE:
+            raise await self._duplicate(request, claim.operation)
+        if claim.duplicate_of is not None:
+            self._emit(
+                Event.DUPLICATE_ALLOWED, tool.name, tool.idempotency_class, operation_id=claim.duplicate_of
+            )
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
         self.final.remember(claim.operation)
         return await self._on_existing(request, claim.operation, waited=False)
+
+    async def _duplicate(self, request: CallRequest, earlier: Operation) -> GateError:
+        """`possible_duplicate`, showing the earlier operation as a poll would (reconciled if due)."""
+        tool = request.tool
+        self._emit(
+            Event.POSSIBLE_DUPLICATE, tool.name, tool.idempotency_class, operation_id=earlier.operation_id
+        )
+        with contextlib.suppress(LedgerUnavailable, GateError):
+            earlier = await self.poll(earlier)
+        earlier_tool = self.tools.get(earlier.tool)
+        forwards_key = bool(earlier_tool and earlier_tool.policy.forwards_key)
+        view = status_view(earlier, forwards_key, self.clock())
+        return duplicates.possible_duplicate(earlier, view, tool.name, self.clock())
 
     # --- an operation someone already recorded -----------------------------------------
 

@@ -5,16 +5,26 @@ Each carries its code (docs/contract.md#error-codes) and a message that tells th
 
 from __future__ import annotations
 
+from typing import Any
+
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass
 from commitgate.server.model.records import Operation
 
 
 class GateError(Exception):
-    def __init__(self, code: ErrorCode, message: str, operation: Operation | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        operation: Operation | None = None,
+        *,
+        details: dict[str, Any] | None = None,  # more fields of `error`, e.g. `duplicate_of`
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.operation = operation
+        self.details = details or {}
 
 
 def _reason(op: Operation) -> str:

@@ -33,6 +33,28 @@ class ClaimKind(StrEnum):
     NEW = "new"  # the caller owns a fresh RUNNING attempt and must execute it
     EXISTING = "existing"  # someone already recorded this operation; read its state
     CONFLICT = "conflict"  # the key was first used with another tool or other arguments
+    DUPLICATE = "duplicate"  # a new key, but the same action was recorded recently: nothing claimed
+
+
+# States of an earlier operation that make a fresh-key call with the same arguments a possible
+# duplicate: it happened, may have happened, or is about to. (AWAITING_APPROVAL: an action a
+# person has yet to approve.)
+DUPLICATE_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN", "AWAITING_APPROVAL")
+
+
+@dataclass(frozen=True, slots=True)
+class DuplicateCheck:
+    """Look, inside the claim, for the same action recorded under another key.
+
+    The lookup and the insert are one atomic ledger step, so of N identical calls with N fresh
+    keys exactly one is claimed. A match is answered with `ClaimKind.DUPLICATE` when `reject`;
+    otherwise the call is claimed and the match recorded in its audit trail.
+    """
+
+    window_seconds: float
+    any_session: bool  # scope "principal": every session of the principal; else the same session
+    reject: bool
+    confirmed: bool = False  # the caller said it means a second action (recorded with the match)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +69,14 @@ class ClaimRequest:
     owner: str
     lease_seconds: float
     retention_seconds: float
+    duplicates: DuplicateCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
     kind: ClaimKind
-    operation: Operation
+    operation: Operation  # for DUPLICATE: the earlier operation
+    duplicate_of: str | None = None  # NEW despite a match (allowed or confirmed): the match's operation_id
 
 
 @dataclass(frozen=True, slots=True)

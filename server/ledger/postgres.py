@@ -212,6 +212,71 @@ MIGRATIONS: list[str] = [
     """,
     # downstream_ref was never written
     "ALTER TABLE commitgate_operations DROP COLUMN downstream_ref",
+    # 3: duplicate detection. A claim of a key not seen before first looks for the same action
+    # (same fingerprint, in scope, within the window) under another key. Rejecting calls take a
+    # transaction-level advisory lock on (principal, session or not, fingerprint) before they
+    # look, so of N identical calls with N fresh keys exactly one finds nothing and inserts;
+    # the others wait for its commit and then find it. The index makes the lookup a range scan;
+    # the fingerprint hashes the tool name too.
+    """
+    CREATE INDEX commitgate_operations_duplicates
+        ON commitgate_operations (principal, fingerprint, session, created_at);
+
+    CREATE FUNCTION commitgate_claim_checked(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text, p_window double precision, p_any_session boolean, p_reject boolean,
+        p_confirmed boolean
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        m commitgate_operations;
+        c record;
+    BEGIN
+        PERFORM 1 FROM commitgate_operations o
+            WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+        IF NOT FOUND THEN  -- a new key: is it the same action as a recent one?
+            IF p_reject AND NOT p_confirmed THEN
+                PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.duplicates:' || p_principal
+                    || chr(31) || CASE WHEN p_any_session THEN '' ELSE p_session END
+                    || chr(31) || p_fingerprint, 0));
+            END IF;
+            IF p_any_session THEN
+                SELECT o.* INTO m FROM commitgate_operations o
+                    WHERE o.principal = p_principal AND o.fingerprint = p_fingerprint
+                        AND o.created_at > p_now - p_window
+                        AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'AWAITING_APPROVAL')
+                        AND (o.expires_at IS NULL OR o.expires_at > p_now)
+                        AND NOT (o.session = p_session AND o.step = p_step)
+                    ORDER BY o.created_at DESC LIMIT 1;
+            ELSE
+                SELECT o.* INTO m FROM commitgate_operations o
+                    WHERE o.principal = p_principal AND o.fingerprint = p_fingerprint
+                        AND o.session = p_session AND o.created_at > p_now - p_window
+                        AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'AWAITING_APPROVAL')
+                        AND (o.expires_at IS NULL OR o.expires_at > p_now)
+                        AND o.step <> p_step
+                    ORDER BY o.created_at DESC LIMIT 1;
+            END IF;
+            IF m.operation_id IS NOT NULL AND p_reject AND NOT p_confirmed THEN
+                RETURN QUERY SELECT 'duplicate'::text, m, NULL::text;
+                RETURN;
+            END IF;
+        END IF;
+        SELECT * INTO c FROM commitgate_claim(p_operation_id, p_principal, p_session, p_step, p_tool,
+            p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now, p_lease_lost);
+        IF m.operation_id IS NOT NULL AND c.kind = 'new' THEN  -- allowed: the match goes in the audit
+            INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+            VALUES ((c.op).operation_id, p_now, 'possible_duplicate', NULL, 'RUNNING', 1, p_owner,
+                json_build_object('duplicate_of', m.operation_id, 'confirmed', p_confirmed)::text);
+            RETURN QUERY SELECT c.kind, c.op, m.operation_id;
+            RETURN;
+        END IF;
+        RETURN QUERY SELECT c.kind, c.op, NULL::text;
+    END $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -223,6 +288,10 @@ _FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutErro
 
 _CLAIM = (
     "SELECT c.kind, (c.op).* FROM commitgate_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) c"
+)
+_CLAIM_CHECKED = (
+    "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_checked($1, $2, $3, $4, $5, $6, $7, $8,"
+    " $9, $10, $11, $12, $13, $14, $15, $16, $17) c"
 )
 _UPDATE = "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
 
@@ -429,8 +498,12 @@ class PostgresLedger:
     # --- the hot path ---------------------------------------------------------------------
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        check = request.duplicates
+        duplicates = (
+            () if check is None else (check.window_seconds, check.any_session, check.reject, check.confirmed)
+        )
         rows = await self._fetch(
-            _CLAIM,
+            _CLAIM if check is None else _CLAIM_CHECKED,
             "op_" + uuid.uuid4().hex,
             request.principal,
             request.session,
@@ -444,11 +517,12 @@ class PostgresLedger:
             request.retention_seconds,
             now,
             _dump(LEASE_LOST),
+            *duplicates,
         )
         kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
             op = await self._expire_dead_owner(op, now)
-        return Claim(kind, op)
+        return Claim(kind, op, rows[0]["duplicate_of"] if check is not None else None)
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(

@@ -20,6 +20,8 @@ class Event(StrEnum):
     COMPLETED = "completed"  # an outcome was recorded: state, seconds
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # a keyed call refused: nothing executed
     RESULT_TOO_LARGE = "result_too_large"  # a result over the ledger's size limit
+    POSSIBLE_DUPLICATE = "possible_duplicate"  # a fresh-key repeat of a recent operation, refused
+    DUPLICATE_ALLOWED = "duplicate_allowed"  # a fresh-key repeat run anyway (allow, or confirmed)
 
 
 class Observer(Protocol):

@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     OPERATION_FAILED = "operation_failed"
     RETRIES_EXHAUSTED = "retries_exhausted"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    POSSIBLE_DUPLICATE = "possible_duplicate"
 
 
 class RetryAdvice(StrEnum):

@@ -47,6 +47,7 @@ from commitgate.server.model.durations import (
 )
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass
 from commitgate.server.model.outcomes import Outcome, Verdict
+from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
 FROM_FILE = {"written": True}
@@ -207,6 +208,14 @@ class ToolPolicy(_Strict):
     ] = Field(None, description="Required for key-and-status-check; a string is short for {python = ...}.")
     compensate: CompensateSpec | None = Field(None, description="Required for compensable tools.")
     retention: Duration | None = Field(None, description="How long records are kept (default: [server]).")
+    duplicates: Annotated[
+        DuplicatesPolicy | None,
+        BeforeValidator(duplicates_shorthand, json_schema_input_type=bool | DuplicatesPolicy),
+    ] = Field(
+        default_factory=DuplicatesPolicy,
+        description="Keyed tools: catch the same call re-issued under a new key (default on, "
+        "{window = '10m', scope = 'session', action = 'reject'}); false turns it off.",
+    )
     expose: StrictBool = Field(True, description="Listed to clients; false keeps it for compensations only.")
     destructive: StrictBool = Field(False, description="MCP destructiveHint for keyed tools.")
     title: str | None = Field(None, description="Human-readable title.")
@@ -627,6 +636,13 @@ def _class_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem(f"{where}.compensate", "only tools of class compensable declare compensate"))
     if cls is IdempotencyClass.SAFE_RETRY and raw.get("forwards_key") is True:
         problems.append(Problem(f"{where}.forwards_key", "safe-retry tools take no key to forward"))
+    if cls is IdempotencyClass.SAFE_RETRY and raw.get("duplicates") not in (None, False):
+        problems.append(
+            Problem(
+                f"{where}.duplicates",
+                "safe-retry tools run again by design; only keyed tools detect duplicates",
+            )
+        )
     return problems
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.duplicates import window_warning
 from commitgate.server.policy.models import (
     Policy,
     PolicyReport,
@@ -73,6 +74,20 @@ def check_report(report: PolicyReport, policy_dir: Path | None) -> list[Problem]
     if report.text is not None:
         problems = sorted(with_lines(problems, report.text), key=lambda p: (p.line is None, p.line or 0))
     return list(dict.fromkeys(problems))
+
+
+def policy_warnings(path: Path) -> list[str]:
+    """What is allowed but likely not meant; `policy check` prints it without failing."""
+    policy = analyse_file(path).policy
+    if policy is None:
+        return []
+    warnings = []
+    for name, tool in policy.tools.items():
+        if tool.idempotency_class.keyed:
+            warning = window_warning(f"tools.{toml_key(name)}", tool.duplicates, policy.retention_for(name))
+            if warning is not None:
+                warnings.append(warning)
+    return warnings
 
 
 def schemas_of(served: ServedTool) -> Schemas:

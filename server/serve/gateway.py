@@ -21,7 +21,7 @@ import httpx2
 import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from commitgate.server.core import errors
+from commitgate.server.core import duplicates, errors
 from commitgate.server.core.boundary import (
     Answer,
     CallRequest,
@@ -276,6 +276,7 @@ class Gateway:
     ) -> CallRequest:
         tool = served.guard
         key = args.pop("idempotency_key", None)
+        confirmed = duplicates.take_confirm(args, tool.policy)
         step = meta.get(STEP_META)
         if key is not None and step is not None and key != step:
             raise errors.invalid_key(
@@ -293,7 +294,9 @@ class Gateway:
         size, limit = len(arguments_json.encode()), self.policy.server.limits.max_argument_bytes
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
-        return CallRequest(tool, validated, checked, session, principal, arguments_json)
+        return CallRequest(
+            tool, validated, checked, session, principal, arguments_json, confirm_duplicate=confirmed
+        )
 
     # --- meta tools ------------------------------------------------------------------------------
 
@@ -396,7 +399,12 @@ def render_error(error: GateError, replayed: bool) -> types.CallToolResult:
     return types.CallToolResult(
         content=[types.TextContent(type="text", text=f"[{error.code.value}] {error.message}")],
         structured_content={
-            "error": {"code": error.code.value, "message": error.message, "operation": op_view}
+            "error": {
+                "code": error.code.value,
+                "message": error.message,
+                "operation": op_view,
+                **error.details,
+            }
         },
         is_error=True,
         _meta={OPERATION_META: op_view} if op_view else None,

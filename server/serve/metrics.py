@@ -92,6 +92,14 @@ class Metrics:
                 counter("results_too_large", "Results over the ledger's size limit, recorded as failures"),
                 None,
             ),
+            Event.POSSIBLE_DUPLICATE: (
+                counter("duplicates_rejected", "Fresh-key repeats answered possible_duplicate"),
+                None,
+            ),
+            Event.DUPLICATE_ALLOWED: (
+                counter("duplicates_allowed", "Fresh-key repeats let through (allow, or confirmed)"),
+                None,
+            ),
         }
         self.operation_seconds = Histogram(
             "commitgate_operation_seconds",

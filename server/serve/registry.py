@@ -20,6 +20,7 @@ from typing import Any
 import mcp.types as types
 
 from commitgate.server.core.boundary import GuardedTool
+from commitgate.server.core.duplicates import add_confirm_property
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy
 from commitgate.tools.base import Collaborators, ToolBuildError, ToolSource, build_source
@@ -95,7 +96,9 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
         name=name,
         title=policy.title,
         description=description,
-        input_schema=input_schema_for(source.input_schema, policy.idempotency_class),
+        input_schema=add_confirm_property(
+            input_schema_for(source.input_schema, policy.idempotency_class), policy
+        ),
         output_schema=source.output_schema,
         annotations=annotations_for(policy),
     )

@@ -59,6 +59,11 @@ MIGRATIONS: list[str] = [
     """,
     # 2: downstream_ref was never written
     "ALTER TABLE operations DROP COLUMN downstream_ref",
+    # 3: the duplicate lookup (same action under another key) is a range scan of this index. The
+    # fingerprint hashes the tool name too, so (principal, fingerprint) already names the action.
+    """
+    CREATE INDEX operations_duplicates ON operations (principal, fingerprint, session, created_at);
+    """,
 ]
 
 _COLUMNS = (

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from commitgate.server.ledger.base import (
+    DUPLICATE_STATES,
     LEASE_LOST,
     Claim,
     ClaimKind,
@@ -76,6 +77,8 @@ class ClaimWrite:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
         repeated in the batch) nothing of it is kept and None says: run them one by one."""
         if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
+            return None
+        if not _no_duplicates(conn, writes):
             return None
         ops = [_new_operation(s.request, s.now) for s in writes]
         with _savepoint(conn) as undo:
@@ -217,7 +220,7 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
         conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
         row = None
     if row is None:
-        return Claim(ClaimKind.NEW, _insert(conn, request, now))
+        return _claim_new(conn, request, now)
     op = decode(row)
     if op.tool != request.tool or op.fingerprint != request.fingerprint:
         return Claim(ClaimKind.CONFLICT, op)
@@ -229,6 +232,55 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
         if taken is not None:
             return Claim(ClaimKind.NEW, taken)
     return Claim(ClaimKind.EXISTING, op)
+
+
+def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+    """A key not seen before: claimed, unless the same action is recorded under another key."""
+    check = request.duplicates
+    match = find_duplicate(conn, request, now) if check is not None else None
+    if match is not None and check is not None and check.reject and not check.confirmed:
+        return Claim(ClaimKind.DUPLICATE, match)
+    op = _insert(conn, request, now)
+    if match is not None and check is not None:
+        detail = {"duplicate_of": match.operation_id, "confirmed": check.confirmed}
+        _audit(conn, op.operation_id, now, "possible_duplicate", None, "RUNNING", 1, request.owner, detail)
+    return Claim(ClaimKind.NEW, op, match.operation_id if match is not None else None)
+
+
+_DUPLICATE_LOOKUP = (
+    # INDEXED BY: without statistics SQLite may prefer (principal, created_at), all of a busy
+    # principal's recent operations, over the few rows of one fingerprint.
+    f"{SELECT} INDEXED BY operations_duplicates WHERE principal = ? AND fingerprint = ? {{session}}"
+    " AND created_at > ?"
+    f" AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
+    " AND (expires_at IS NULL OR expires_at > ?) AND NOT (session = ? AND step = ?)"
+    " ORDER BY created_at DESC LIMIT 1"
+)
+DUPLICATE_IN_SESSION = _DUPLICATE_LOOKUP.format(session="AND session = ?")
+DUPLICATE_IN_PRINCIPAL = _DUPLICATE_LOOKUP.format(session="")
+
+
+def find_duplicate(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation | None:
+    """The newest operation in scope with the same fingerprint, created within the window (indexed)."""
+    check = request.duplicates
+    if check is None:
+        return None
+    since = now - check.window_seconds
+    tail = (since, now, request.session, request.step)
+    if check.any_session:
+        row = conn.execute(DUPLICATE_IN_PRINCIPAL, (request.principal, request.fingerprint, *tail)).fetchone()
+    else:
+        params = (request.principal, request.fingerprint, request.session, *tail)
+        row = conn.execute(DUPLICATE_IN_SESSION, params).fetchone()
+    return decode(row) if row is not None else None
+
+
+def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
+    """True when no claim of the batch may be a duplicate, of the ledger or of another in the batch."""
+    checked = [w.request for w in writes if w.request.duplicates is not None]
+    if len({(r.principal, r.fingerprint) for r in checked}) != len(checked):
+        return False
+    return all(find_duplicate(conn, w.request, w.now) is None for w in writes if w.request.duplicates)
 
 
 def _retake(lease: Lease) -> Transition:
