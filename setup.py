@@ -6,7 +6,12 @@ directory from pyproject alone, so this is the one place that does it.
 
 from setuptools import find_packages, setup
 
-_ROOTS = {"commitgate.server": "server", "commitgate.tools": "tools", "commitgate.policies": "policies"}
+_ROOTS = {
+    "commitgate.server": "server",
+    "commitgate.tools": "tools",
+    "commitgate.policies": "policies",
+    "commitgate.client": "client",
+}
 
 setup(
     package_dir=_ROOTS,

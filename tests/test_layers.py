@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"commitgate.server": ROOT / "server", "commitgate.tools": ROOT / "tools"}
+FOLDERS = {
+    "commitgate.server": ROOT / "server",
+    "commitgate.tools": ROOT / "tools",
+    "commitgate.client": ROOT / "client",
+}
 
 # Lowest first. A module belongs to the first layer whose prefix matches its name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -45,6 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # The bundled example tools are user code: they see only the public names of commitgate.server.
 BUNDLED = ("commitgate.tools.demo", "commitgate.tools.sandbox_api", "commitgate.tools.benchtools")
 BUNDLED_MAY_IMPORT = ("commitgate.server", "commitgate.server.model")
+# The client library runs in agent processes that install no server: it imports nothing of it.
+CLIENT = "commitgate.client"
 # Among the commands: the demo holds the harness the benchmark uses, never the other way round.
 FORBIDDEN_PAIRS = [
     ("commitgate.server.demo", "commitgate.server.bench"),
@@ -99,24 +105,30 @@ def violations(folders: dict[str, Path]) -> list[str]:
     for module, path in modules(folders):
         own = layer_of(module)
         for line, target in imports_of(module, path):
-            if not target.startswith("commitgate."):
-                continue
-            where = f"{path.relative_to(path.parents[1])}:{line}: {module} imports {target}"
-            if any(_within(module, b) for b in BUNDLED):
-                public = any(_within(target, p) and layer_of(target) == 0 for p in BUNDLED_MAY_IMPORT)
-                if not public and not any(_within(target, b) for b in BUNDLED):
-                    found.append(f"{where} (bundled tools use only the public names)")
-                continue
-            if any(_within(target, b) for b in BUNDLED) and (own is None or own < len(LAYERS) - 1):
-                found.append(f"{where} (only the commands may use the bundled tools)")
-                continue
-            theirs = layer_of(target)
-            if own is not None and theirs is not None and theirs > own:
-                found.append(f"{where} ({LAYERS[own][0]} is below {LAYERS[theirs][0]})")
-            for low, high in FORBIDDEN_PAIRS:
-                if _within(module, low) and _within(target, high):
-                    found.append(f"{where} ({low} must not depend on {high})")
+            if target.startswith("commitgate."):
+                where = f"{path.relative_to(path.parents[1])}:{line}: {module} imports {target}"
+                found += [f"{where} ({why})" for why in _reasons(module, own, target)]
     return found
+
+
+def _reasons(module: str, own: int | None, target: str) -> list[str]:
+    """Why `module` (of layer `own`) may not import `target`; empty when it may."""
+    if _within(module, CLIENT):
+        return [] if _within(target, CLIENT) else ["the client imports nothing of the server"]
+    if any(_within(module, b) for b in BUNDLED):
+        public = any(_within(target, p) and layer_of(target) == 0 for p in BUNDLED_MAY_IMPORT)
+        allowed = public or any(_within(target, b) for b in BUNDLED)
+        return [] if allowed else ["bundled tools use only the public names"]
+    if any(_within(target, b) for b in BUNDLED) and (own is None or own < len(LAYERS) - 1):
+        return ["only the commands may use the bundled tools"]
+    reasons = []
+    theirs = layer_of(target)
+    if own is not None and theirs is not None and theirs > own:
+        reasons.append(f"{LAYERS[own][0]} is below {LAYERS[theirs][0]}")
+    for low, high in FORBIDDEN_PAIRS:
+        if _within(module, low) and _within(target, high):
+            reasons.append(f"{low} must not depend on {high}")
+    return reasons
 
 
 def test_no_layer_imports_a_higher_one() -> None:
@@ -143,6 +155,11 @@ def test_every_layer_has_its_folder() -> None:
         ),
         ("model/facts.py", "from ..policy.models import Policy\n", "model is below policy"),
         ("demo/run.py", "from commitgate.server.bench.run import main\n", "must not depend on"),
+        (
+            "client/gate.py",
+            "from commitgate.server.model.facts import State\n",
+            "imports nothing of the server",
+        ),
     ],
 )
 def test_the_rule_catches_an_upward_import(tmp_path: Path, module: str, source: str, reason: str) -> None:
@@ -152,6 +169,10 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path, module: str, source: 
         (server / package).mkdir(parents=True)
         (server / package / "__init__.py").write_text("")
     (server / "__init__.py").write_text("")
-    (server / module).write_text(source)
-    found = violations({"commitgate.server": server})
+    (tmp_path / "client").mkdir()
+    if module.startswith("client/"):
+        (tmp_path / module).write_text(source)
+    else:
+        (server / module).write_text(source)
+    found = violations({"commitgate.server": server, "commitgate.client": tmp_path / "client"})
     assert len(found) == 1 and reason in found[0], found

@@ -128,7 +128,7 @@ async def test_only_declared_tools_are_served_with_their_imported_schemas(memory
     wrapped = {"create_entities", "forget_entities", "read_graph"}
     assert wrapped <= set(tools) and not {"search_nodes", "delete_entities", "add_observations"} & set(tools)
     create = tools["create_entities"]
-    assert set(create.input_schema["properties"]) == {"entities", "idempotency_key"}
+    assert set(create.input_schema["properties"]) == {"entities", "idempotency_key", "confirm_duplicate"}
     assert set(create.input_schema["required"]) == {"entities", "idempotency_key"}
     assert create.output_schema is not None and "entities" in create.output_schema["properties"]
     assert (create.description or "").startswith("Create multiple new entities in the knowledge graph")
@@ -350,7 +350,8 @@ async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_
             tools = {t.name: t for t in (await client.list_tools()).tools}
             return dict(tools["record_keyed"].input_schema)
 
-        assert set((await schema())["properties"]) == {"idempotency_key"}  # nothing known but the policy
+        # nothing known but the policy
+        assert set((await schema())["properties"]) == {"idempotency_key", "confirm_duplicate"}
         assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
         async with client.listen(tools_list_changed=True) as changes:
             upstream = subprocess.Popen(
