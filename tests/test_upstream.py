@@ -429,7 +429,8 @@ async def test_an_upstream_down_at_start_leaves_the_server_up(tmp_path: Path) ->
     gateway = await Gateway.open(load_policy(policy), policy)
     try:
         (act,) = [t for t in gateway.list_tools() if t.name == "act"]
-        assert set(act.input_schema["properties"]) == {"n", "idempotency_key"}  # the declared fallback schema
+        # the declared fallback schema
+        assert set(act.input_schema["properties"]) == {"n", "idempotency_key", "confirm_duplicate"}
         result = await gateway.call_tool("act", {"n": 1, "idempotency_key": "a-1"}, None, None)
         assert result.structured_content is not None
         assert result.structured_content["error"]["code"] == "retries_exhausted"
