@@ -19,8 +19,8 @@ demo: $(STAMP)
 # Lint, format and types: seconds, no server started.
 # mypy sees the code under its import names through links in build/typecheck (see pyproject.toml).
 check: $(STAMP)
-	$(VENV)/bin/ruff check server tools client tests
-	$(VENV)/bin/ruff format --check server tools client tests
+	$(VENV)/bin/ruff check server tools client examples tests
+	$(VENV)/bin/ruff format --check server tools client examples tests
 	mkdir -p build/typecheck/commitgate
 	for part in server tools policies client; do ln -sfn "$(CURDIR)/$$part" build/typecheck/commitgate/$$part; done
 	$(VENV)/bin/mypy

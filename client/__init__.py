@@ -19,9 +19,12 @@ from commitgate.client.errors import (
     PossibleDuplicate,
     StillRunning,
 )
-from commitgate.client.gate import Backoff, Gate, GateResult
+from commitgate.client.gate import OPERATION_META, SESSION_META, STEP_META, Backoff, Gate, GateResult
 
 __all__ = [
+    "OPERATION_META",
+    "SESSION_META",
+    "STEP_META",
     "ApprovalDenied",
     "Backoff",
     "BudgetExceeded",
