@@ -12,14 +12,18 @@ store, a SQLite file), never in commitgate's own answers:
   3. backoff: concurrent retriers against a capacity-limited service, retried by
      commitgate's safe-retry class with immediate retries vs full jitter;
   4. concurrency: concurrent duplicates of each key through one server process
-     and through several processes sharing one ledger file.
+     and through several processes sharing one ledger file;
+  5. fresh keys: bookings with 50 % of answers lost before the client reads them,
+     by a naive client that mints a new key on every try, with duplicate
+     detection off and on (the default).
 
 The overhead suite runs its variants side by side: calls are interleaved one by
 one (in a fresh random order each time), grouped in rounds; each round gives a median per variant
 and a paired ratio, and the summary is the median ratio with its spread. Beside
 the compared variants (on the default, lean stdio transport of fast_stdio.py) it
 measures the guarded call without fsyncs (what the guard costs in software), the
-same server on the SDK's stdio transport, and what one durable SQLite commit
+same server on the SDK's stdio transport, what duplicate detection adds (the same
+guarded no-op with `duplicates = false`), and what one durable SQLite commit
 costs in syncs on this disk (the least a guarded call can cost over an unguarded one).
 Then the ledger alone (its throughput), memory with a million ledger rows, ledger bytes per
 operation and start-up time.
@@ -60,7 +64,17 @@ from rich.table import Table
 from commitgate.server.demo.sandbox import server_pids
 from commitgate.server.model.facts import OPERATION_META, SESSION_META
 
-SECTIONS = ("double_charge", "saga", "backoff", "concurrency", "overhead", "ledger", "memory", "tracing")
+SECTIONS = (
+    "double_charge",
+    "saga",
+    "backoff",
+    "concurrency",
+    "fresh_keys",
+    "overhead",
+    "ledger",
+    "memory",
+    "tracing",
+)
 
 
 class BenchError(Exception):
@@ -123,6 +137,11 @@ retry = { attempts = 1 }
 class = "key-required"
 python = "commitgate.tools.benchtools:noop"
 retry = { attempts = 1 }
+[tools.noop_keyed_unchecked]
+class = "key-required"
+python = "commitgate.tools.benchtools:noop"
+retry = { attempts = 1 }
+duplicates = false
 """
 
 BACKOFF_POLICY = """
@@ -636,6 +655,88 @@ async def _duplicates(bench: Bench, *, processes: int, tick: Callable[[int], Non
     }
 
 
+# --- experiment 5: fresh keys -----------------------------------------------------------------------------
+# An agent whose answer was lost calls again, but with a key of its own making, new on every
+# try: the key cannot tell the retry from a new booking. Answers are lost on the client's side
+# (after the server answered), which no status check can see.
+
+FRESH_KEYS_POLICY = """
+[server]
+name = "commitgate-bench-fresh-keys"
+[ledger]
+synchronous = "FULL"
+[tools.charge_card]
+class = "key-and-status-check"
+python = "commitgate.tools.demo:charge_card"
+status_check = "commitgate.tools.demo:find_charge"
+{duplicates}
+"""
+LOST_ANSWERS = 0.5
+
+
+async def fresh_keys(bench: Bench) -> dict[str, Any]:
+    bookings = bench.scale.bookings
+    tick = bench.task("5 fresh keys", 2 * bookings)
+    return {
+        "client": f"mints a new idempotency_key on every try; {LOST_ANSWERS:.0%} of answers are lost before it "
+        "reads them; it stops at the first answer it reads (a success, or possible_duplicate with the earlier "
+        "charge's result)",
+        "without_detection": await _fresh_key_bookings(bench, detection=False, tick=tick),
+        "with_detection": await _fresh_key_bookings(bench, detection=True, tick=tick),
+    }
+
+
+async def _fresh_key_bookings(
+    bench: Bench, *, detection: bool, tick: Callable[[int], None]
+) -> dict[str, Any]:
+    arm = "detect" if detection else "nodetect"
+    text = FRESH_KEYS_POLICY.format(duplicates="" if detection else "duplicates = false")
+    params = bench.serve(bench.policy(f"fresh-keys-{arm}", text), bench.ledger(f"fresh-keys-{arm}"))
+    bookings = bench.scale.bookings
+    rng = random.Random(f"fresh-keys-{bench.scale.bookings}")  # the same losses for both arms
+    calls = 0
+    answers: Counter[str] = Counter()
+    started = time.perf_counter()
+    async with bench.connect(params) as client:
+
+        async def book(n: int) -> None:
+            nonlocal calls
+            arguments: dict[str, Any] = {"card": f"fresh-{arm}-{n}", "amount_cents": 100 + n % 900}
+            while True:
+                calls += 1
+                arguments["idempotency_key"] = f"booking-{n}-{uuid.uuid4().hex[:8]}"  # the naive part
+                result = await client.call_tool("charge_card", arguments)
+                code = error_code(result) or "success"
+                if rng.random() < LOST_ANSWERS:
+                    continue  # the answer never reached the agent
+                answers[code] += 1
+                if code in ("success", "possible_duplicate"):
+                    break
+                if calls > 100 * bookings:
+                    raise BenchError(f"fresh keys ({arm}): booking {n} never settled: {result.content}")
+            tick(1)
+
+        await pool(bookings, bench.scale.agents, book)
+    seconds = time.perf_counter() - started
+    from commitgate.tools import demo
+
+    per_booking = Counter(
+        row["card"] for row in demo.rows("charges") if str(row["card"]).startswith(f"fresh-{arm}-")
+    )
+    charges = sum(per_booking.values())
+    return {
+        "bookings": bookings,
+        "calls": calls,
+        "charges": charges,
+        "duplicate_charges": charges - bookings,
+        "duplicate_rate": round((charges - bookings) / bookings, 4),
+        "double_charged_bookings": sum(1 for c in per_booking.values() if c > 1),
+        "uncharged_bookings": bookings - len(per_booking),
+        "answers_read": dict(answers),
+        "seconds": round(seconds, 2),
+    }
+
+
 # --- overhead: guarded, replayed and plain-SDK calls ---------------------------------------------------------------------------------
 
 
@@ -707,6 +808,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "unguarded_over_plain_sdk": ratio("unguarded", "plain_sdk"),
             "sdk_stdio_unguarded_over_unguarded": ratio("unguarded_sdk_stdio", "unguarded"),
             "guarded_no_fsync_over_unguarded": ratio("guarded_no_fsync", "unguarded"),
+            "guarded_over_guarded_no_detection": ratio("guarded", "guarded_no_detection"),
         },
         "variants": {
             "unguarded, guarded, replay": "commitgate serve as users get it (the lean stdio transport)",
@@ -716,6 +818,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "commit_sync_us": sync_us,
         "guarded_over_unguarded_floor": round(1 + 2 * sync_us / unguarded, 3),
         "syncs_in_server": _syncs_in_server(by_name),
+        "duplicate_lookup": _duplicate_lookup(by_name),
         "ledger_bytes_per_operation": _bytes_per_operation(ledger),
     }
 
@@ -728,7 +831,11 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
     run = uuid.uuid4().hex[:8]
 
     def new_key(r: int, i: int) -> dict[str, Any]:
-        return {"n": i, "idempotency_key": f"{run}-{r}-{i}"}
+        # arguments of their own too: the same ones under a new key would be a possible duplicate
+        return {"n": (r + 2) * 1_000_000 + i, "idempotency_key": f"{run}-{r}-{i}"}
+
+    def other_new_key(r: int, i: int) -> dict[str, Any]:  # another tool on the same ledger: its own keys
+        return {**new_key(r, i), "idempotency_key": f"{run}-unchecked-{r}-{i}"}
 
     def seen_key(r: int, i: int) -> dict[str, Any]:
         return new_key(-1, i % _REPLAY_KEYS)  # a call the warm-up made (the guarded variant warms up first)
@@ -740,6 +847,7 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
     return [
         _Variant("unguarded", gate, "noop", bare, None),
         _Variant("guarded", gate, "noop_keyed", new_key, False),
+        _Variant("guarded_no_detection", gate, "noop_keyed_unchecked", other_new_key, False),
         _Variant("replay", gate, "noop_keyed", seen_key, True),
         _Variant("plain_sdk", clients["plain"], "noop", bare, None),
         _Variant("guarded_no_fsync", clients["no_fsync"], "noop_keyed", new_key, False),
@@ -780,6 +888,22 @@ def _syncs_in_server(by_name: dict[str, _Variant]) -> dict[str, dict[str, float]
     return {
         "us_per_call": spread([g - n for g, n, _ in added], 1),
         "added_to_guarded_ratio": spread([(g - n) / u for g, n, u in added]),
+    }
+
+
+def _duplicate_lookup(by_name: dict[str, _Variant]) -> dict[str, dict[str, float]]:
+    """What duplicate detection (one indexed lookup in the claim, one more index entry) adds to a
+    guarded call: guarded minus the same tool with `duplicates = false`, per round."""
+    rounds = zip(
+        by_name["guarded"].samples,
+        by_name["guarded_no_detection"].samples,
+        by_name["unguarded"].samples,
+        strict=True,
+    )
+    added = [(statistics.median(g), statistics.median(n), statistics.median(u)) for g, n, u in rounds]
+    return {
+        "us_per_call": spread([g - n for g, n, _ in added], 1),
+        "added_to_G1": spread([(g - n) / u for g, n, u in added]),
     }
 
 
@@ -922,6 +1046,7 @@ RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
     "saga": saga,
     "backoff": backoff,
     "concurrency": concurrency,
+    "fresh_keys": fresh_keys,
     "overhead": overhead,
     "ledger": ledger_alone,
     "memory": memory,
@@ -1059,6 +1184,10 @@ def checks(results: dict[str, Any]) -> dict[str, bool]:
             saga_figures["charged_without_confirmation_after"] == 0
         )
         out["saga: no refund issued twice"] = saga_figures["refunds_issued_twice"] == 0
+    if "fresh_keys" in results:
+        out["fresh keys: no duplicate charge with duplicate detection"] = (
+            results["fresh_keys"]["with_detection"]["duplicate_charges"] == 0
+        )
     if "concurrency" in results:
         for mode in ("one_process", "several_processes"):
             figures = results["concurrency"][mode]
@@ -1141,6 +1270,7 @@ def results_table(results: dict[str, Any]) -> Table:
         ("saga", _rows_saga),
         ("backoff", _rows_backoff),
         ("concurrency", _rows_concurrency),
+        ("fresh_keys", _rows_fresh_keys),
         ("overhead", _rows_overhead),
         ("ledger", _rows_ledger),
         ("memory", _rows_memory),
@@ -1262,6 +1392,28 @@ def _rows_concurrency(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_fresh_keys(results: dict[str, Any]) -> list[Row]:
+    off, on = results["fresh_keys"]["without_detection"], results["fresh_keys"]["with_detection"]
+    return [
+        (
+            "5 fresh keys",
+            "new key per retry, no duplicate detection: duplicate charges",
+            f"{off['duplicate_charges']} / {off['bookings']} bookings ({off['duplicate_rate']:.0%}), "
+            f"{off['calls']} calls",
+            "≈ 1 per booking at 50 % lost answers",
+            "—",
+        ),
+        (
+            "5 fresh keys",
+            "new key per retry, duplicate detection (default): duplicate charges",
+            f"{on['duplicate_charges']}  ({on['calls']} calls; "
+            f"{on['answers_read'].get('possible_duplicate', 0)} possible_duplicate answers read)",
+            "0",
+            _verdict(on["duplicate_charges"] == 0),
+        ),
+    ]
+
+
 def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     figures, goal = results["overhead"], results["goals"]
     calls = figures["per_call_us"]
@@ -1313,6 +1465,17 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
                 "what the 2 disk syncs add to guarded ÷ unguarded (guarded minus synchronous=NORMAL)",
                 f"+{_ratio_text(syncs['added_to_guarded_ratio'])}; {syncs['us_per_call']['median']:.0f} µs per call",
                 "the whole target allows +0.15",
+                "—",
+            )
+        )
+    lookup = figures.get("duplicate_lookup")
+    if lookup:
+        rows.append(
+            (
+                "overhead",
+                "what duplicate detection adds to G1 (guarded minus duplicates = false)",
+                f"+{_ratio_text(lookup['added_to_G1'])}; {lookup['us_per_call']['median']:.0f} µs per call",
+                "an indexed lookup in the claim",
                 "—",
             )
         )
