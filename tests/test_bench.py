@@ -54,6 +54,7 @@ def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]
         "saga",
         "backoff",
         "concurrency",
+        "fresh_keys",
         "overhead",
         "ledger",
         "memory",
@@ -88,6 +89,11 @@ def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]
         assert sum(figures["answers"].values()) == figures["calls"]
     assert quick_run["concurrency"]["several_processes"]["processes"] >= 2
 
+    off, on = quick_run["fresh_keys"]["without_detection"], quick_run["fresh_keys"]["with_detection"]
+    assert off["duplicate_charges"] == off["charges"] - off["bookings"] > 0  # a new key per retry
+    assert on["charges"] == on["bookings"] and on["duplicate_charges"] == 0
+    assert on["uncharged_bookings"] == 0 and on["answers_read"]["possible_duplicate"] > 0
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(320)
@@ -108,8 +114,8 @@ def test_quick_bench_figures_are_sane(quick_run: dict[str, Any]) -> None:
     per_call = quick_run["overhead"]["per_call_us"]
     assert set(per_call) >= {"unguarded", "guarded", "replay", "plain_sdk"}
     assert all(figure["median"] > 0 for figure in per_call.values())
-    syncs = quick_run["overhead"]["syncs_in_server"]
-    for figure in (syncs["us_per_call"], syncs["added_to_guarded_ratio"]):
+    syncs, lookup = quick_run["overhead"]["syncs_in_server"], quick_run["overhead"]["duplicate_lookup"]
+    for figure in (syncs["us_per_call"], syncs["added_to_guarded_ratio"], lookup["us_per_call"], lookup["added_to_guarded_ratio"]):
         assert figure["min"] <= figure["median"] <= figure["max"]
 
     memory = quick_run["memory"]

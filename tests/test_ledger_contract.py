@@ -542,6 +542,8 @@ async def test_micro_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> N
     for name in ("sequential_claim_complete", "dedup_hit"):
         assert figures[name]["ops"] == 40
         assert 0 < figures[name]["median_us"] <= figures[name]["p99_us"]
+    lookup = figures["duplicate_lookup"]
+    assert lookup["ops"] == 40 and lookup["on_median_us"] > 0 and lookup["off_median_us"] > 0
     concurrent = figures["concurrent_claim_complete"]
     assert (concurrent["tasks"], concurrent["ops"]) == (4, 40)
     assert concurrent["ops_per_s"] > 0 and concurrent["mean_batch"] >= 1

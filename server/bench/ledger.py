@@ -2,9 +2,11 @@
 
     python -m commitgate.server.bench.ledger [--ops N] [--tasks 64] [--ledger PATH|URL] [--json]
 
-Three figures, each on the same durable ledger (synchronous=FULL unless told):
+Four figures, each on the same durable ledger (synchronous=FULL unless told):
   * sequential claim + complete: one call at a time, the latency a lone agent sees;
   * dedup hit: a claim of an already SUCCEEDED key (what every replay costs);
+  * duplicate lookup: sequential claim + complete with duplicate detection on and
+    off, interleaved call by call: what the lookup inside the claim adds;
   * concurrent claim + complete: `tasks` asyncio tasks sharing one ledger, the
     throughput group commit buys, with its p99 latency and mean batch size.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import sys
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from commitgate.server.ledger import open_ledger
-from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, Transition
+from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateCheck, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
@@ -32,18 +35,24 @@ _RESULT = ToolResult([{"type": "text", "text": '{"ok":true}'}], {"ok": True})
 _ARGUMENTS = '{"amount_cents":500,"card":"4242"}'
 
 
-def _request(session: str, step: str) -> ClaimRequest:
+_DETECTION = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
+
+
+def _request(session: str, step: str, detection: bool = False) -> ClaimRequest:
+    # With detection on, each operation has arguments of its own (else all would be duplicates).
+    fingerprint = hashlib.sha256(f"{session}/{step}".encode()).hexdigest() if detection else "f" * 64
     return ClaimRequest(
         principal="bench",
         session=session,
         step=step,
         tool="charge_card",
         idempotency_class=IdempotencyClass.KEY_REQUIRED,
-        fingerprint="f" * 64,
+        fingerprint=fingerprint,
         arguments_json=_ARGUMENTS,
         owner="bench:0:0",
         lease_seconds=30.0,
         retention_seconds=86400.0,
+        duplicates=_DETECTION if detection else None,
     )
 
 
@@ -52,9 +61,9 @@ _SUCCEEDED = Transition(
 )
 
 
-async def claim_and_complete(ledger: Ledger, session: str, step: str) -> None:
+async def claim_and_complete(ledger: Ledger, session: str, step: str, detection: bool = False) -> None:
     """What one first-time guarded call costs the ledger: a claim, then its outcome."""
-    claim = await ledger.claim(_request(session, step), time.time())
+    claim = await ledger.claim(_request(session, step, detection), time.time())
     if claim.kind is not ClaimKind.NEW:
         raise RuntimeError(f"benchmark key {step!r} was not new: {claim.kind}")
     now = time.time()  # as the boundary records an outcome: with the operation it holds
@@ -97,6 +106,26 @@ async def _dedup(ledger: Ledger, ops: int) -> dict[str, float]:
     keys = max(1, min(ops, 100))
     samples = [await _timed(dedup_hit, ledger, "seq", f"k{i % keys}") for i in range(ops)]
     return {"ops": ops, **_latency_us(samples)}
+
+
+async def claim_and_complete_detecting(ledger: Ledger, session: str, step: str) -> None:
+    await claim_and_complete(ledger, session, step, detection=True)
+
+
+async def _lookup_cost(ledger: Ledger, ops: int) -> dict[str, float]:
+    """Claim + complete with and without duplicate detection, alternating call by call."""
+    off: list[float] = []
+    on: list[float] = []
+    for i in range(ops):
+        off.append(await _timed(claim_and_complete, ledger, "lookup-off", f"k{i}"))
+        on.append(await _timed(claim_and_complete_detecting, ledger, "lookup-on", f"k{i}"))
+    added = [b - a for a, b in zip(off, on, strict=True)]
+    return {
+        "ops": ops,
+        "off_median_us": round(statistics.median(off) * 1e6, 1),
+        "on_median_us": round(statistics.median(on) * 1e6, 1),
+        "added_median_us": round(statistics.median(added) * 1e6, 1),
+    }
 
 
 async def _concurrent(ledger: Ledger, ops: int, tasks: int) -> dict[str, float]:
@@ -158,6 +187,7 @@ async def run_ledger_bench(
             "synchronous": synchronous,
             "sequential_claim_complete": await _sequential(ledger, ops),
             "dedup_hit": await _dedup(ledger, ops),
+            "duplicate_lookup": await _lookup_cost(ledger, ops),
             "concurrent_claim_complete": await _concurrent(ledger, ops, tasks),
         }
     finally:
@@ -173,6 +203,11 @@ def _print_table(figures: dict[str, Any]) -> None:
     )
     print(f"sequential claim+complete  median {seq['median_us']:>8} µs   p99 {seq['p99_us']:>8} µs")
     print(f"dedup hit                  median {dedup['median_us']:>8} µs   p99 {dedup['p99_us']:>8} µs")
+    lookup = figures["duplicate_lookup"]
+    print(
+        f"duplicate detection        median {lookup['on_median_us']:>8} µs vs {lookup['off_median_us']} µs off"
+        f"   adds {lookup['added_median_us']} µs per claim+complete"
+    )
     batch = f"   mean batch {conc['mean_batch']}" if "mean_batch" in conc else ""
     print(
         f"{conc['tasks']} tasks claim+complete   {conc['ops_per_s']:>10} ops/s   p99 {conc['p99_us']:>8} µs{batch}"

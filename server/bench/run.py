@@ -903,7 +903,7 @@ def _duplicate_lookup(by_name: dict[str, _Variant]) -> dict[str, dict[str, float
     added = [(statistics.median(g), statistics.median(n), statistics.median(u)) for g, n, u in rounds]
     return {
         "us_per_call": spread([g - n for g, n, _ in added], 1),
-        "added_to_G1": spread([(g - n) / u for g, n, u in added]),
+        "added_to_guarded_ratio": spread([(g - n) / u for g, n, u in added]),
     }
 
 
@@ -1473,8 +1473,8 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 "overhead",
-                "what duplicate detection adds to G1 (guarded minus duplicates = false)",
-                f"+{_ratio_text(lookup['added_to_G1'])}; {lookup['us_per_call']['median']:.0f} µs per call",
+                "what duplicate detection adds to a guarded call (guarded minus duplicates = false)",
+                f"+{_ratio_text(lookup['added_to_guarded_ratio'])}; {lookup['us_per_call']['median']:.0f} µs per call",
                 "an indexed lookup in the claim",
                 "—",
             )
