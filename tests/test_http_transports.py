@@ -85,7 +85,8 @@ def new_key() -> str:
 
 
 def charge(key: str, amount: int = 500, description: str = "") -> dict[str, Any]:
-    return {"card": "4242", "amount_cents": amount, "description": description, "idempotency_key": key}
+    # each key its own charge: the same arguments under a new key would be a possible duplicate
+    return {"card": "4242", "amount_cents": amount, "description": description or key, "idempotency_key": key}
 
 
 def scrape(served: Served, principal: str | None = "alice") -> dict[tuple[str, frozenset[Any]], float]:
@@ -295,11 +296,15 @@ async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs
     async with connect(served, "alice") as alice, connect(served, "bob") as bob:
         async with anyio.create_task_group() as tg:
             for key in slow:
-                tg.start_soon(alice.call_tool, "slow_task", {"seconds": 3, "idempotency_key": key})
+                tg.start_soon(
+                    alice.call_tool, "slow_task", {"seconds": 3, "label": key, "idempotency_key": key}
+                )
             for key in slow:
                 await wait_for_state(served, key, "RUNNING")  # meta tools stay available meanwhile
-            refused = await alice.call_tool("slow_task", {"seconds": 0, "idempotency_key": extra})
-            other = await bob.call_tool("slow_task", {"seconds": 0, "idempotency_key": bobs})
+            refused = await alice.call_tool(
+                "slow_task", {"seconds": 0, "label": extra, "idempotency_key": extra}
+            )
+            other = await bob.call_tool("slow_task", {"seconds": 0, "label": bobs, "idempotency_key": bobs})
             status = await alice.call_tool("get_operation_status", {"idempotency_key": slow[0]})
             assert (
                 status.structured_content["operation"]["state"] == "RUNNING"
@@ -309,7 +314,7 @@ async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs
         assert refused.structured_content["error"]["operation"] is None
         assert not other.is_error  # one principal's load does not block another
         assert demo.count("tasks", idempotency_key=extra) == 0
-        later = await alice.call_tool("slow_task", {"seconds": 0, "idempotency_key": extra})
+        later = await alice.call_tool("slow_task", {"seconds": 0, "label": extra, "idempotency_key": extra})
         assert not later.is_error and operation_of(later)["replayed"] is False
     for key in [*slow, extra, bobs]:
         assert demo.count("tasks", idempotency_key=key) == 1
@@ -380,7 +385,7 @@ async def test_shutdown_lets_an_operation_in_flight_record_its_outcome(
     async def call() -> None:
         with gave_up, contextlib.suppress(Exception):  # the connection may close under it
             async with connect(served, "alice") as client:
-                await client.call_tool("slow_task", {"seconds": 1.5, "idempotency_key": key})
+                await client.call_tool("slow_task", {"seconds": 1.5, "label": key, "idempotency_key": key})
         left.set()
 
     try:
