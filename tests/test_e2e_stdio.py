@@ -603,8 +603,8 @@ async def test_stdio_calls_beyond_the_per_principal_limit_are_refused_and_nothin
     """The per-call limit holds over stdio as over HTTP: the second call in flight is refused."""
     d = Deployment.create(tmp_path / "limited", respond_within="20s", max_concurrent_per_principal=1)
     gate = tmp_path / "gate"
-    first = {"gate": str(gate), "idempotency_key": "limit-1"}
-    second = {"gate": str(gate), "idempotency_key": "limit-2"}
+    first = {"gate": str(gate), "label": "first", "idempotency_key": "limit-1"}
+    second = {"gate": str(gate), "label": "second", "idempotency_key": "limit-2"}
     async with serve(d) as server, anyio.create_task_group() as tasks:
         answers: dict[str, CallToolResult] = {}
 
