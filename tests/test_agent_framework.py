@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pydantic_ai_agent.py"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("pydantic_ai_agent", EXAMPLE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from e2e_support import Deployment, serve
+from support.e2e import Deployment, serve
 
 from commitgate.client import (
     Backoff,
@@ -27,11 +27,6 @@ from commitgate.tools.demo import DECLINED_CARD
 
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
 EMAIL = {"to": "ada@example.com", "subject": "Your order", "body": "It ships today."}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def test_the_client_imports_without_the_server_or_its_extras() -> None:

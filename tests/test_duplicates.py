@@ -24,14 +24,7 @@ from commitgate.server.ledger.sqlite._writes import DUPLICATE_IN_PRINCIPAL, DUPL
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
-pytest_plugins = ["ledger_backends"]
-
 REJECT = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def checked(step: str, check: DuplicateCheck | None = REJECT, **kw: object) -> ClaimRequest:
@@ -147,7 +140,7 @@ async def test_the_sqlite_lookup_uses_its_index(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_the_postgres_lookup_uses_its_index() -> None:
     import asyncpg
-    from pg_support import fresh_url
+    from support.postgres import fresh_url
 
     from commitgate.server.ledger.postgres import PostgresLedger
 

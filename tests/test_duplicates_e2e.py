@@ -18,7 +18,10 @@ from typing import Any
 
 import anyio
 import pytest
-from e2e_support import (
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.types import CallToolResult
+from support.e2e import (
     CONSOLE_SCRIPT,
     TOOLS_TOML,
     Deployment,
@@ -30,9 +33,6 @@ from e2e_support import (
     policy_toml,
     serve,
 )
-from mcp import Client, StdioServerParameters
-from mcp.client.stdio import stdio_client
-from mcp.types import CallToolResult
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +50,6 @@ timeout = "10s"
 class = "safe-retry"
 python = "commitgate.tools.demo:get_balance"
 """
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def deployment(
@@ -299,7 +294,7 @@ async def serve_on(d: Deployment, ledger_url: str, faults: str = "") -> AsyncIte
 @pytest.mark.anyio
 @pytest.mark.postgres
 async def test_n_concurrent_fresh_keys_on_one_postgres_ledger_charge_once(tmp_path: Path) -> None:
-    from pg_support import fresh_url
+    from support.postgres import fresh_url
 
     url = await fresh_url()
     d = deployment(tmp_path)
