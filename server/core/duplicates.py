@@ -7,7 +7,7 @@ scope answers `possible_duplicate` and executes nothing. The ledger decides it i
 (`DuplicateCheck`), so concurrent fresh-key copies cannot all get through.
 
 Here: the policy turned into the claim's check, the optional `confirm_duplicate` argument, and
-the answer the model reads.
+the answer the model reads. The contract: docs/contract.md#duplicates.
 """
 
 from __future__ import annotations

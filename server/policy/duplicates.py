@@ -2,7 +2,7 @@
 
 A model that lost its context, or a workflow restarted under a new run id, calls again with a
 new key; the key cannot catch that, the arguments can. The option is on by default for every
-keyed tool; `duplicates = false` turns it off.
+keyed tool; `duplicates = false` turns it off (docs/policy.md#duplicates).
 """
 
 from __future__ import annotations
