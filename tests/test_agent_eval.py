@@ -54,15 +54,24 @@ async def careful_agent(client: Client, session: str, order: str) -> dict[str, A
     return {"charge": charge, "refund": refund}
 
 
-async def hasty_agent(client: Client, session: str, charge_id: str) -> None:
-    """Refunds, and on a lost answer refunds again under a new key: the bug evals must catch."""
+async def hasty_agent(
+    client: Client, session: str, charge_id: str, *, insist: bool = False
+) -> CallToolResult:
+    """Refunds, and on a lost answer refunds again under a new key: the bug evals must catch.
+
+    commitgate refuses that re-issue as `possible_duplicate`; an agent that `insist`s confirms it."""
+    answer = None
     for attempt in range(2):
         try:
-            arguments = {"charge_id": charge_id, "amount_cents": 100, "idempotency_key": f"refund-{attempt}"}
-            await call(client, session, "refund", arguments)
-            return
+            arguments: dict[str, Any] = {"charge_id": charge_id, "amount_cents": 100}
+            arguments["idempotency_key"] = f"refund-{attempt}"
+            if insist and attempt:
+                arguments["confirm_duplicate"] = True
+            answer = await call(client, session, "refund", arguments)
+            return answer
         except MCPError:
             continue
+    raise AssertionError("refund never answered")
 
 
 async def test_lost_answers_leave_exactly_one_charge_and_one_refund(gate: Gate) -> None:
@@ -91,12 +100,25 @@ async def test_assert_effects_catches_an_agent_that_refunds_twice(gate: Gate) ->
     )
     await gate.lose_next_answer("refund")
     assert charge.structured_content is not None
-    await hasty_agent(gate.client, "run-9", charge.structured_content["charge_id"])
+    await hasty_agent(gate.client, "run-9", charge.structured_content["charge_id"], insist=True)
     assert demo.count("refunds", session="run-9") == 2
     with pytest.raises(
         AssertionError, match=r"expected exactly 1 .* refund in session 'run-9', the ledger holds 2"
     ):
         await gate.assert_effects("refund", exactly=1, session="run-9")
+
+
+async def test_a_re_issue_under_a_new_key_is_refused_as_a_possible_duplicate(gate: Gate) -> None:
+    charge = await call(
+        gate.client, "run-10", "charge_card", {"card": CARD, "amount_cents": 1000, "idempotency_key": "c"}
+    )
+    await gate.lose_next_answer("refund")
+    assert charge.structured_content is not None
+    answer = await hasty_agent(gate.client, "run-10", charge.structured_content["charge_id"])
+    assert answer.is_error and answer.structured_content is not None
+    assert answer.structured_content["error"]["code"] == "possible_duplicate"
+    await gate.assert_effects("refund", exactly=1, session="run-10")
+    assert demo.count("refunds", session="run-10") == 1
 
 
 def test_the_plugin_loads_by_its_entry_point_in_a_users_suite(tmp_path: Path, sandbox: Path) -> None:
@@ -120,8 +142,8 @@ def test_the_plugin_loads_by_its_entry_point_in_a_users_suite(tmp_path: Path, sa
 
             @pytest.mark.anyio
             async def test_twice(gate):
-                for key in ("k1", "k2"):
-                    await gate.client.call_tool("send_email", {**EMAIL, "idempotency_key": key})
+                for key in ("k1", "k2"):  # two emails: the same one under a new key would be refused
+                    await gate.client.call_tool("send_email", {**EMAIL, "body": key, "idempotency_key": key})
                 await gate.assert_effects("send_email", exactly=1)
             """
         )

@@ -189,9 +189,10 @@ class Verifier:
     def tool(self) -> str:
         return self.options.tool
 
-    @property
-    def session(self) -> str:
-        return f"commitgate-verify-{self.run_id}"
+    def session(self, key: str) -> str:
+        """Each test in a session of its own: the tests repeat the same arguments under new keys, which
+        in one session duplicate detection would (rightly) refuse as a re-issue of the same action."""
+        return f"commitgate-{key}"
 
     @property
     def principal(self) -> str:
@@ -238,7 +239,7 @@ class Verifier:
         return report
 
     async def call(self, key: str) -> CallToolResult:
-        return await self.gate.call(self.tool, self.arguments, key=key, session=self.session)
+        return await self.gate.call(self.tool, self.arguments, key=key, session=self.session(key))
 
     async def lost_answer(self) -> Check:
         key, before = self.key("lost-answer"), await self.gate.invocations(self.tool)
@@ -319,13 +320,15 @@ class Verifier:
         return Evidence(None, None, invocations)
 
     async def operation(self, key: str) -> Operation | None:
-        found = await self.gate.ledger.find(OperationFilter(None, self.session, None, self.tool, limit=1000))
+        found = await self.gate.ledger.find(
+            OperationFilter(None, self.session(key), None, self.tool, limit=1000)
+        )
         return next((op for op in found if op.step == key), None)
 
     async def context(self, key: str) -> OperationContext:
         op = await self.operation(key)
         if op is None:
-            return context_for(key, self.session, self.principal, self.tool)
+            return context_for(key, self.session(key), self.principal, self.tool)
         return OperationContext(op.step, op.session, op.operation_id, op.attempts, op.principal, self.tool)
 
     async def status(self, ctx: OperationContext) -> tuple[ToolResult | None, str | None]:
@@ -359,7 +362,7 @@ class Verifier:
 
     async def status_not_found(self) -> Check:
         name, key = "status check: not found for a new key", self.key("never-used")
-        found, error = await self.status(context_for(key, self.session, self.principal, self.tool))
+        found, error = await self.status(context_for(key, self.session(key), self.principal, self.tool))
         if error is not None:
             return Check(name, "claim", False, f"it raised instead of saying not found: {_line(error)}")
         if found is not None:
@@ -368,7 +371,7 @@ class Verifier:
 
     async def forwards_key(self) -> Check:
         name, key = "forwards_key: the downstream dedups", self.key("direct")
-        ctx = context_for(key, self.session, self.principal, self.tool)
+        ctx = context_for(key, self.session(key), self.principal, self.tool)
         try:
             first = await self.source.call(self.arguments, ctx)
             second = await self.source.call(self.arguments, ctx)
