@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,8 @@ def example() -> ModuleType:
     return module
 
 
-def sandbox(example: ModuleType, root: Path) -> object:
+def sandbox(example: ModuleType, root: Path) -> Any:
+    """The example's Sandbox (the example is loaded from its file, so its types are not known here)."""
     root.mkdir()
     return example.Sandbox(root)
 
