@@ -147,7 +147,8 @@ def _cpu_seconds(pid: int) -> float:
 
 def _keys(prefix: str) -> Any:
     def arguments(r: int, i: int) -> dict[str, Any]:
-        return {"n": i, "idempotency_key": f"{prefix}-{r}-{i}"}
+        # arguments of their own per call: the same ones under a new key would be a possible duplicate
+        return {"n": (r + 2) * 1_000_000 + i, "idempotency_key": f"{prefix}-{r}-{i}"}
 
     return arguments
 
