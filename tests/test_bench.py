@@ -115,7 +115,12 @@ def test_quick_bench_figures_are_sane(quick_run: dict[str, Any]) -> None:
     assert set(per_call) >= {"unguarded", "guarded", "replay", "plain_sdk"}
     assert all(figure["median"] > 0 for figure in per_call.values())
     syncs, lookup = quick_run["overhead"]["syncs_in_server"], quick_run["overhead"]["duplicate_lookup"]
-    for figure in (syncs["us_per_call"], syncs["added_to_guarded_ratio"], lookup["us_per_call"], lookup["added_to_guarded_ratio"]):
+    for figure in (
+        syncs["us_per_call"],
+        syncs["added_to_guarded_ratio"],
+        lookup["us_per_call"],
+        lookup["added_to_guarded_ratio"],
+    ):
         assert figure["min"] <= figure["median"] <= figure["max"]
 
     memory = quick_run["memory"]

@@ -53,7 +53,9 @@ async def gateway(policy_file: Path) -> AsyncIterator[Gateway]:
 
 async def ticket(gw: Gateway, key: Any, session: Any = "s1") -> CallToolResult:
     meta = {"commitgate/session": session}
-    return await gw.call_tool("create_ticket", {"title": "printer", "idempotency_key": key}, meta, None)
+    return await gw.call_tool(
+        "create_ticket", {"title": f"printer {key}", "idempotency_key": key}, meta, None
+    )
 
 
 def code_of(result: CallToolResult) -> str | None:
