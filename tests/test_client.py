@@ -78,7 +78,7 @@ async def test_a_restarted_run_replays_its_steps_instead_of_acting_again(tmp_pat
 @pytest.mark.anyio
 async def test_typed_errors_carry_the_operation(tmp_path: Path) -> None:
     d = Deployment.create(tmp_path)
-    async with serve(d, faults="send_email.lose_ack=1") as server:
+    async with serve(d, faults="send_email.lose_ack=1x") as server:
         gate = Gate(server.client, session="run-1")
         first = await gate.call("charge_card", CHARGE, step="charge")
         with pytest.raises(KeyReused) as reused:

@@ -273,7 +273,7 @@ def assert_exactly_one_went_through(results: list[CallToolResult]) -> None:
 @pytest.mark.anyio
 async def test_n_concurrent_fresh_keys_on_one_sqlite_ledger_charge_once(tmp_path: Path) -> None:
     d = deployment(tmp_path)
-    slow = "charge_card.latency=0.3"  # the copies arrive while the first is still running
+    slow = "charge_card.latency=300ms"  # the copies arrive while the first is still running
     async with serve(d, faults=slow) as one, serve(d, faults=slow) as two:
         results = await fresh_keys_together([one, two], "burst")
     assert_exactly_one_went_through(results)
@@ -298,7 +298,7 @@ async def test_n_concurrent_fresh_keys_on_one_postgres_ledger_charge_once(tmp_pa
 
     url = await fresh_url()
     d = deployment(tmp_path)
-    slow = "charge_card.latency=0.3"
+    slow = "charge_card.latency=300ms"
     async with serve_on(d, url, slow) as one, serve_on(d, url, slow) as two:
         results = await fresh_keys_together([one, two], "burst")
         assert_exactly_one_went_through(results)
