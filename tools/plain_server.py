@@ -1,4 +1,4 @@
-"""A plain MCP SDK server with one no-op tool over stdio: the baseline of goal G4 in `commitgate bench`.
+"""A plain MCP SDK server with one no-op tool over stdio: what `commitgate bench` compares a guarded call with.
 
     python -m commitgate.tools.plain_server
 
