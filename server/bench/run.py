@@ -676,7 +676,7 @@ LOST_ANSWERS = 0.5
 
 async def fresh_keys(bench: Bench) -> dict[str, Any]:
     bookings = bench.scale.bookings
-    tick = bench.task("5 fresh keys", 2 * bookings)
+    tick = bench.task("fresh keys", 2 * bookings)
     return {
         "client": f"mints a new idempotency_key on every try; {LOST_ANSWERS:.0%} of answers are lost before it "
         "reads them; it stops at the first answer it reads (a success, or possible_duplicate with the earlier "
@@ -1396,7 +1396,7 @@ def _rows_fresh_keys(results: dict[str, Any]) -> list[Row]:
     off, on = results["fresh_keys"]["without_detection"], results["fresh_keys"]["with_detection"]
     return [
         (
-            "5 fresh keys",
+            "fresh keys",
             "new key per retry, no duplicate detection: duplicate charges",
             f"{off['duplicate_charges']} / {off['bookings']} bookings ({off['duplicate_rate']:.0%}), "
             f"{off['calls']} calls",
@@ -1404,7 +1404,7 @@ def _rows_fresh_keys(results: dict[str, Any]) -> list[Row]:
             "—",
         ),
         (
-            "5 fresh keys",
+            "fresh keys",
             "new key per retry, duplicate detection (default): duplicate charges",
             f"{on['duplicate_charges']}  ({on['calls']} calls; "
             f"{on['answers_read'].get('possible_duplicate', 0)} possible_duplicate answers read)",
