@@ -183,7 +183,8 @@ def _settled(view: dict[str, Any]) -> GateResult:
 
 
 def _is_error(result: Any) -> bool:
-    return bool(getattr(result, "is_error", None) or getattr(result, "isError", None))
+    flag = getattr(result, "is_error", None)  # SDK v2; v1 calls it isError (v2 warns when it is read)
+    return bool(getattr(result, "isError", False) if flag is None else flag)
 
 
 def _structured(result: Any) -> dict[str, Any] | None:

@@ -1,10 +1,4 @@
-"""Helpers for the HTTP transport tests: policies, real server processes on free ports, MCP clients.
-
-Run as a script, this module is also a server launcher that does exactly what
-`commitgate serve` does for HTTP transports once server/cli.py has the flags
-`--stateless`, `--allowed-host` and `--debug-unredacted` (issue 7); until then
-the tests start servers through it, afterwards through the real CLI.
-"""
+"""Helpers for the HTTP transport tests: policies, real server processes on free ports, MCP clients."""
 
 from __future__ import annotations
 
