@@ -26,9 +26,9 @@ from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core.resolutions import (
+    Finding,
     Resolution,
     ResolutionError,
-    Verdict,
     current,
     local_operator,
     note_for,
@@ -329,12 +329,12 @@ def _resolution(args: argparse.Namespace, by: str) -> Resolution:
     if args.succeeded:
         if args.retryable:
             raise CommandError("--retryable goes with --failed")
-        return Resolution(Verdict.SUCCEEDED, by, args.reason, args.result)
+        return Resolution(Finding.SUCCEEDED, by, args.reason, args.result)
     if args.result is not None:
         raise CommandError("--result goes with --succeeded")
     if not args.reason:
         raise CommandError("--failed needs --reason: say what you found in the system of record")
-    return Resolution(Verdict.FAILED_RETRYABLE if args.retryable else Verdict.FAILED, by, args.reason)
+    return Resolution(Finding.FAILED_RETRYABLE if args.retryable else Finding.FAILED, by, args.reason)
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
 
-class Verdict(StrEnum):
+class Finding(StrEnum):
     """What the operator found in the system of record."""
 
     SUCCEEDED = "succeeded"  # it took effect: later retries replay the result
@@ -37,7 +37,7 @@ class ResolutionError(UserFacingError):
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    verdict: Verdict
+    finding: Finding
     by: str
     reason: str | None = None
     result_json: str | None = None  # succeeded only: the tool's result, replayed to later retries
@@ -54,7 +54,7 @@ def local_operator() -> str:
 def note_for(op: Operation, resolution: Resolution) -> str | None:
     """A warning worth showing before recording, or None."""
     if (
-        resolution.verdict is Verdict.SUCCEEDED
+        resolution.finding is Finding.SUCCEEDED
         and not resolution.result_json
         and op.idempotency_class is IdempotencyClass.COMPENSABLE
     ):
@@ -66,7 +66,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
     """The ledger change for `resolution`; ResolutionError when the inputs do not make one."""
     reason = (resolution.reason or "").strip() or None
     by = resolution.by
-    if resolution.verdict is Verdict.SUCCEEDED:
+    if resolution.finding is Finding.SUCCEEDED:
         reason = reason or "an operator confirmed it took effect"
         note = {"by": "operator", "operator": by, "reason": reason, "at": now, "verdict": "succeeded"}
         return Transition(
@@ -84,7 +84,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
         )
     if resolution.result_json:
         raise ResolutionError("a result goes only with a succeeded outcome", "result")
-    retryable = resolution.verdict is Verdict.FAILED_RETRYABLE
+    retryable = resolution.finding is Finding.FAILED_RETRYABLE
     state = State.FAILED_RETRYABLE if retryable else State.FAILED_FINAL
     error = {
         "outcome": "retryable" if retryable else "permanent",
