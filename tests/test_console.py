@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from starlette.routing import Route
+from support.browser import require_browser
 from support.console import (
     BASE_URL,
     EMAIL,
@@ -131,7 +132,7 @@ def test_every_answer_carries_a_strict_content_security_policy(policy: Path, led
             answer = client.get(path)
             assert answer.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
             assert answer.headers["x-frame-options"] == "DENY"
-            assert answer.headers["referrer-policy"] == "no-referrer"
+            assert answer.headers["referrer-policy"] == "same-origin"
     assert (
         "'unsafe-inline'" not in CONTENT_SECURITY_POLICY and "default-src 'none'" in CONTENT_SECURITY_POLICY
     )
@@ -524,3 +525,15 @@ def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.Captu
     missing = tmp_path / "nowhere.db"
     assert main(["console", "--ledger", f"sqlite:///{missing}", "--port", "0"]) == 1
     assert "no ledger at" in capsys.readouterr().err and not missing.exists()
+
+
+def test_browser_tests_skip_without_chromium_but_fail_under_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMMITGATE_CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="browser tests must run under CI"):
+        require_browser()

@@ -42,7 +42,7 @@ SECURITY_HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # the Origin of our own form POSTs must reach us (no-referrer sends "null")
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cache-Control": "no-store",
 }

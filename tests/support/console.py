@@ -7,7 +7,6 @@ claims on the ledger file.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
@@ -117,34 +116,30 @@ async def claim(
         await ledger.close()
 
 
-def seed(ledger_path: Path, count: int, unknown_every: int = 5) -> None:
+async def seed(ledger_path: Path, count: int, unknown_every: int = 5) -> None:
     """`count` operations in one go (for timing pages): every `unknown_every`-th one UNKNOWN."""
-
-    async def write() -> None:
-        ledger = await SQLiteLedger.open(ledger_path)
-        now = time.time()
-        try:
-            for i in range(count):
-                request = ClaimRequest(
-                    principal="agent",
-                    session=f"run-{i % 50}",
-                    step=f"step-{i}",
-                    tool=("charge_card", "send_email", "refund")[i % 3],
-                    idempotency_class=IdempotencyClass.KEY_REQUIRED,
-                    fingerprint=f"fp-{i}",
-                    arguments_json=json.dumps({"amount_cents": i, "card": "4242424242424242"}),
-                    owner="elsewhere:1:aaaa",
-                    lease_seconds=60.0,
-                    retention_seconds=86400.0,
-                )
-                op = (await ledger.claim(request, now + i * 1e-3)).operation
-                state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
-                change = Transition(state, frozenset({State.RUNNING}), "seeded", expect_fence=op.fence)
-                await ledger.update(op.operation_id, change, now + i * 1e-3)
-        finally:
-            await ledger.close()
-
-    asyncio.run(write())
+    ledger = await SQLiteLedger.open(ledger_path)
+    now = time.time()
+    try:
+        for i in range(count):
+            request = ClaimRequest(
+                principal="agent",
+                session=f"run-{i % 50}",
+                step=f"step-{i}",
+                tool=("charge_card", "send_email", "refund")[i % 3],
+                idempotency_class=IdempotencyClass.KEY_REQUIRED,
+                fingerprint=f"fp-{i}",
+                arguments_json=json.dumps({"amount_cents": i, "card": "4242424242424242"}),
+                owner="elsewhere:1:aaaa",
+                lease_seconds=60.0,
+                retention_seconds=86400.0,
+            )
+            op = (await ledger.claim(request, now + i * 1e-3)).operation
+            state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
+            change = Transition(state, frozenset({State.RUNNING}), "seeded", expect_fence=op.fence)
+            await ledger.update(op.operation_id, change, now + i * 1e-3)
+    finally:
+        await ledger.close()
 
 
 def loopback_access(operator: str = "alice") -> Access:
