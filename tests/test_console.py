@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from commitgate.server.cli.main import main
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
+from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import AuthPolicy, AuthToken
 from commitgate.server.policy.tokens import load_tokens
 from commitgate.tools import demo
@@ -537,3 +539,41 @@ def test_browser_tests_skip_without_chromium_but_fail_under_ci(
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="browser tests must run under CI"):
         require_browser()
+
+
+def test_a_compensable_operation_asks_for_the_result_its_compensation_needs(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "reserve.lose_ack=100%")
+    result = asyncio.run(call(policy, "reserve", "booking-1", resource="room-1", customer="ann"))
+    monkeypatch.delenv(demo.ENV_FAULTS)
+    assert error_code(result) == "operation_outcome_unknown"
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access()) as client:
+        page = client.get(f"/operations/{op_id}").text
+        assert "a compensation that refers to {result.X} will not find it" in page
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ({"card": CARD}, {"card": "•••• 4242"}),
+        ({"card_number": 4242424242424242}, {"card_number": "•••• 4242"}),
+        ({"cvv": "123", "pin": "0000"}, {"cvv": "***", "pin": "***"}),
+        ({"headers": {"Authorization": "Bearer abc"}}, {"headers": {"Authorization": "***"}}),
+        (
+            {"apiKey": "k", "db_password": "p", "refresh_token": "t"},
+            {"apiKey": "***", "db_password": "***", "refresh_token": "***"},
+        ),
+        ({"note": f"card {CARD} ok"}, {"note": "card •••• 4242 ok"}),
+        ({"order": "1234567890123"}, {"order": "1234567890123"}),  # not a card number (Luhn)
+        (
+            {"amount_cents": 500, "to": "ann@example.com", "items": [1, 2]},
+            {"amount_cents": 500, "to": "ann@example.com", "items": [1, 2]},
+        ),
+    ],
+)
+def test_masking_hides_credentials_and_cuts_card_numbers(
+    value: dict[str, Any], shown: dict[str, Any]
+) -> None:
+    assert mask_values(value) == shown

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch_leases
 from commitgate.server.console.rendering import history_rows, render, shown_json, shown_result, status_check
 from commitgate.server.console.security import Denied
+from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.model.facts import State
 
@@ -85,6 +86,8 @@ async def operation_page(
         "error": shown_json(op.error) if op.error is not None else None,
         "reconciliation": shown_json(op.reconciliation) if op.reconciliation is not None else None,
         "status_check": status_check(op),
+        # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
+        "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),
         "history": history_rows(history),
         "problem": problem,
         "problem_field": problem_field,
