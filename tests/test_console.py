@@ -163,6 +163,21 @@ def test_the_unknown_list_shows_each_operation_and_what_the_status_check_said(
         assert later in rows.text and "2 operations to decide." in rows.text
 
 
+def test_an_unknown_charge_shows_that_its_status_check_could_not_tell(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "charge_card.lose_ack=100%,find_charge.fail_before=100%")
+    result = asyncio.run(call(policy, "charge_card", "order-7", card="4242", amount_cents=1299))
+    monkeypatch.delenv(demo.ENV_FAULTS)
+    assert error_code(result) == "operation_outcome_unknown"
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access()) as client:
+        listed = client.get("/unknown").text
+        assert op_id in listed and "the status check could not tell" in listed
+        page = client.get(f"/operations/{op_id}").text
+        assert "the status check could not tell" in page and "cannot_tell" in page  # and its full note
+
+
 def test_a_running_operation_whose_owner_died_is_listed_as_unknown(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:

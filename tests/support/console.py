@@ -42,6 +42,12 @@ python = "commitgate.tools.demo:send_email"
 retry = {{ attempts = 1 }}
 duplicates = false  # the tests send the same email under several keys on purpose
 
+[tools.charge_card]
+class = "key-and-status-check"
+python = "commitgate.tools.demo:charge_card"
+status_check = "commitgate.tools.demo:find_charge"
+retry = {{ attempts = 1 }}
+
 [tools.reserve]
 class = "compensable"
 python = "commitgate.tools.demo:reserve"
