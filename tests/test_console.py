@@ -388,6 +388,24 @@ def test_only_unknown_operations_can_be_resolved(
     assert state_of(ledger_url, op_id) is State.FAILED_FINAL
 
 
+@pytest.mark.postgres
+def test_the_console_searches_and_resolves_on_a_postgresql_ledger() -> None:
+    from support.postgres import fresh_url
+
+    url = asyncio.run(fresh_url())
+    op_id = asyncio.run(claim(url, session="pg-run", step="pg-1"))
+    done = asyncio.run(claim(url, session="pg-run", step="pg-2", state=State.SUCCEEDED))
+    with console_client(url, loopback_access("carol")) as client:
+        assert op_id in client.get("/unknown").text
+        listed = client.get("/operations?session=pg-run&key=pg-2").text
+        assert done in listed and op_id not in listed
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        form = {"csrf_token": token, "finding": "failed", "reason": "no such charge"}
+        assert client.post(f"/operations/{op_id}/resolve", data=form).status_code == 303
+        page = client.get(f"/operations/{op_id}").text
+        assert "FAILED_FINAL" in page and "carol" in page
+
+
 # --- CSRF -----------------------------------------------------------------------------------------
 
 

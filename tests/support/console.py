@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 
 from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.security import CSRF_FIELD, Access
+from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -81,7 +82,7 @@ def error_code(result: CallToolResult) -> str | None:
 
 
 async def claim(
-    ledger_path: Path,
+    where: Path | str,
     *,
     principal: str = "agent",
     session: str = "s1",
@@ -92,8 +93,8 @@ async def claim(
     owner: str = "elsewhere:1:aaaa",
     at: float | None = None,
 ) -> str:
-    """An operation written straight into the ledger (any strings at all); its operation id."""
-    ledger = await SQLiteLedger.open(ledger_path)
+    """An operation written straight into the ledger (a SQLite file or a URL; any strings at all); its id."""
+    ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
     now = time.time() if at is None else at
     try:
         request = ClaimRequest(
