@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,6 @@ async def write_policy_ledger(policy: Path) -> None:
 
 
 def dead_owner() -> str:
-    import socket
     import subprocess
     import sys
 
@@ -610,3 +610,15 @@ def test_masking_hides_credentials_and_cuts_card_numbers(
     value: dict[str, Any], shown: dict[str, Any]
 ) -> None:
     assert mask_values(value) == shown
+
+
+def test_a_port_in_use_is_said_with_what_to_do(
+    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["console", "--ledger", ledger_url, "--port", str(port)]) == 1
+    assert "pick another with --port" in capsys.readouterr().err

@@ -10,9 +10,9 @@ import socket
 import sys
 
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
-from commitgate.server.console.security import Access, ConsoleRefused
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
+from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.masking import mask_url
 from commitgate.server.policy.models import default_policy, load_policy
 from commitgate.server.policy.tokens import AuthConfigError, load_tokens
@@ -59,14 +59,14 @@ def _port(text: str) -> int:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket, bound before the link is printed; ConsoleRefused says why it cannot be."""
+    """A listening socket, bound before the link is printed; UserFacingError says why it cannot be."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
     except (OSError, OverflowError) as exc:
-        raise ConsoleRefused(f"cannot listen on {host!r} port {port}: {exc}") from None
+        raise UserFacingError(f"cannot listen on {host!r} port {port}: {exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -74,7 +74,7 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         hint = "; pick another with --port" if exc.errno == errno.EADDRINUSE else ""
-        raise ConsoleRefused(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+        raise UserFacingError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
     return sock
 
 
@@ -83,18 +83,20 @@ def _check_ledger_exists(url: str) -> None:
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
-        raise ConsoleRefused(f"unsupported ledger URL {mask_url(url)!r}: {exc}") from None
+        raise UserFacingError(f"unsupported ledger URL {mask_url(url)!r}: {exc}") from None
     if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
-        raise ConsoleRefused(
+        raise UserFacingError(
             f"no ledger at {url} yet: start `commitgate serve` with the same policy first (it creates"
             " the ledger), or point --ledger / --policy at the one your server uses"
         )
 
 
 def cmd_console(args: argparse.Namespace) -> int:
+    # The web stack is imported only here: every other `commitgate` command builds this parser too.
     import uvicorn
 
     from commitgate.server.console.app import create_app, ledger_opener
+    from commitgate.server.console.security import Access
 
     path = args.policy or os.environ.get("COMMITGATE_POLICY")
     policy = load_policy(path) if path else default_policy()
@@ -104,7 +106,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     try:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
-        raise ConsoleRefused(str(exc)) from None
+        raise UserFacingError(str(exc)) from None
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     access = Access.for_bind(args.host, port, tokens, local_operator())
