@@ -124,7 +124,9 @@ def test_a_forged_or_foreign_cookie_is_refused(policy: Path, ledger_url: str) ->
 
 def test_on_loopback_only_loopback_host_names_are_answered(policy: Path, ledger_url: str) -> None:
     with console_client(ledger_url, loopback_access()) as client:
-        assert client.get("/unknown", headers={"Host": "localhost:8766"}).status_code == 200
+        for host in ("localhost:8766", "127.0.0.2:8766", "[::1]:8766", "127.0.0.1"):
+            assert client.get("/unknown", headers={"Host": host}).status_code == 200, host
+        assert client.get("/unknown", headers={"Host": "[bad"}).status_code == 400
         rebound = client.get("/unknown", headers={"Host": "attacker.example:8766"})
         assert rebound.status_code == 400 and "loopback" in rebound.text
 

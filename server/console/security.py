@@ -46,7 +46,6 @@ SECURITY_HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class ConsoleRefused(UserFacingError):
@@ -154,8 +153,11 @@ class Access:
         if not self.loopback:
             return
         host = request.headers.get("host", "")
-        name = urlsplit(f"//{host}").hostname or ""
-        if name not in LOOPBACK_NAMES:
+        try:
+            name = urlsplit(f"//{host}").hostname or ""
+        except ValueError:  # not even a host name
+            name = ""
+        if not is_loopback(name):
             raise Denied(400, "This console answers only to a loopback address such as 127.0.0.1.")
 
     def signed_in(self, request: Request, now: float) -> Identity | None:
