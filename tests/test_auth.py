@@ -7,8 +7,8 @@ import hmac
 
 import pytest
 
+from commitgate.server.policy import tokens
 from commitgate.server.policy.models import AuthPolicy, AuthToken
-from commitgate.server.serve import auth
 from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier, load_tokens
 from commitgate.server.serve.http import ServeRefused, check_bind, is_loopback, security_settings
 
@@ -69,7 +69,7 @@ def test_matching_compares_digests_with_every_entry(monkeypatch: pytest.MonkeyPa
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(tokens.hmac, "compare_digest", spy)
     assert table.principal_for(ALICE) == "alice"  # the first entry matches ...
     assert len(compared) == 2  # ... and the second is compared anyway: no early exit
     assert all(len(a) == len(b) == 32 for a, b in compared)  # SHA-256 digests, never raw tokens

@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "commitgate.server.demo",
             "commitgate.server.bench",
             "commitgate.server.verify",
+            "commitgate.server.console",
         ),
     ),
 ]
@@ -136,7 +137,7 @@ def test_no_layer_imports_a_higher_one() -> None:
 
 
 def test_every_layer_has_its_folder() -> None:
-    for name in ("model", "ledger", "policy", "core", "serve", "cli", "demo", "bench"):
+    for name in ("model", "ledger", "policy", "core", "serve", "cli", "demo", "bench", "console"):
         assert (ROOT / "server" / name / "__init__.py").is_file(), name
 
 

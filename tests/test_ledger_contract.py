@@ -374,6 +374,9 @@ async def test_find_lists_newest_first_and_keeps_principals_apart(ledger: Ledger
     assert await steps(principal="alice", tool="refund") == ["alice/k3"]
     assert await steps(principal="alice", limit=2) == ["alice/k3", "alice/k2"]
     assert await steps(principal="alice", older_than=T0 + 1) == ["alice/k2", "alice/k1"]
+    assert await steps(principal=None, step="k1") == ["bob/k1", "alice/k1"]
+    assert await steps(principal=None, step="k1", session="s1", tool="charge") == ["bob/k1", "alice/k1"]
+    assert await steps(principal="alice", step="k2", state=State.RUNNING) == []
 
 
 @pytest.mark.anyio

@@ -208,7 +208,7 @@ async def test_resolve_refuses_what_it_should_not_touch(
         ([done_id, "--succeeded"], f"{done_id} is SUCCEEDED: only UNKNOWN operations are resolved by hand"),
         (["op_nope", "--succeeded"], "no operation op_nope in the ledger"),
         ([unknown_id, "--failed"], "--failed needs --reason"),
-        ([unknown_id, "--succeeded", "--result", "{not json"], "--result is not valid JSON"),
+        ([unknown_id, "--succeeded", "--result", "{not json"], "--result: the result is not valid JSON"),
         ([unknown_id, "--succeeded", "--retryable"], "--retryable goes with --failed"),
     ]
     for arguments, message in cases:

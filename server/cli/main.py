@@ -191,6 +191,7 @@ _COMMAND_MODULES = (
     "commitgate.server.bench.run",
     "commitgate.tools.sandbox_api",
     "commitgate.server.verify.command",
+    "commitgate.server.console.command",
 )
 
 

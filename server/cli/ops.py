@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -26,19 +25,27 @@ from rich.text import Text
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
+from commitgate.server.core.resolutions import (
+    Finding,
+    Resolution,
+    ResolutionError,
+    current,
+    local_operator,
+    note_for,
+    resolve,
+)
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import (
     Ledger,
     LedgerUnavailable,
     OperationFilter,
-    Transition,
     open_ledger,
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
-from commitgate.server.model.facts import IdempotencyClass, State
-from commitgate.server.model.records import Operation, ToolResult, iso
+from commitgate.server.model.facts import State
+from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.models import PolicyError, default_policy, load_policy
 
 EXIT_STALE = 2
@@ -318,97 +325,37 @@ def cmd_show(args: argparse.Namespace) -> int:
 # --- ops resolve ----------------------------------------------------------------------------------
 
 
-def _operator() -> str:
-    from commitgate.server.serve.gateway import local_principal
-
-    return local_principal()
-
-
-def _resolution(args: argparse.Namespace, op: Operation, by: str, now: float) -> Transition:
-    reason = args.reason
-    note = {"by": "operator", "operator": by, "reason": reason, "at": now}
+def _resolution(args: argparse.Namespace, by: str) -> Resolution:
     if args.succeeded:
         if args.retryable:
             raise CommandError("--retryable goes with --failed")
-        reason = reason or "an operator confirmed it took effect"
-        note["reason"] = reason
-        result = _result(args.result, by, reason)
-        if args.result is None and op.idempotency_class is IdempotencyClass.COMPENSABLE:
-            print(
-                "note: no --result given; a compensation that refers to {result.X} will not find it",
-                file=sys.stderr,
-            )
-        return Transition(
-            State.SUCCEEDED,
-            frozenset({State.UNKNOWN}),
-            "resolved",
-            result=result,
-            reconciliation={**note, "verdict": "succeeded"},
-            actor=by,
-            detail={"resolution": "succeeded", "reason": reason},
-        )
-    if not reason:
-        raise CommandError("--failed needs --reason: say what you found in the system of record")
+        return Resolution(Finding.SUCCEEDED, by, args.reason, args.result)
     if args.result is not None:
         raise CommandError("--result goes with --succeeded")
-    state = State.FAILED_RETRYABLE if args.retryable else State.FAILED_FINAL
-    error = {
-        "outcome": "retryable" if args.retryable else "permanent",
-        "type": "OperatorResolution",
-        "message": f"{reason} (resolved by {by})",
-    }
-    return Transition(
-        state,
-        frozenset({State.UNKNOWN}),
-        "resolved",
-        error=error,
-        reconciliation={**note, "verdict": "failed"},
-        actor=by,
-        detail={"resolution": state.value, "reason": reason},
-    )
-
-
-def _result(text: str | None, by: str, reason: str) -> ToolResult:
-    if text is None:
-        return ToolResult.of({"resolved": "succeeded", "by": by, "reason": reason})
-    try:
-        return ToolResult.of(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise CommandError(f"--result is not valid JSON: {exc}") from None
-
-
-async def _expire_if_lease_over(ledger: Ledger, op: Operation, now: float) -> Operation:
-    """A RUNNING operation whose owner is gone is UNKNOWN at the first touch (docs/contract.md#leases)."""
-    if not lease_over(op, now):
-        return op
-    change = Transition(
-        State.UNKNOWN,
-        frozenset({State.RUNNING}),
-        "lease_expired",
-        expect_fence=op.fence,
-        error={"code": "lease_expired", "message": "the process running this operation stopped answering"},
-    )
-    return await ledger.update(op.operation_id, change, now) or await _get(ledger, op.operation_id)
+    if not args.reason:
+        raise CommandError("--failed needs --reason: say what you found in the system of record")
+    return Resolution(Finding.FAILED_RETRYABLE if args.retryable else Finding.FAILED, by, args.reason)
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
     async def body() -> int:
-        by = args.by or _operator()
+        resolution = _resolution(args, args.by or local_operator())
         now = time.time()
         async with opened(ledger_url(args)) as ledger:
             assert ledger is not None
-            op = await _expire_if_lease_over(ledger, await _get(ledger, args.operation_id), now)
-            if op.state is not State.UNKNOWN:
-                raise CommandError(
-                    f"{op.operation_id} is {op.state.value}: only UNKNOWN operations are resolved by hand"
-                )
-            resolved = await ledger.update(op.operation_id, _resolution(args, op, by, now), now)
-            if resolved is None:
-                raise CommandError(f"{op.operation_id} changed meanwhile; look again with `ops show`")
+            try:
+                op = await current(ledger, args.operation_id, now)
+                warning = note_for(op, resolution)
+                resolved = await resolve(ledger, args.operation_id, resolution, now)
+            except ResolutionError as exc:
+                flag = f"--{exc.field}: " if exc.field else ""
+                raise CommandError(flag + str(exc)) from None
+        if warning is not None:
+            print(f"note: {warning}", file=sys.stderr)
         if args.json:
             _print_json(op_view(resolved, now, details=True))
         else:
-            print(f"{resolved.operation_id}: UNKNOWN -> {resolved.state.value} (by {by})")
+            print(f"{resolved.operation_id}: UNKNOWN -> {resolved.state.value} (by {resolution.by})")
         return 0
 
     return _run(args, body)

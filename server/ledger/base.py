@@ -114,6 +114,7 @@ class OperationFilter:
     tool: str | None = None
     older_than: float | None = None
     limit: int = 50
+    step: str | None = None  # the idempotency key
 
 
 @dataclass(frozen=True, slots=True)

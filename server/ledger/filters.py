@@ -14,6 +14,7 @@ def filter_terms(where: OperationFilter) -> list[tuple[str, Any]]:
         ("session", where.session),
         ("state", where.state.value if where.state else None),
         ("tool", where.tool),
+        ("step", where.step),
     )
     terms: list[tuple[str, Any]] = [
         (f"{column} = {{}}", value) for column, value in equal if value is not None

@@ -88,3 +88,56 @@ def mask_secrets(document: Any) -> Any:
                 masked[key] = mask_secrets(value)
         return masked
     return document
+
+
+# --- values shown to people (the console): arguments, results, audit details ------------------------
+
+# Field names whose value is a credential: hidden whole.
+_SECRET_FIELD = re.compile(
+    r"passw|pwd|secret|token|api[-_]?key|apikey|access[-_]?key|private[-_]?key|credential|cookie"
+    r"|authori[sz]ation|^auth$|signature|^cvv|^cvc|security[-_]?code|^pin$|ssn",
+    re.IGNORECASE,
+)
+# Field names whose value is a payment card number: only its last four digits are shown.
+_CARD_FIELD = re.compile(r"card|^pan$|ccn|credit", re.IGNORECASE)
+# A card number written anywhere: 13 to 19 digits, possibly grouped by spaces or dashes.
+_CARD_NUMBER = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        n = int(ch)
+        if i % 2:
+            n = n * 2 - 9 if n > 4 else n * 2
+        total += n
+    return total % 10 == 0
+
+
+def _last_four(value: Any) -> str:
+    digits = re.sub(r"\D", "", str(value))
+    return f"•••• {digits[-4:]}" if len(digits) >= 4 else MASK
+
+
+def _mask_card_numbers(text: str) -> str:
+    def masked(match: re.Match[str]) -> str:
+        digits = re.sub(r"\D", "", match.group(0))
+        return _last_four(digits) if _luhn(digits) else match.group(0)
+
+    return _CARD_NUMBER.sub(masked, text)
+
+
+def mask_values(value: Any, name: str = "") -> Any:
+    """A copy of `value` (JSON-like) safe to show a person: credential fields hidden, card numbers cut to
+    their last four digits, whether named as such or found in any text (Luhn-valid digit runs)."""
+    if isinstance(value, dict):
+        return {key: mask_values(item, str(key)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [mask_values(item, name) for item in value]
+    if value is None or isinstance(value, bool):
+        return value
+    if name and _SECRET_FIELD.search(name):
+        return MASK
+    if name and _CARD_FIELD.search(name) and isinstance(value, str | int):
+        return _last_four(value)
+    return _mask_card_numbers(value) if isinstance(value, str) else value

@@ -1,107 +1,25 @@
 """Bearer tokens for the HTTP transports: `[[auth.tokens]]` → principals (docs/policy.md#auth).
 
-Only SHA-256 digests are kept in memory: a `token_env` secret is hashed once at
-load time, a `token_sha256` entry is its digest already. A presented token is
-hashed and compared with every entry by `hmac.compare_digest`, without an early
-exit, so the time taken says nothing about which entry (or how much of one)
-matched. The principal a token maps to becomes `AccessToken.client_id`, which
+The table of digests lives in the policy layer (policy/tokens.py), shared with the
+console. The principal a token maps to becomes `AccessToken.client_id`, which
 the MCP surface reads as the caller's identity (and so as part of every ledger
 key).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken
 
 from commitgate.server.policy.models import AuthPolicy
+from commitgate.server.policy.tokens import AuthConfigError, TokenTable, digest, load_tokens
+
+__all__ = ["AuthConfigError", "PolicyTokenVerifier", "TokenTable", "load_tokens", "principal_of_request"]
 
 log = logging.getLogger("commitgate.auth")
-
-MIN_TOKEN_LENGTH = 16
-TOKEN_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-
-
-class AuthConfigError(Exception):
-    """The `[auth]` section cannot be used; the message lists every problem with its location."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("[auth] cannot be used:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    digest: bytes
-    principal: str
-
-
-def digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8")).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenTable:
-    entries: tuple[_Entry, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-    def principal_for(self, token: str) -> str | None:
-        presented = digest(token)
-        found: str | None = None
-        for entry in self.entries:  # no early exit: every entry is compared every time
-            if hmac.compare_digest(presented, entry.digest) and found is None:
-                found = entry.principal
-        return found
-
-
-def load_tokens(auth: AuthPolicy | None, environ: Mapping[str, str] | None = None) -> TokenTable:
-    """The table for a policy's `[auth]`; empty when there is none. Raises AuthConfigError."""
-    if auth is None:
-        return TokenTable()
-    environ = os.environ if environ is None else environ
-    problems: list[str] = []
-    entries: list[_Entry] = []
-    owners: dict[bytes, str] = {}
-    for i, item in enumerate(auth.tokens):
-        where = f"auth.tokens[{i}]"
-        if not item.principal.strip():
-            problems.append(f"{where}.principal: must not be empty")
-            continue
-        if item.token_sha256 is not None:
-            value = bytes.fromhex(item.token_sha256)
-        else:
-            assert item.token_env is not None  # the policy model guarantees exactly one
-            secret = environ.get(item.token_env, "").strip()
-            if not secret:
-                problems.append(
-                    f"{where}.token_env: environment variable {item.token_env} is not set or empty"
-                )
-                continue
-            if len(secret) < MIN_TOKEN_LENGTH:
-                problems.append(
-                    f"{where}.token_env: the token in {item.token_env} is shorter than "
-                    f"{MIN_TOKEN_LENGTH} characters; {TOKEN_HINT}"
-                )
-                continue
-            value = digest(secret)
-        other = owners.get(value)
-        if other is not None and other != item.principal:
-            problems.append(f"{where}: the same token is also given to principal {other!r}")
-            continue
-        owners[value] = item.principal
-        entries.append(_Entry(value, item.principal))
-    if problems:
-        raise AuthConfigError(problems)
-    return TokenTable(tuple(entries))
 
 
 class PolicyTokenVerifier:

@@ -1,0 +1,133 @@
+"""`commitgate console`: serve the operator's page on a port, over the ledger a policy names."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import os
+import socket
+import sys
+
+from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.core.resolutions import local_operator
+from commitgate.server.ledger.urls import Backend, parse_ledger_url
+from commitgate.server.model.errors import UserFacingError
+from commitgate.server.policy.masking import mask_url
+from commitgate.server.policy.models import default_policy, load_policy
+from commitgate.server.policy.tokens import AuthConfigError, load_tokens
+
+DEFAULT_PORT = 8766
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    console = subparsers.add_parser(
+        "console",
+        help="a web page for operators: unknown outcomes to resolve, operations to search",
+        description="Serve the operator's console over the ledger, beside any running server."
+        " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
+        " [[auth.tokens]] in the policy.",
+    )
+    console.add_argument(
+        "--policy", help="policy whose ledger (and [[auth.tokens]]) to use (default: $COMMITGATE_POLICY)"
+    )
+    console.add_argument(
+        "--ledger", help="ledger URL, overriding the policy's, e.g. sqlite:////var/lib/commitgate/ledger.db"
+    )
+    console.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; a non-loopback one needs [[auth.tokens]] (default: 127.0.0.1)",
+    )
+    console.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"TCP port, 0 picks a free one (default: {DEFAULT_PORT})",
+    )
+    console.set_defaults(func=cmd_console)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 0-65535 (0 picks a free one)")
+    return port
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the link is printed; UserFacingError says why it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as exc:
+        raise UserFacingError(f"cannot listen on {host!r} port {port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        hint = "; pick another with --port" if exc.errno == errno.EADDRINUSE else ""
+        raise UserFacingError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
+
+
+def _check_ledger_exists(url: str) -> None:
+    """The console never creates a ledger: a typo would otherwise show an empty, reassuring page."""
+    try:
+        where = parse_ledger_url(url)
+    except ValueError as exc:
+        raise UserFacingError(f"unsupported ledger URL {mask_url(url)!r}: {exc}") from None
+    if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
+        raise UserFacingError(
+            f"no ledger at {url} yet: start `commitgate serve` with the same policy first (it creates"
+            " the ledger), or point --ledger / --policy at the one your server uses"
+        )
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    # The web stack is imported only here: every other `commitgate` command builds this parser too.
+    import uvicorn
+
+    from commitgate.server.console.app import create_app, ledger_opener
+    from commitgate.server.console.security import Access
+
+    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    policy = load_policy(path) if path else default_policy()
+    url, why = ledger_choice(args.ledger, policy, path)
+    say_ledger(url, why)
+    _check_ledger_exists(url)
+    try:
+        tokens = load_tokens(policy.auth)
+    except AuthConfigError as exc:
+        raise UserFacingError(str(exc)) from None
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    access = Access.for_bind(args.host, port, tokens, local_operator())
+    shown_host = f"[{host}]" if ":" in host else host
+    if access.console_token is not None:
+        link = f"http://{shown_host}:{port}/?token={access.console_token}"
+        print(f"commitgate: console at {link}", flush=True)
+        print("commitgate: the link signs you in; anyone with it can resolve operations", flush=True)
+    else:
+        print(f"commitgate: console at http://{shown_host}:{port}/", flush=True)
+        print(
+            "commitgate: sign in with ?token=YOUR_TOKEN (a token of [[auth.tokens]]) or a bearer header",
+            flush=True,
+        )
+    app = create_app(ledger_opener(url), access)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    try:
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sock.close()
+    print("commitgate: console stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,125 @@
+"""Pages from templates: one Jinja environment that escapes every value, and how operations are shown.
+
+Everything an agent or a client sent (sessions, keys, arguments, results, error texts) reaches a
+template as data and is escaped there; nothing is marked safe. Secret-looking fields are masked
+before they reach a template at all (policy/masking.py: credentials hidden, card numbers cut to
+their last four digits).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
+
+from commitgate.server.ledger.base import AuditEntry
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import Verdict
+from commitgate.server.model.records import Operation, ToolResult
+from commitgate.server.policy.masking import mask_values
+
+HERE = Path(__file__).resolve().parent
+TEMPLATES = HERE / "templates"
+STATIC = HERE / "static"
+
+_environment = Environment(
+    loader=FileSystemLoader(TEMPLATES),
+    autoescape=True,  # every template, whatever its name: nothing from a client is ever trusted
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def moment(ts: float | None) -> str:
+    """A time as people read it in a list: UTC, to the second."""
+    if ts is None:
+        return ""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso_time(ts: float | None) -> str:
+    return "" if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def shown_json(value: Any) -> str:
+    """Masked, indented JSON for a <pre> block (escaped by the template, like every value)."""
+    return json.dumps(mask_values(value), indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(mask_values(value), ensure_ascii=False, sort_keys=True, default=str)
+
+
+def shown_result(result: ToolResult | None) -> str | None:
+    """A result's structured content, or its text blocks (JSON text is masked like any value)."""
+    if result is None:
+        return None
+    if result.structured is not None:
+        return shown_json(result.structured)
+    texts = [block.get("text", "") for block in result.content if block.get("type") == "text"]
+    parts = []
+    for text in texts:
+        try:
+            parts.append(shown_json(json.loads(text)))
+        except ValueError:
+            parts.append(str(mask_values(text)))
+    return "\n".join(parts) or shown_json(result.content)
+
+
+def status_check(op: Operation) -> str | None:
+    """What the status check said about an operation, in a sentence; None when nobody asked."""
+    note = op.reconciliation or {}
+    verdict = note.get("verdict")
+    if note.get("by") == "operator":
+        return f"resolved by {note.get('operator')}: {note.get('reason')}"
+    if verdict == Verdict.CANNOT_TELL:
+        return f"the status check could not tell: {mask_values(str(note.get('error') or 'no reason given'))}"
+    if verdict == Verdict.NOT_FOUND:
+        return "the status check found no trace of it"
+    if verdict == Verdict.FOUND:
+        return "the status check found it in the system of record"
+    if op.state is not State.UNKNOWN:
+        return None
+    if op.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK:
+        return "the status check has not answered yet"
+    return f"no status check: a {op.idempotency_class.value} tool cannot be asked, so a person decides"
+
+
+def history_rows(entries: list[AuditEntry]) -> list[dict[str, Any]]:
+    return [
+        {
+            "at": moment(entry.at),
+            "iso": iso_time(entry.at),
+            "event": entry.event,
+            "change": " → ".join(s for s in (entry.from_state, entry.to_state) if s),
+            "attempt": entry.fence,
+            "actor": entry.actor or "",
+            "detail": compact_json(entry.detail) if entry.detail else "",
+        }
+        for entry in entries
+    ]
+
+
+def render(request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    """A page in the console's layout: navigation, who is signed in, and the form token."""
+    identity = getattr(request.state, "identity", None)
+    access = request.app.state.access
+    values = {
+        "pages": request.app.state.pages,
+        "current": request.url.path,
+        "identity": identity,
+        "csrf_token": access.csrf_token(identity) if identity is not None else "",
+        "moment": moment,
+        "iso_time": iso_time,
+        "compact_json": compact_json,
+        "shown_json": shown_json,
+        **context,
+    }
+    html = _environment.get_template(template).render(values)
+    return HTMLResponse(html, status_code=status_code)

@@ -1,0 +1,217 @@
+"""Who may use the console, and how its pages defend themselves.
+
+Two ways in, chosen by the address the console listens on:
+- loopback (the default): a random token made at start and printed in the console's URL, as
+  Jupyter does. The first visit with `?token=` sets a signed cookie and redirects to the same
+  page without the token, so it leaves the address bar and the history. Whoever holds it is an
+  operator of the whole ledger, like a person with `commitgate ops` on this machine.
+- any other address: only `[[auth.tokens]]` of the policy, as a bearer token or once in the URL.
+  The console then acts for that token's principal and sees only that principal's operations.
+  Without tokens it refuses to start (`ConsoleRefused`).
+
+Every page is sent with a strict Content-Security-Policy (no inline script or style, nothing from
+elsewhere, no framing); every form POST carries a CSRF token bound to the signed-in session, and
+a POST from another origin is refused before its form is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import secrets
+from dataclasses import dataclass, field
+from urllib.parse import urlencode, urlsplit
+
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from commitgate.server.model.errors import UserFacingError
+from commitgate.server.policy.tokens import TokenTable
+
+CSRF_FIELD = "csrf_token"
+COOKIE_LIFETIME = 12 * 3600.0
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",  # the Origin of our own form POSTs must reach us (no-referrer sends "null")
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class ConsoleRefused(UserFacingError):
+    """The console will not start as asked; the message says why and what to do."""
+
+
+class Denied(Exception):
+    """A request the console refuses: `status` and a sentence for the person."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is signed in: `name` is recorded as the decider; `principal` None sees every principal."""
+
+    name: str
+    principal: str | None
+    session: str  # a per-sign-in value the CSRF token is bound to
+
+
+@dataclass
+class Access:
+    """The console's way in: its own random token (loopback) or the policy's `[[auth.tokens]]`."""
+
+    operator: str  # who decides when signed in with the console's own token
+    console_token: str | None = None
+    tokens: TokenTable = field(default_factory=TokenTable)
+    loopback: bool = True
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    cookie: str = "commitgate_console"
+
+    @classmethod
+    def for_bind(cls, host: str, port: int, tokens: TokenTable, operator: str) -> Access:
+        """Loopback: a fresh console token. Elsewhere: the policy's tokens, or ConsoleRefused."""
+        cookie = f"commitgate_console_{port}"  # cookies ignore ports: two consoles must not clash
+        if is_loopback(host):
+            return cls(operator, console_token=secrets.token_urlsafe(32), cookie=cookie)
+        if not tokens:
+            raise ConsoleRefused(
+                f"refusing to serve the console on {host!r} without authentication: anyone who can reach"
+                " that address could resolve operations. Add [[auth.tokens]] to the policy given with"
+                " --policy (principal + token_env or token_sha256), or bind a loopback address such as"
+                " 127.0.0.1 (the default) and open the link the console prints."
+            )
+        return cls(operator, tokens=tokens, loopback=False, cookie=cookie)
+
+    # --- tokens and cookies ------------------------------------------------------------------
+
+    def identity_for_token(self, token: str) -> Identity | None:
+        session = hashlib.sha256(token.encode("utf-8")).hexdigest()
+        if self.console_token is not None:
+            if hmac.compare_digest(token.encode("utf-8"), self.console_token.encode("utf-8")):
+                return Identity(self.operator, None, session)
+            return None
+        principal = self.tokens.principal_for(token)
+        return None if principal is None else Identity(principal, principal, session)
+
+    def _sign(self, payload: str) -> str:
+        return hmac.new(self.secret, payload.encode("ascii"), hashlib.sha256).hexdigest()
+
+    def cookie_value(self, identity: Identity, now: float) -> str:
+        body = json.dumps({"n": identity.name, "p": identity.principal, "x": now + COOKIE_LIFETIME})
+        payload = base64.urlsafe_b64encode(body.encode("utf-8")).decode("ascii")
+        session = secrets.token_hex(16)
+        return f"{payload}.{session}.{self._sign(payload + '.' + session)}"
+
+    def identity_for_cookie(self, value: str, now: float) -> Identity | None:
+        payload, _, rest = value.partition(".")
+        session, _, signature = rest.partition(".")
+        if not (payload and session and signature):
+            return None
+        if not hmac.compare_digest(signature, self._sign(payload + "." + session)):
+            return None
+        try:
+            data = json.loads(base64.urlsafe_b64decode(payload.encode("ascii")))
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or float(data.get("x", 0)) < now:
+            return None
+        return Identity(str(data["n"]), data["p"], session)
+
+    def csrf_token(self, identity: Identity) -> str:
+        return self._sign("csrf." + identity.session)
+
+    def csrf_ok(self, identity: Identity, presented: str) -> bool:
+        return hmac.compare_digest(presented.encode("utf-8"), self.csrf_token(identity).encode("utf-8"))
+
+    # --- one request --------------------------------------------------------------------------
+
+    def check_host(self, request: Request) -> None:
+        """On loopback, only loopback Host names: a page of another site that rebinds its DNS name
+        to 127.0.0.1 gets no answer."""
+        if not self.loopback:
+            return
+        host = request.headers.get("host", "")
+        try:
+            name = urlsplit(f"//{host}").hostname or ""
+        except ValueError:  # not even a host name
+            name = ""
+        if not is_loopback(name):
+            raise Denied(400, "This console answers only to a loopback address such as 127.0.0.1.")
+
+    def signed_in(self, request: Request, now: float) -> Identity | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return self.identity_for_token(token.strip())
+        value = request.cookies.get(self.cookie)
+        return self.identity_for_cookie(value, now) if value else None
+
+    def sign_in_from_url(self, request: Request, now: float) -> Response:
+        """A visit with `?token=`: set the cookie and go to the same page without the token."""
+        identity = self.identity_for_token(request.query_params.get("token", ""))
+        if identity is None:
+            raise Denied(401, "That token is not valid for this console: open the link the console printed.")
+        rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+        target = request.url.path + ("?" + urlencode(rest) if rest else "")
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(
+            self.cookie,
+            self.cookie_value(identity, now),
+            max_age=int(COOKIE_LIFETIME),
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            path="/",
+        )
+        return response
+
+
+def same_origin(request: Request) -> bool:
+    """A POST's Origin (when the browser sends one) must be this console's own."""
+    origin = request.headers.get("origin")
+    if origin is None:  # not a browser, or one that sends no Origin: the CSRF token still decides
+        return True
+    return urlsplit(origin).netloc == request.headers.get("host", "")
+
+
+async def checked_form(request: Request) -> FormData:
+    """The form of a POST, once its CSRF token matched the signed-in session; Denied(403) otherwise."""
+    access: Access = request.app.state.access
+    identity: Identity = request.state.identity
+    if not same_origin(request):
+        raise Denied(403, "This form was sent from another site; the console refused it.")
+    form = await request.form()
+    presented = form.get(CSRF_FIELD)
+    if not isinstance(presented, str) or not access.csrf_ok(identity, presented):
+        raise Denied(
+            403, "This form has expired or did not come from this console: reload the page and send it again."
+        )
+    return form
+
+
+def with_headers(response: Response) -> Response:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    return response

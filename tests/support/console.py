@@ -1,0 +1,171 @@
+"""The console under test: a ledger with operations in it, and a signed-in HTTP client of the app.
+
+Operations come from real calls through a gateway (an `UNKNOWN` from a lost acknowledgement in the
+demo sandbox) or, for what no tool would send (markup in a session, a principal), from direct
+claims on the ledger file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mcp.types import CallToolResult
+from starlette.testclient import TestClient
+
+from commitgate.server.console.app import create_app, ledger_opener
+from commitgate.server.console.security import CSRF_FIELD, Access
+from commitgate.server.ledger import open_ledger
+from commitgate.server.ledger.base import ClaimRequest, Transition
+from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.tokens import TokenTable
+from commitgate.server.serve.gateway import Gateway
+
+BASE_URL = "http://127.0.0.1:8766"
+EMAIL = {"to": "ann@example.com", "subject": "Your receipt", "body": "Thanks"}
+POLICY = """
+[server]
+principal = "agent"
+
+[ledger]
+url = "sqlite:///{ledger}"
+
+[tools.send_email]
+class = "key-required"
+python = "commitgate.tools.demo:send_email"
+retry = {{ attempts = 1 }}
+duplicates = false  # the tests send the same email under several keys on purpose
+
+[tools.charge_card]
+class = "key-and-status-check"
+python = "commitgate.tools.demo:charge_card"
+status_check = "commitgate.tools.demo:find_charge"
+retry = {{ attempts = 1 }}
+
+[tools.reserve]
+class = "compensable"
+python = "commitgate.tools.demo:reserve"
+compensate = {{ tool = "release", arguments = {{ booking_id = "{{result.booking_id}}" }} }}
+
+[tools.release]
+class = "key-required"
+python = "commitgate.tools.demo:release"
+expose = false
+"""
+
+
+def write_policy(root: Path) -> Path:
+    path = root / "policy.toml"
+    path.write_text(POLICY.format(ledger=root / "ledger.db"), encoding="utf-8")
+    return path
+
+
+async def call(policy: Path, tool: str, key: str, session: str = "s1", **arguments: Any) -> CallToolResult:
+    """One call through a gateway opened for it (the way a server process would make it)."""
+    gw = await Gateway.open(load_policy(policy), policy)
+    try:
+        meta = {"commitgate/session": session}
+        return await gw.call_tool(tool, {**arguments, "idempotency_key": key}, meta, None)
+    finally:
+        await gw.close()
+
+
+def error_code(result: CallToolResult) -> str | None:
+    return (result.structured_content or {}).get("error", {}).get("code") if result.is_error else None
+
+
+async def claim(
+    where: Path | str,
+    *,
+    principal: str = "agent",
+    session: str = "s1",
+    step: str = "k1",
+    tool: str = "charge_card",
+    arguments: dict[str, Any] | None = None,
+    state: State = State.UNKNOWN,
+    owner: str = "elsewhere:1:aaaa",
+    at: float | None = None,
+) -> str:
+    """An operation written straight into the ledger (a SQLite file or a URL; any strings at all); its id."""
+    ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
+    now = time.time() if at is None else at
+    try:
+        request = ClaimRequest(
+            principal=principal,
+            session=session,
+            step=step,
+            tool=tool,
+            idempotency_class=IdempotencyClass.KEY_REQUIRED,
+            fingerprint=f"fp-{principal}-{session}-{step}",
+            arguments_json=json.dumps(arguments or {}),
+            owner=owner,
+            lease_seconds=60.0,
+            retention_seconds=86400.0,
+        )
+        op = (await ledger.claim(request, now)).operation
+        if state is not State.RUNNING:
+            error = (
+                {"code": "ambiguous", "message": "the answer was lost"} if state is State.UNKNOWN else None
+            )
+            change = Transition(
+                state, frozenset({State.RUNNING}), "ambiguous", expect_fence=op.fence, error=error
+            )
+            assert await ledger.update(op.operation_id, change, now) is not None
+        return op.operation_id
+    finally:
+        await ledger.close()
+
+
+async def seed(ledger_path: Path, count: int, unknown_every: int = 5) -> None:
+    """`count` operations in one go (for timing pages): every `unknown_every`-th one UNKNOWN."""
+    ledger = await SQLiteLedger.open(ledger_path)
+    now = time.time()
+    try:
+        for i in range(count):
+            request = ClaimRequest(
+                principal="agent",
+                session=f"run-{i % 50}",
+                step=f"step-{i}",
+                tool=("charge_card", "send_email", "refund")[i % 3],
+                idempotency_class=IdempotencyClass.KEY_REQUIRED,
+                fingerprint=f"fp-{i}",
+                arguments_json=json.dumps({"amount_cents": i, "card": "4242424242424242"}),
+                owner="elsewhere:1:aaaa",
+                lease_seconds=60.0,
+                retention_seconds=86400.0,
+            )
+            op = (await ledger.claim(request, now + i * 1e-3)).operation
+            state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
+            change = Transition(state, frozenset({State.RUNNING}), "seeded", expect_fence=op.fence)
+            await ledger.update(op.operation_id, change, now + i * 1e-3)
+    finally:
+        await ledger.close()
+
+
+def loopback_access(operator: str = "alice") -> Access:
+    return Access.for_bind("127.0.0.1", 8766, TokenTable(), operator)
+
+
+@contextlib.contextmanager
+def console_client(ledger_url: str, access: Access, *, sign_in: bool = True) -> Iterator[TestClient]:
+    """A client of the console app (its lifespan opens the ledger), signed in with the console's token."""
+    app = create_app(ledger_opener(ledger_url), access)
+    with TestClient(app, base_url=BASE_URL, follow_redirects=False) as client:
+        if sign_in:
+            assert access.console_token is not None
+            answer = client.get(f"/?token={access.console_token}")
+            assert answer.status_code == 303, answer.text
+        yield client
+
+
+def csrf_of(html: str) -> str:
+    found = re.search(rf'name="{CSRF_FIELD}" value="([^"]+)"', html)
+    assert found is not None, "no CSRF token in the page"
+    return found.group(1)

@@ -1,0 +1,626 @@
+"""The console over HTTP: every page, sign-in and its refusals, CSRF, escaping, masking, resolving.
+
+The app runs in-process (Starlette's TestClient) over a real SQLite ledger file; operations come
+from real calls through a gateway, and effects are counted in the demo sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.routing import Route
+from support.browser import require_browser
+from support.console import (
+    BASE_URL,
+    EMAIL,
+    call,
+    claim,
+    console_client,
+    csrf_of,
+    error_code,
+    loopback_access,
+    write_policy,
+)
+
+from commitgate.server.cli.main import main
+from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
+from commitgate.server.ledger import open_ledger
+from commitgate.server.model.facts import State
+from commitgate.server.policy.masking import mask_values
+from commitgate.server.policy.models import AuthPolicy, AuthToken
+from commitgate.server.policy.tokens import load_tokens
+from commitgate.tools import demo
+
+SCRIPT = "<script>alert('xss')</script>"
+IMG = '"><img src=x onerror=alert(1)>'
+CARD = "4242424242424242"
+
+
+@pytest.fixture
+def policy(tmp_path: Path, sandbox: Path) -> Path:
+    return write_policy(tmp_path)
+
+
+@pytest.fixture
+def ledger_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+def unknown_email(policy: Path, monkeypatch: pytest.MonkeyPatch, key: str = "receipt-1") -> str:
+    """An email sent whose acknowledgement was lost: applied once, recorded UNKNOWN. Its operation id."""
+    monkeypatch.setenv(demo.ENV_FAULTS, "send_email.lose_ack=100%")
+    result = asyncio.run(call(policy, "send_email", key, **EMAIL))
+    monkeypatch.delenv(demo.ENV_FAULTS)
+    assert error_code(result) == "operation_outcome_unknown"
+    return str(result.structured_content["error"]["operation"]["operation_id"])
+
+
+def state_of(ledger_url: str, operation_id: str) -> State:
+    async def read() -> State:
+        ledger = await open_ledger(ledger_url, read_only=True)
+        try:
+            op = await ledger.get_by_id(None, operation_id)
+            assert op is not None
+            return op.state
+        finally:
+            await ledger.close()
+
+    return asyncio.run(read())
+
+
+# --- sign-in ------------------------------------------------------------------------------------
+
+
+PAGES = ["/unknown", "/unknown/rows", "/operations", "/operations/op_x"]
+
+
+def test_without_the_token_every_page_refuses_and_says_how_to_sign_in(policy: Path, ledger_url: str) -> None:
+    access = loopback_access()
+    with console_client(ledger_url, access, sign_in=False) as client:
+        for path in [*PAGES, "/"]:
+            answer = client.get(path)
+            assert answer.status_code == 401, path
+            assert "Sign in with the link the console printed" in answer.text
+        assert client.post("/operations/op_x/resolve", data={"finding": "failed"}).status_code == 401
+        assert client.get("/?token=not-the-token").status_code == 401
+        assert client.get("/unknown", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.get("/static/console.css").status_code == 200  # public, nothing secret
+
+
+def test_the_url_token_sets_a_strict_cookie_and_leaves_the_address(policy: Path, ledger_url: str) -> None:
+    access = loopback_access()
+    with console_client(ledger_url, access, sign_in=False) as client:
+        answer = client.get(f"/operations?state=UNKNOWN&token={access.console_token}")
+        assert answer.status_code == 303
+        assert answer.headers["location"] == "/operations?state=UNKNOWN"  # the token leaves the URL
+        cookie = answer.headers["set-cookie"]
+        assert access.console_token is not None
+        assert cookie.startswith(f"{access.cookie}=") and access.console_token not in cookie
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+        assert client.get("/operations").status_code == 200
+    bearer = {"Authorization": f"Bearer {access.console_token}"}
+    with console_client(ledger_url, access, sign_in=False) as client:
+        assert client.get("/operations", headers=bearer).status_code == 200
+
+
+def test_a_forged_or_foreign_cookie_is_refused(policy: Path, ledger_url: str) -> None:
+    other = loopback_access()
+    with console_client(ledger_url, other) as client:
+        stolen = client.cookies[other.cookie]
+    access = Access("alice", console_token=other.console_token, cookie=other.cookie)  # another secret
+    with console_client(ledger_url, access, sign_in=False) as client:
+        client.cookies.set(access.cookie, stolen)
+        assert client.get("/unknown").status_code == 401
+        payload, session, _ = stolen.split(".")
+        client.cookies.set(access.cookie, f"{payload}.{session}.{'0' * 64}")
+        assert client.get("/unknown").status_code == 401
+
+
+def test_on_loopback_only_loopback_host_names_are_answered(policy: Path, ledger_url: str) -> None:
+    with console_client(ledger_url, loopback_access()) as client:
+        for host in ("localhost:8766", "127.0.0.2:8766", "[::1]:8766", "127.0.0.1"):
+            assert client.get("/unknown", headers={"Host": host}).status_code == 200, host
+        assert client.get("/unknown", headers={"Host": "[bad"}).status_code == 400
+        rebound = client.get("/unknown", headers={"Host": "attacker.example:8766"})
+        assert rebound.status_code == 400 and "loopback" in rebound.text
+
+
+def test_every_answer_carries_a_strict_content_security_policy(policy: Path, ledger_url: str) -> None:
+    with console_client(ledger_url, loopback_access()) as client:
+        for path in ["/unknown", "/unknown/rows", "/operations", "/operations/op_missing", "/nowhere"]:
+            answer = client.get(path)
+            assert answer.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
+            assert answer.headers["x-frame-options"] == "DENY"
+            assert answer.headers["referrer-policy"] == "same-origin"
+    assert (
+        "'unsafe-inline'" not in CONTENT_SECURITY_POLICY and "default-src 'none'" in CONTENT_SECURITY_POLICY
+    )
+    assert "frame-ancestors 'none'" in CONTENT_SECURITY_POLICY
+
+
+# --- pages --------------------------------------------------------------------------------------
+
+
+def test_the_unknown_list_shows_each_operation_and_what_the_status_check_said(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access()) as client:
+        assert client.get("/").headers["location"] == "/unknown"
+        page = client.get("/unknown")
+        assert page.status_code == 200
+        assert op_id in page.text and "1 operation to decide." in page.text
+        assert "no status check: a key-required tool cannot be asked" in page.text
+        assert 'data-poll="/unknown/rows"' in page.text  # live updates
+        rows = client.get("/unknown/rows")
+        assert op_id in rows.text and "<html" not in rows.text  # a fragment, not a page
+
+        later = unknown_email(policy, monkeypatch, "receipt-2")  # a new entry shows in the fragment
+        rows = client.get("/unknown/rows")
+        assert later in rows.text and "2 operations to decide." in rows.text
+
+
+def test_an_unknown_charge_shows_that_its_status_check_could_not_tell(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "charge_card.lose_ack=100%,find_charge.fail_before=100%")
+    result = asyncio.run(call(policy, "charge_card", "order-7", card="4242", amount_cents=1299))
+    monkeypatch.delenv(demo.ENV_FAULTS)
+    assert error_code(result) == "operation_outcome_unknown"
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access()) as client:
+        listed = client.get("/unknown").text
+        assert op_id in listed and "the status check could not tell" in listed
+        page = client.get(f"/operations/{op_id}").text
+        assert "the status check could not tell" in page and "cannot_tell" in page  # and its full note
+
+
+def test_a_running_operation_whose_owner_died_is_listed_as_unknown(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    orphan = asyncio.run(
+        claim(tmp_path / "ledger.db", step="orphan", state=State.RUNNING, owner=dead_owner())
+    )
+    with console_client(ledger_url, loopback_access()) as client:
+        assert orphan in client.get("/unknown").text
+    assert state_of(ledger_url, orphan) is State.UNKNOWN
+
+
+async def write_policy_ledger(policy: Path) -> None:
+    result = await call(policy, "send_email", "warm-up", **EMAIL)  # creates the ledger as a server would
+    assert not result.is_error
+
+
+def dead_owner() -> str:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return f"{socket.gethostname()}:{child.pid}:deadbeef"
+
+
+def test_an_operation_page_has_its_facts_and_full_audit_history(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access()) as client:
+        page = client.get(f"/operations/{op_id}")
+        assert page.status_code == 200
+        for fact in ("send_email", "key-required", "agent", "receipt-1", "ann@example.com", "UNKNOWN"):
+            assert fact in page.text
+        history = page.text.split("Audit history", 1)[1]
+        assert history.index("claimed") < history.index("ambiguous")
+        assert 'id="resolve"' in page.text and csrf_of(page.text)
+        missing = client.get("/operations/op_nope")
+        assert missing.status_code == 404 and "no operation op_nope" in missing.text
+
+
+def test_search_by_tool_state_session_key_and_principal(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "ledger.db"
+    asyncio.run(write_policy_ledger(policy))
+    ids = {
+        name: asyncio.run(claim(path, **fields))  # type: ignore[arg-type]
+        for name, fields in {
+            "a": {"tool": "refund", "session": "night-run", "step": "r-1"},
+            "b": {"tool": "charge_card", "session": "night-run", "step": "c-1", "state": State.SUCCEEDED},
+            "c": {"tool": "charge_card", "session": "day-run", "step": "c-2", "principal": "bob"},
+        }.items()
+    }
+
+    def listed(query: str) -> set[str]:
+        page = client.get(f"/operations?{query}")
+        assert page.status_code == 200, page.text
+        return {name for name, op_id in ids.items() if op_id in page.text}
+
+    with console_client(ledger_url, loopback_access()) as client:
+        assert listed("") == {"a", "b", "c"}
+        assert listed("tool=charge_card") == {"b", "c"}
+        assert listed("state=unknown") == {"a", "c"}
+        assert listed("session=night-run") == {"a", "b"}
+        assert listed("key=c-2") == {"c"}
+        assert listed("principal=bob") == {"c"}
+        assert listed("tool=charge_card&session=night-run&state=SUCCEEDED") == {"b"}
+        assert "No operations match." in client.get("/operations?key=none-such").text
+        bad = client.get("/operations?state=DONE")
+        assert bad.status_code == 400 and "There is no state &#39;DONE&#39;" in bad.text
+
+
+# --- resolving ------------------------------------------------------------------------------------
+
+
+def test_resolving_from_the_page_is_replayed_to_the_retry_and_nothing_runs_again(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access("alice")) as client:
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        found = {"message_id": "msg_from_outbox", "to": EMAIL["to"]}
+        answer = client.post(
+            f"/operations/{op_id}/resolve",
+            data={
+                "csrf_token": token,
+                "finding": "succeeded",
+                "reason": "the message is in the outbox",
+                "result": json.dumps(found),
+            },
+        )
+        assert answer.status_code == 303 and answer.headers["location"] == f"/unknown?resolved={op_id}"
+        after = client.get(answer.headers["location"])
+        assert "is now <strong>SUCCEEDED</strong>" in after.text
+        assert "Nothing to decide" in after.text
+        page = client.get(f"/operations/{op_id}").text
+        assert "resolved" in page and "alice" in page and 'id="resolve"' not in page
+
+    replay = asyncio.run(call(policy, "send_email", "receipt-1", **EMAIL))
+    assert not replay.is_error and replay.structured_content == found
+    assert (replay.meta or {})["commitgate/operation"]["replayed"] is True
+    assert demo.count("emails") == 1  # sent once, before the answer was lost; never again
+
+
+def test_the_console_records_a_decision_exactly_as_ops_resolve_does(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    by_page = unknown_email(policy, monkeypatch, "by-page")
+    by_cli = unknown_email(policy, monkeypatch, "by-cli")
+    with console_client(ledger_url, loopback_access("bo")) as client:
+        token = csrf_of(client.get(f"/operations/{by_page}").text)
+        form = {"csrf_token": token, "finding": "failed", "reason": "bounced"}
+        assert client.post(f"/operations/{by_page}/resolve", data=form).status_code == 303
+    assert (
+        main(
+            [
+                "ops",
+                "resolve",
+                by_cli,
+                "--ledger",
+                ledger_url,
+                "--failed",
+                "--reason",
+                "bounced",
+                "--by",
+                "bo",
+            ]
+        )
+        == 0
+    )
+
+    def recorded(op_id: str) -> dict[str, object]:
+        capsys.readouterr()
+        assert main(["ops", "show", op_id, "--ledger", ledger_url, "--json"]) == 0
+        view = json.loads(capsys.readouterr().out)
+        last = view["history"][-1]
+        note = {k: v for k, v in view["reconciliation"].items() if k != "at"}
+        return {
+            "state": view["state"],
+            "error": view["error"],
+            "note": note,
+            "last": {k: last[k] for k in ("event", "actor", "detail", "to_state")},
+        }
+
+    assert recorded(by_page) == recorded(by_cli)
+    assert recorded(by_page)["state"] == "FAILED_FINAL"
+
+
+def test_a_retryable_resolution_lets_the_same_key_run_once_more(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access()) as client:
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        form = {"csrf_token": token, "finding": "failed-retryable", "reason": "no trace at the mail server"}
+        assert client.post(f"/operations/{op_id}/resolve", data=form).status_code == 303
+    assert state_of(ledger_url, op_id) is State.FAILED_RETRYABLE
+    rerun = asyncio.run(call(policy, "send_email", "receipt-1", **EMAIL))
+    assert not rerun.is_error and (rerun.meta or {})["commitgate/operation"]["replayed"] is False
+    assert demo.count("emails") == 2
+
+
+@pytest.mark.parametrize(
+    ("form", "status", "message"),
+    [
+        ({"finding": "failed"}, 400, "a failed outcome needs a reason"),
+        ({"finding": "succeeded", "result": "{not json"}, 400, "the result is not valid JSON"),
+        (
+            {"finding": "failed", "reason": "x", "result": "{}"},
+            400,
+            "a result goes only with a succeeded outcome",
+        ),
+        ({"finding": "maybe"}, 400, "Choose one of the three outcomes."),
+        ({}, 400, "Choose one of the three outcomes."),
+    ],
+)
+def test_a_bad_resolution_is_refused_with_the_form_kept(
+    policy: Path,
+    ledger_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    form: dict[str, str],
+    status: int,
+    message: str,
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access()) as client:
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        answer = client.post(f"/operations/{op_id}/resolve", data={"csrf_token": token, **form})
+        assert answer.status_code == status and message in answer.text
+        assert 'role="alert"' in answer.text and 'id="resolve"' in answer.text  # the form is shown again
+    assert state_of(ledger_url, op_id) is State.UNKNOWN
+
+
+def test_only_unknown_operations_can_be_resolved(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    with console_client(ledger_url, loopback_access()) as client:
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        form = {"csrf_token": token, "finding": "failed", "reason": "bounced"}
+        assert client.post(f"/operations/{op_id}/resolve", data=form).status_code == 303
+        again = client.post(f"/operations/{op_id}/resolve", data={**form, "finding": "succeeded"})
+        assert again.status_code == 409 and "only UNKNOWN operations are resolved by hand" in again.text
+        assert client.post("/operations/op_nope/resolve", data=form).status_code == 404
+    assert state_of(ledger_url, op_id) is State.FAILED_FINAL
+
+
+@pytest.mark.postgres
+def test_the_console_searches_and_resolves_on_a_postgresql_ledger() -> None:
+    from support.postgres import fresh_url
+
+    url = asyncio.run(fresh_url())
+    op_id = asyncio.run(claim(url, session="pg-run", step="pg-1"))
+    done = asyncio.run(claim(url, session="pg-run", step="pg-2", state=State.SUCCEEDED))
+    with console_client(url, loopback_access("carol")) as client:
+        assert op_id in client.get("/unknown").text
+        listed = client.get("/operations?session=pg-run&key=pg-2").text
+        assert done in listed and op_id not in listed
+        token = csrf_of(client.get(f"/operations/{op_id}").text)
+        form = {"csrf_token": token, "finding": "failed", "reason": "no such charge"}
+        assert client.post(f"/operations/{op_id}/resolve", data=form).status_code == 303
+        page = client.get(f"/operations/{op_id}").text
+        assert "FAILED_FINAL" in page and "carol" in page
+
+
+# --- CSRF -----------------------------------------------------------------------------------------
+
+
+def test_a_form_post_without_the_sessions_csrf_token_is_refused(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op_id = unknown_email(policy, monkeypatch)
+    access = loopback_access()
+    with console_client(ledger_url, access) as other:
+        foreign = csrf_of(other.get(f"/operations/{op_id}").text)  # a valid token of another sign-in
+    form = {"finding": "failed", "reason": "bounced"}
+    with console_client(ledger_url, access) as client:
+        mine = csrf_of(client.get(f"/operations/{op_id}").text)
+        assert mine != foreign
+        for attempt in ({}, {"csrf_token": ""}, {"csrf_token": "x" * 64}, {"csrf_token": foreign}):
+            answer = client.post(f"/operations/{op_id}/resolve", data={**form, **attempt})
+            assert answer.status_code == 403, attempt
+            assert "reload the page and send it again" in answer.text
+        elsewhere = client.post(
+            f"/operations/{op_id}/resolve",
+            data={**form, "csrf_token": mine},
+            headers={"Origin": "http://attacker.example"},
+        )
+        assert elsewhere.status_code == 403 and "from another site" in elsewhere.text
+        same = client.post(
+            f"/operations/{op_id}/resolve", data={**form, "csrf_token": mine}, headers={"Origin": BASE_URL}
+        )
+        assert same.status_code == 303
+    assert state_of(ledger_url, op_id) is State.FAILED_FINAL
+
+
+def test_every_post_route_checks_the_csrf_token(policy: Path, ledger_url: str) -> None:
+    """A page added later cannot forget it: every POST route of the app is tried without a token."""
+    with console_client(ledger_url, loopback_access()) as client:
+        posts = [r for r in client.app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]  # type: ignore[attr-defined]
+        assert posts
+        for route in posts:
+            path = route.path.replace("{operation_id}", "op_any")
+            assert client.post(path, data={"finding": "failed"}).status_code == 403, route.path
+
+
+# --- escaping and masking ---------------------------------------------------------------------------
+
+
+def test_markup_from_clients_is_shown_escaped_on_every_page(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    op_id = asyncio.run(
+        claim(
+            tmp_path / "ledger.db",
+            principal=f"p{SCRIPT}",
+            session=f"s{IMG}",
+            step=f"k{SCRIPT}",
+            tool=f"t{IMG}",
+            arguments={"note": SCRIPT, IMG: "value"},
+        )
+    )
+    with console_client(ledger_url, loopback_access()) as client:
+        pages = ["/unknown", "/unknown/rows", "/operations", f"/operations/{op_id}"]
+        pages += [f"/operations?session=s{IMG}", f"/operations?tool={SCRIPT}&key={IMG}"]
+        for path in pages:
+            answer = client.get(path, params=None)
+            assert answer.status_code == 200, path
+            assert "<script>alert" not in answer.text and "<img src=x" not in answer.text, path
+        shown = client.get(f"/operations/{op_id}").text
+        assert "&lt;script&gt;alert(" in shown and "&lt;img src=x onerror=alert(1)&gt;" in shown
+
+
+def test_secret_looking_arguments_are_masked(policy: Path, ledger_url: str, tmp_path: Path) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    secrets = {
+        "card": CARD,
+        "password": "hunter2-hunter2",
+        "api_key": "sk_live_abcdef123456",
+        "auth_token": "tok_abcdef123456",
+        "note": f"pay with {CARD[:4]} {CARD[4:8]} {CARD[8:12]} {CARD[12:]}",
+        "nested": {"client_secret": "shh-very-secret"},
+    }
+    op_id = asyncio.run(
+        claim(tmp_path / "ledger.db", step="masked", arguments={**secrets, "amount_cents": 500})
+    )
+    with console_client(ledger_url, loopback_access()) as client:
+        for path in ["/unknown", f"/operations/{op_id}"]:
+            text = client.get(path).text
+            for value in (
+                "hunter2-hunter2",
+                "sk_live_abcdef123456",
+                "tok_abcdef123456",
+                "shh-very-secret",
+                CARD,
+                "4242 4242 4242 4242",
+            ):
+                assert value not in text, (path, value)
+            assert "•••• 4242" in text and "***" in text and "500" in text
+
+
+# --- other ways in --------------------------------------------------------------------------------
+
+
+def _policy_tokens() -> Access:
+    alice = hashlib.sha256(b"alice-token-0123456789").hexdigest()
+    bob = hashlib.sha256(b"bob-token-0123456789ab").hexdigest()
+    table = load_tokens(
+        AuthPolicy(
+            tokens=[
+                AuthToken(principal="alice", token_sha256=alice),
+                AuthToken(principal="bob", token_sha256=bob),
+            ]
+        )
+    )
+    return Access.for_bind("0.0.0.0", 8766, table, operator="nobody")
+
+
+def test_bound_elsewhere_a_policy_token_signs_in_and_sees_only_its_principal(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    mine = asyncio.run(claim(tmp_path / "ledger.db", principal="alice", step="a-1"))
+    theirs = asyncio.run(claim(tmp_path / "ledger.db", principal="bob", step="b-1"))
+    access = _policy_tokens()
+    assert access.console_token is None and not access.loopback
+    with console_client(ledger_url, access, sign_in=False) as client:
+        assert client.get("/unknown").status_code == 401
+        bearer = {"Authorization": "Bearer alice-token-0123456789", "Host": "console.example:8766"}
+        listed = client.get("/unknown", headers=bearer).text
+        assert mine in listed and theirs not in listed and "principal alice" in listed
+        assert client.get(f"/operations/{theirs}", headers=bearer).status_code == 404
+        assert theirs not in client.get("/operations?principal=bob", headers=bearer).text
+        token = csrf_of(client.get(f"/operations/{mine}", headers=bearer).text)
+        form = {"csrf_token": token, "finding": "failed", "reason": "refunded by hand"}
+        assert client.post(f"/operations/{theirs}/resolve", data=form, headers=bearer).status_code == 404
+        assert client.post(f"/operations/{mine}/resolve", data=form, headers=bearer).status_code == 303
+        signed = client.get("/unknown?token=bob-token-0123456789ab", headers={"Host": "console.example"})
+        assert signed.status_code == 303 and "token" not in signed.headers["location"]
+    assert state_of(ledger_url, mine) is State.FAILED_FINAL and state_of(ledger_url, theirs) is State.UNKNOWN
+
+
+def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
+    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    with pytest.raises(ConsoleRefused, match="without authentication"):
+        Access.for_bind("0.0.0.0", 8766, load_tokens(None), "alice")
+    assert main(["console", "--policy", str(policy), "--host", "0.0.0.0", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to serve the console on '0.0.0.0' without authentication" in err
+    assert "[[auth.tokens]]" in err and "Traceback" not in err
+
+
+def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere.db"
+    assert main(["console", "--ledger", f"sqlite:///{missing}", "--port", "0"]) == 1
+    assert "no ledger at" in capsys.readouterr().err and not missing.exists()
+
+
+def test_browser_tests_skip_without_chromium_but_fail_under_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMMITGATE_CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="browser tests must run under CI"):
+        require_browser()
+
+
+def test_a_compensable_operation_asks_for_the_result_its_compensation_needs(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "reserve.lose_ack=100%")
+    result = asyncio.run(call(policy, "reserve", "booking-1", resource="room-1", customer="ann"))
+    monkeypatch.delenv(demo.ENV_FAULTS)
+    assert error_code(result) == "operation_outcome_unknown"
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access()) as client:
+        page = client.get(f"/operations/{op_id}").text
+        assert "a compensation that refers to {result.X} will not find it" in page
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ({"card": CARD}, {"card": "•••• 4242"}),
+        ({"card_number": 4242424242424242}, {"card_number": "•••• 4242"}),
+        ({"cvv": "123", "pin": "0000"}, {"cvv": "***", "pin": "***"}),
+        ({"headers": {"Authorization": "Bearer abc"}}, {"headers": {"Authorization": "***"}}),
+        (
+            {"apiKey": "k", "db_password": "p", "refresh_token": "t"},
+            {"apiKey": "***", "db_password": "***", "refresh_token": "***"},
+        ),
+        ({"note": f"card {CARD} ok"}, {"note": "card •••• 4242 ok"}),
+        ({"order": "1234567890123"}, {"order": "1234567890123"}),  # not a card number (Luhn)
+        (
+            {"amount_cents": 500, "to": "ann@example.com", "items": [1, 2]},
+            {"amount_cents": 500, "to": "ann@example.com", "items": [1, 2]},
+        ),
+    ],
+)
+def test_masking_hides_credentials_and_cuts_card_numbers(
+    value: dict[str, Any], shown: dict[str, Any]
+) -> None:
+    assert mask_values(value) == shown
+
+
+def test_a_port_in_use_is_said_with_what_to_do(
+    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["console", "--ledger", ledger_url, "--port", str(port)]) == 1
+    assert "pick another with --port" in capsys.readouterr().err
