@@ -20,14 +20,18 @@ import pytest
 from mcp import types
 from support.e2e import (
     CONSOLE_SCRIPT,
+    SESSION_META,
     TOOLS_TOML,
     Deployment,
+    as_meta,
     error,
     error_code,
     operation,
     policy_toml,
     serve,
 )
+
+from commitgate.server.serve.asking import INPUT_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +172,7 @@ def person(action: str, asked: list[str], reason: str | None = None) -> Answer:
     async def callback(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
         asked.append(params.message)
         content = {"reason": reason} if reason else None
-        return types.ElicitResult(action=action, content=content if action == "accept" else None)  # type: ignore[arg-type]
+        return types.ElicitResult(action=action, content=content if action == "accept" else None)
 
     return callback
 
@@ -253,3 +257,43 @@ async def test_a_client_without_elicitation_gets_approval_pending_at_once(tmp_pa
     assert error_code(answer) == "approval_pending"
     assert "needs a person's approval" in error(answer)["message"]
     assert emails(d) == 0
+
+
+KEY = "k" * 40  # a shared request-state key: every replica can open the state another one sealed
+
+
+@pytest.mark.anyio
+async def test_the_second_round_may_reach_another_replica_and_is_checked_against_the_ledger(
+    tmp_path: Path,
+) -> None:
+    d = deployment(tmp_path)
+    shared = {"COMMITGATE_REQUEST_STATE_KEYS": KEY}
+    asked: list[str] = []
+    callback = person("accept", asked)
+    async with serve(d, env=shared, elicitation_callback=callback) as a, serve(d, env=shared) as b:
+        arguments = email("mail-r")
+        first = await a.client.session.call_tool(
+            "send_email", arguments, meta=as_meta({SESSION_META: "run-1"}), allow_input_required=True
+        )
+        assert isinstance(first, types.InputRequiredResult) and first.input_requests
+        assert first.request_state is not None and "op_" not in first.request_state  # sealed
+        accept = {INPUT_KEY: types.ElicitResult(action="accept")}
+        # the same state with the call moved to another session: not this call's operation
+        moved = await b.client.session.call_tool(
+            "send_email",
+            arguments,
+            meta=as_meta({SESSION_META: "run-2"}),
+            input_responses=accept,  # type: ignore[arg-type]
+            request_state=first.request_state,
+        )
+        assert error_code(moved) == "invalid_arguments" and "requestState" in error(moved)["message"]
+        assert emails(d) == 0
+        second = await b.client.session.call_tool(
+            "send_email",
+            arguments,
+            meta=as_meta({SESSION_META: "run-1"}),
+            input_responses=accept,  # type: ignore[arg-type]
+            request_state=first.request_state,
+        )
+        assert not second.is_error, second.content
+    assert emails(d) == 1
