@@ -31,6 +31,7 @@ from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Lease, Ledger
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import PolicyError, analyse_text, loads_policy
+from commitgate.server.serve.metrics import Metrics
 
 WAIT = {"state": "awaiting", "deciders": ["client", "operator"], "requested_at": T0, "expires_at": T0 + 60}
 
@@ -214,6 +215,8 @@ async def test_boundary_answers_denied_and_expired_without_any_effect(ledger: Le
     clock = FakeClock(T0)
     tool, _ = approval_tool(record, when="true")
     boundary = make_boundary(ledger, [tool], clock=clock)
+    metrics = Metrics()
+    boundary.observers.append(metrics)
     denied = await boundary.call(call_request(tool, "d1"))
     assert denied.operation is not None
     await approvals.decide(
@@ -227,6 +230,10 @@ async def test_boundary_answers_denied_and_expired_without_any_effect(ledger: Le
     answer = await boundary.call(call_request(tool, "e1"))
     assert answer.error is not None and answer.error.code is ErrorCode.APPROVAL_EXPIRED
     assert record.count() == 0
+    expired = metrics.registry.get_sample_value(
+        "commitgate_approvals_expired_total", {"tool": "refund", "idempotency_class": "key-required"}
+    )
+    assert expired == 1.0
 
 
 @pytest.mark.anyio
