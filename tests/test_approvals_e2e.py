@@ -31,6 +31,7 @@ from support.e2e import (
     serve,
 )
 
+from commitgate.client import ApprovalDenied, Backoff, Gate
 from commitgate.server.serve.asking import INPUT_KEY
 
 pytestmark = pytest.mark.slow
@@ -296,4 +297,37 @@ async def test_the_second_round_may_reach_another_replica_and_is_checked_against
             request_state=first.request_state,
         )
         assert not second.is_error, second.content
+    assert emails(d) == 1
+
+
+@pytest.mark.anyio
+async def test_the_client_gate_waits_for_the_decision_then_runs_or_raises(tmp_path: Path) -> None:
+    d = deployment(tmp_path)
+    async with serve(d) as server:
+        gate = Gate(server.client, session="run-9", backoff=Backoff(initial=0.05, maximum=0.2))
+        done: list[Any] = []
+
+        async def call() -> None:
+            done.append(await gate.call("send_email", OUTSIDE, step="mail"))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            with anyio.fail_after(15):
+                while not (waiting := awaiting_ids(d)):
+                    await anyio.sleep(0.1)
+            assert ops(d, "approve", waiting[0]).returncode == 0
+        (result,) = done
+        assert result.replayed is False and result.operation["state"] == "SUCCEEDED"
+
+        async def deny_soon() -> None:
+            with anyio.fail_after(15):
+                while not (waiting := awaiting_ids(d)):
+                    await anyio.sleep(0.1)
+            assert ops(d, "deny", waiting[0], "--reason", "no").returncode == 0
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(deny_soon)
+            with pytest.raises(ApprovalDenied) as denied:
+                await gate.call("send_email", {**OUTSIDE, "subject": "again"}, step="mail-2")
+        assert denied.value.code == "approval_denied"
     assert emails(d) == 1
