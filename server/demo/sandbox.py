@@ -54,7 +54,6 @@ class Sandbox:
         env = {**self.env, "COMMITGATE_SANDBOX_FAULTS": faults, "COMMITGATE_DEMO_MARKER": str(self.root)}
         return StdioServerParameters(command=sys.executable, args=args, env=env)
 
-
     def ops(self, arguments: list[str]) -> int:
         """`commitgate ops ...` on this sandbox's ledger, as an operator runs it: another process."""
         command = [sys.executable, "-m", "commitgate.server.cli", "ops", *arguments]
