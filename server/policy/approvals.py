@@ -1,6 +1,6 @@
 """The `approval` option of a keyed tool: a person says yes before the effect.
 
-`when` is a CEL expression over the call (docs/policy.md#approvals); a call for which it holds
+`when` is a CEL expression over the call (docs/policy.md#approval); a call for which it holds
 is recorded as AWAITING_APPROVAL and runs only once someone listed in `via` approved it.
 """
 
