@@ -32,6 +32,7 @@ from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvi
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import PolicyError, analyse_text, loads_policy
 from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.registry import APPROVAL_SENTENCE, build_tools
 
 WAIT = {"state": "awaiting", "deciders": ["client", "operator"], "requested_at": T0, "expires_at": T0 + 60}
 
@@ -341,3 +342,13 @@ def test_approval_defaults() -> None:
     assert (approval.when.source, approval.timeout, approval.via, approval.prompt) == (
         "true", 86400.0, ["client", "operator"], None,
     )  # fmt: skip
+
+
+def test_the_description_tells_the_model_what_approval_pending_means() -> None:
+    policy = loads_policy(
+        '[tools.r]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\napproval = {}\n'
+        '[tools.s]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+    )
+    served = build_tools(policy, None)
+    assert APPROVAL_SENTENCE in (served["r"].definition.description or "")
+    assert APPROVAL_SENTENCE not in (served["s"].definition.description or "")
