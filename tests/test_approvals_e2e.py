@@ -156,7 +156,9 @@ async def test_not_decided_in_time_expires_and_never_sends(tmp_path: Path) -> No
     async with serve(d) as server:
         first = await server.call("send_later", email("mail-e"))
         assert error_code(first) == "approval_pending"
-        await anyio.sleep(1.2)
+        await anyio.sleep(2.5)  # past the timeout; the sweep (every lease / 2 = 1 s) expires it untouched
+        shown = ops(d, "show", operation(first)["operation_id"], "--json")
+        assert shown.returncode == 0 and '"FAILED_FINAL"' in shown.stdout, shown.stdout
         answer = await server.call("send_later", email("mail-e"))
         assert error_code(answer) == "approval_expired"
         refused = ops(d, "approve", operation(first)["operation_id"])
@@ -330,4 +332,56 @@ async def test_the_client_gate_waits_for_the_decision_then_runs_or_raises(tmp_pa
             with pytest.raises(ApprovalDenied) as denied:
                 await gate.call("send_email", {**OUTSIDE, "subject": "again"}, step="mail-2")
         assert denied.value.code == "approval_denied"
+    assert emails(d) == 1
+
+
+@pytest.mark.anyio
+async def test_a_suspected_duplicate_goes_to_the_clients_user_with_the_earlier_operation(
+    tmp_path: Path,
+) -> None:
+    d = Deployment.create(tmp_path)
+    tools = TOOLS_TOML.replace(
+        'python = "commitgate.tools.demo:send_email"\n',
+        'python = "commitgate.tools.demo:send_email"\nduplicates = { action = "approval" }\n',
+    )
+    d.policy.write_text(policy_toml().replace(TOOLS_TOML, tools), encoding="utf-8")
+    asked: list[str] = []
+    async with serve(d, elicitation_callback=person("accept", asked)) as server:
+        first = await server.call("send_email", email("mail-1"))
+        assert not first.is_error and not asked  # nothing like it before: it just runs
+        second = await server.call("send_email", email("mail-2"))
+        assert not second.is_error, second.content
+    (question,) = asked
+    assert f"Possible duplicate of {operation(first)['operation_id']}" in question
+    assert emails(d) == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+async def test_on_postgres_two_replicas_run_an_approved_call_exactly_once(tmp_path: Path) -> None:
+    from support.postgres import fresh_url
+
+    url = await fresh_url()
+    d = deployment(tmp_path)
+    async with serve(d, ledger=url) as one, serve(d, ledger=url) as two:
+        first = await one.call("send_email", email("mail-pg"))
+        assert error_code(first) == "approval_pending"
+        approve = subprocess.run(
+            [str(CONSOLE_SCRIPT), "ops", "approve", operation(first)["operation_id"], "--ledger", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=d.env(),
+        )
+        assert approve.returncode == 0, approve.stderr
+        results: list[types.CallToolResult] = []
+
+        async def retry(server: Any) -> None:
+            results.append(await server.call("send_email", email("mail-pg")))
+
+        async with anyio.create_task_group() as group:
+            for i in range(8):
+                group.start_soon(retry, (one, two)[i % 2])
+    assert [r.is_error for r in results] == [False] * 8, [r.content for r in results if r.is_error]
+    assert sum(operation(r)["replayed"] is False for r in results) == 1
     assert emails(d) == 1

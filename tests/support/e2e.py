@@ -247,6 +247,7 @@ async def serve(
     read_timeout: float = 30.0,
     elicitation_callback: Any = None,
     env: Mapping[str, str] | None = None,
+    ledger: str | None = None,
 ) -> AsyncIterator[Server]:
     """Start `commitgate serve` on the deployment and connect a client to it (`mode`: "auto" or "legacy").
 
@@ -255,6 +256,8 @@ async def serve(
     log = deployment.root / f"server-{tag[:8]}.stderr"
     with log.open("w", encoding="utf-8") as errlog:
         params = deployment.params(faults, tag)
+        if ledger is not None:  # another ledger than the deployment's file (e.g. PostgreSQL)
+            params.args = [*params.args[:-1], ledger]
         if env:
             params.env = {**(params.env or {}), **env}
         transport = stdio_client(params, errlog=errlog)
