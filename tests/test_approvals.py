@@ -24,6 +24,7 @@ from support.boundary import (
 )
 from test_ledger_contract import OWNER, T0, request
 
+from commitgate.server.bench.approvals import measure
 from commitgate.server.core import approvals
 from commitgate.server.core.approvals import ApprovalRefused
 from commitgate.server.core.views import status_view
@@ -352,3 +353,10 @@ def test_the_description_tells_the_model_what_approval_pending_means() -> None:
     served = build_tools(policy, None)
     assert APPROVAL_SENTENCE in (served["r"].definition.description or "")
     assert APPROVAL_SENTENCE not in (served["s"].definition.description or "")
+
+
+@pytest.mark.anyio
+async def test_the_approval_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> None:
+    figures = await measure(calls=4, rounds=1, directory=tmp_path)
+    assert set(figures["median_us"]) == {"plain", "same", "checked", "waits"}
+    assert {"check_adds_us", "noise_us", "waiting_instead_of_running_us"} <= set(figures)

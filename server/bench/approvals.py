@@ -3,10 +3,11 @@
     python -m commitgate.server.bench.approvals [--calls N] [--rounds R] [--json]
 
 In one process, one commit boundary on a durable SQLite ledger (synchronous=FULL) serves the
-same no-op tool three ways: `plain` (no approval), `checked` (an `approval.when` that is false
+same no-op tool four ways: `plain` and `same` (no approval; their difference is the noise),
+`checked` (an `approval.when` that is false
 for these calls: the CEL evaluation is all it adds) and `waits` (`when` true: the call is
 recorded AWAITING_APPROVAL and answers approval_pending instead of running). Calls alternate
-plain/checked/waits, in a rotating order, with fresh keys; each round reports the median per
+between the four, in a rotating order, with fresh keys; each round reports the median per
 kind, and the figures are the medians over rounds of those medians and of the paired
 differences.
 """
@@ -37,6 +38,11 @@ class = "key-required"
 python = "commitgate.tools.benchtools:noop"
 duplicates = false
 
+[tools.same]
+class = "key-required"
+python = "commitgate.tools.benchtools:noop"
+duplicates = false
+
 [tools.checked]
 class = "key-required"
 python = "commitgate.tools.benchtools:noop"
@@ -49,7 +55,7 @@ python = "commitgate.tools.benchtools:noop"
 duplicates = false
 approval = { when = "arguments.n >= 0" }
 """
-KINDS = ("plain", "checked", "waits")
+KINDS = ("plain", "same", "checked", "waits")
 
 
 async def measure(calls: int, rounds: int, directory: Path) -> dict[str, Any]:
@@ -65,7 +71,7 @@ async def measure(calls: int, rounds: int, directory: Path) -> dict[str, Any]:
         for r in range(rounds):
             samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
             for i in range(calls):
-                order = KINDS[i % 3 :] + KINDS[: i % 3]
+                order = KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]
                 for kind in order:
                     samples[kind].append(await _one(boundary, kind, f"r{r}-{i}", i))
             for kind in KINDS:
@@ -91,12 +97,13 @@ def _figures(per_round: dict[str, list[float]], calls: int, rounds: int) -> dict
     def median(values: list[float]) -> float:
         return round(statistics.median(values), 1)
 
-    plain, checked, waits = (per_round[k] for k in KINDS)
+    plain, same, checked, waits = (per_round[k] for k in KINDS)
     return {
         "calls_per_round": calls,
         "rounds": rounds,
         "median_us": {kind: median(per_round[kind]) for kind in KINDS},
         "check_adds_us": median([c - p for c, p in zip(checked, plain, strict=True)]),
+        "noise_us": median([s - p for s, p in zip(same, plain, strict=True)]),  # two identical tools
         "waiting_instead_of_running_us": median([w - p for w, p in zip(waits, plain, strict=True)]),
     }
 
@@ -115,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         m = figures["median_us"]
         print(f"median per guarded call over {args.rounds} rounds of {args.calls} calls each (µs):")
         print(f"  no approval            {m['plain']:>9.1f}")
-        print(f"  approval.when false    {m['checked']:>9.1f}   (+{figures['check_adds_us']} µs paired)")
+        print(f"  no approval, again     {m['same']:>9.1f}   ({figures['noise_us']:+} µs paired: the noise)")
+        print(f"  approval.when false    {m['checked']:>9.1f}   ({figures['check_adds_us']:+} µs paired)")
         print(f"  approval.when true     {m['waits']:>9.1f}   (recorded AWAITING_APPROVAL, not run)")
     return 0
 
