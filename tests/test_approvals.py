@@ -28,7 +28,7 @@ from commitgate.server.bench.approvals import measure
 from commitgate.server.core import approvals
 from commitgate.server.core.approvals import ApprovalRefused
 from commitgate.server.core.views import status_view
-from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Lease, Ledger
+from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateCheck, Lease, Ledger
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import PolicyError, analyse_text, loads_policy
@@ -360,3 +360,17 @@ async def test_the_approval_benchmark_runs_and_reports_its_figures(tmp_path: Pat
     figures = await measure(calls=4, rounds=1, directory=tmp_path)
     assert set(figures["median_us"]) == {"plain", "same", "checked", "waits"}
     assert {"check_adds_us", "noise_us", "waiting_instead_of_running_us"} <= set(figures)
+
+
+@pytest.mark.anyio
+async def test_a_fresh_key_repeat_of_a_waiting_call_is_a_duplicate_not_a_second_wait(ledger: Ledger) -> None:
+    check = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
+    first = await ledger.claim(dataclasses.replace(awaiting("k1"), duplicates=check), T0)
+    assert first.kind is ClaimKind.AWAITING
+    again = await ledger.claim(dataclasses.replace(awaiting("k2"), duplicates=check), T0 + 1)
+    assert (again.kind, again.operation.operation_id) == (ClaimKind.DUPLICATE, first.operation.operation_id)
+    allowed = dataclasses.replace(check, reject=False)
+    third = await ledger.claim(dataclasses.replace(awaiting("k3"), duplicates=allowed), T0 + 2)
+    assert third.kind is ClaimKind.AWAITING and third.duplicate_of == first.operation.operation_id
+    events = [e.event for e in await ledger.history(third.operation.operation_id)]
+    assert events == ["approval_requested", "possible_duplicate"]

@@ -291,11 +291,13 @@ MIGRATIONS: list[str] = [
         p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
         p_class text, p_fingerprint text, p_arguments text, p_owner text,
         p_lease double precision, p_retention double precision, p_now double precision,
-        p_lease_lost text, p_approval text, p_approval_expires_at double precision
-    ) RETURNS TABLE (kind text, op commitgate_operations)
+        p_lease_lost text, p_approval text, p_approval_expires_at double precision,
+        p_window double precision, p_any_session boolean, p_reject boolean, p_confirmed boolean
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text)
     LANGUAGE plpgsql AS $$
     DECLARE
         r commitgate_operations;
+        m commitgate_operations;
     BEGIN
         WITH gone AS (  -- a record past retention no longer holds the key
             DELETE FROM commitgate_operations o
@@ -303,6 +305,29 @@ MIGRATIONS: list[str] = [
                     AND o.expires_at <= p_now
                 RETURNING o.operation_id)
         DELETE FROM commitgate_audit a USING gone g WHERE a.operation_id = g.operation_id;
+        IF p_window IS NOT NULL THEN  -- duplicate detection, exactly as commitgate_claim_checked
+            PERFORM 1 FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step;
+            IF NOT FOUND THEN
+                IF p_reject AND NOT p_confirmed THEN
+                    PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.duplicates:' || p_principal
+                        || chr(31) || CASE WHEN p_any_session THEN '' ELSE p_session END
+                        || chr(31) || p_fingerprint, 0));
+                END IF;
+                SELECT o.* INTO m FROM commitgate_operations o
+                    WHERE o.principal = p_principal AND o.fingerprint = p_fingerprint
+                        AND (p_any_session OR o.session = p_session)
+                        AND o.created_at > p_now - p_window
+                        AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'AWAITING_APPROVAL')
+                        AND (o.expires_at IS NULL OR o.expires_at > p_now)
+                        AND NOT (o.session = p_session AND o.step = p_step)
+                    ORDER BY o.created_at DESC LIMIT 1;
+                IF m.operation_id IS NOT NULL AND p_reject AND NOT p_confirmed THEN
+                    RETURN QUERY SELECT 'duplicate'::text, m, NULL::text;
+                    RETURN;
+                END IF;
+            END IF;
+        END IF;
         INSERT INTO commitgate_operations AS o (
             operation_id, principal, session, step, tool, idempotency_class, fingerprint, state,
             attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at)
@@ -314,12 +339,17 @@ MIGRATIONS: list[str] = [
         IF FOUND THEN
             INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
             VALUES (r.operation_id, p_now, 'approval_requested', NULL, 'AWAITING_APPROVAL', 0, p_owner);
-            RETURN QUERY SELECT 'awaiting'::text, r;
+            IF m.operation_id IS NOT NULL THEN  -- allowed or confirmed: the match goes in the audit
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+                VALUES (r.operation_id, p_now, 'possible_duplicate', NULL, 'AWAITING_APPROVAL', 0, p_owner,
+                    json_build_object('duplicate_of', m.operation_id, 'confirmed', p_confirmed)::text);
+            END IF;
+            RETURN QUERY SELECT 'awaiting'::text, r, m.operation_id;
             RETURN;
         END IF;
-        RETURN QUERY SELECT c.kind, c.op FROM commitgate_claim(p_operation_id, p_principal, p_session,
-            p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
-            p_lease_lost) c;
+        RETURN QUERY SELECT c.kind, c.op, NULL::text FROM commitgate_claim(p_operation_id, p_principal,
+            p_session, p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention,
+            p_now, p_lease_lost) c;
     END $$;
 
     DROP FUNCTION commitgate_update(text, text, text[], bigint, text, text, text, text, boolean, text,
@@ -387,8 +417,8 @@ _UPDATE = (
     "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
 )
 _CLAIM_AWAITING = (
-    "SELECT c.kind, (c.op).* FROM commitgate_claim_awaiting($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
-    " $12, $13, $14, $15) c"
+    "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_awaiting($1, $2, $3, $4, $5, $6, $7, $8,"
+    " $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) c"
 )
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
@@ -624,7 +654,12 @@ class PostgresLedger:
         return Claim(kind, op, rows[0]["duplicate_of"] if check is not None else None)
 
     async def _claim_awaiting(self, request: ClaimRequest, now: float) -> Claim:
-        approval = request.approval or {}
+        approval, check = request.approval or {}, request.duplicates
+        duplicates = (
+            (None, False, False, False)
+            if check is None
+            else (check.window_seconds, check.any_session, check.reject, check.confirmed)
+        )
         rows = await self._fetch(
             _CLAIM_AWAITING,
             "op_" + uuid.uuid4().hex,
@@ -642,11 +677,12 @@ class PostgresLedger:
             _dump(LEASE_LOST),
             _dump(approval),
             approval.get("expires_at"),
+            *duplicates,
         )
         kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
             op = await self._expire_dead_owner(op, now)
-        return Claim(kind, op)
+        return Claim(kind, op, rows[0]["duplicate_of"])
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(

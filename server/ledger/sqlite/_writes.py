@@ -250,13 +250,22 @@ def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> C
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
         return Claim(ClaimKind.DUPLICATE, match)
-    if request.approval is not None:
-        return Claim(ClaimKind.AWAITING, _insert_awaiting(conn, request, now))
-    op = _insert(conn, request, now)
-    if match is not None and check is not None:
+    kind = ClaimKind.NEW if request.approval is None else ClaimKind.AWAITING
+    op = _insert(conn, request, now) if kind is ClaimKind.NEW else _insert_awaiting(conn, request, now)
+    if match is not None and check is not None:  # allowed or confirmed: the match goes in the audit
         detail = {"duplicate_of": match.operation_id, "confirmed": check.confirmed}
-        _audit(conn, op.operation_id, now, "possible_duplicate", None, "RUNNING", 1, request.owner, detail)
-    return Claim(ClaimKind.NEW, op, match.operation_id if match is not None else None)
+        _audit(
+            conn,
+            op.operation_id,
+            now,
+            "possible_duplicate",
+            None,
+            op.state.value,
+            op.fence,
+            request.owner,
+            detail,
+        )
+    return Claim(kind, op, match.operation_id if match is not None else None)
 
 
 _DUPLICATE_LOOKUP = (
