@@ -385,3 +385,41 @@ async def test_on_postgres_two_replicas_run_an_approved_call_exactly_once(tmp_pa
     assert [r.is_error for r in results] == [False] * 8, [r.content for r in results if r.is_error]
     assert sum(operation(r)["replayed"] is False for r in results) == 1
     assert emails(d) == 1
+
+
+@pytest.mark.anyio
+async def test_over_http_behind_a_round_robin_each_round_may_reach_another_replica(tmp_path: Path) -> None:
+    """Streamable HTTP with bearer tokens, two replicas on one ledger, requests alternating between
+    them: the client's answer comes back through the other replica and runs the call once."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from support.http_servers import RoundRobin, bearer, running, write_policy
+
+    policy = write_policy(tmp_path)
+    text = policy.read_text(encoding="utf-8").replace(
+        'python = "commitgate.tools.demo:create_ticket"\n',
+        'python = "commitgate.tools.demo:create_ticket"\napproval = { prompt = "Open {arguments.title}?" }\n',
+    )
+    policy.write_text(text, encoding="utf-8")
+    where = {"ledger": tmp_path / "ledger.db", "sandbox": tmp_path / "sandbox.db"}
+    shared = {"COMMITGATE_REQUEST_STATE_KEYS": KEY}
+    asked: list[str] = []
+    with (
+        running(tmp_path, policy, "streamable-http", env=shared, **where) as a,
+        running(tmp_path, policy, "streamable-http", env=shared, **where) as b,
+    ):
+        balancer = RoundRobin([a.port, b.port])
+        async with (
+            httpx2.AsyncClient(headers=bearer("alice"), timeout=httpx2.Timeout(30, read=60), transport=balancer) as http,
+            Client(streamable_http_client(a.endpoint, http_client=http), elicitation_callback=person("accept", asked)) as client,
+        ):  # fmt: skip
+            answer = await client.call_tool(
+                "create_ticket", {"title": "refund desk", "idempotency_key": "t-1"}
+            )
+        assert not answer.is_error, answer.content
+        assert len(set(balancer.sent)) == 2
+    (question,) = asked
+    assert "Open refund desk?" in question and "Requested by: alice" in question
+    d = Deployment(tmp_path, policy, where["ledger"], where["sandbox"])
+    assert d.count("tickets") == 1
