@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from mcp import types
+from mcp.client.session import ElicitationFnT
 from support.e2e import (
     CONSOLE_SCRIPT,
     SESSION_META,
@@ -168,10 +168,8 @@ async def test_not_decided_in_time_expires_and_never_sends(tmp_path: Path) -> No
 
 # --- the client's user decides -----------------------------------------------------------------------
 
-Answer = Callable[[Any, types.ElicitRequestParams], Awaitable[types.ElicitResult]]
 
-
-def person(action: str, asked: list[str], reason: str | None = None) -> Answer:
+def person(action: str, asked: list[str], reason: str | None = None) -> ElicitationFnT:
     async def callback(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
         asked.append(params.message)
         content = {"reason": reason} if reason else None
