@@ -374,3 +374,12 @@ async def test_a_fresh_key_repeat_of_a_waiting_call_is_a_duplicate_not_a_second_
     assert third.kind is ClaimKind.AWAITING and third.duplicate_of == first.operation.operation_id
     events = [e.event for e in await ledger.history(third.operation.operation_id)]
     assert events == ["approval_requested", "possible_duplicate"]
+
+
+def test_a_first_round_that_asks_the_client_is_logged_and_counted_as_input_required() -> None:
+    from commitgate.server.serve.asking import input_required
+    from commitgate.server.serve.calls import _outcome
+
+    first = input_required("op_1", "Approve?")
+    assert _outcome(first) == ("input_required", None, None)
+    assert _outcome(first.model_dump(by_alias=True, mode="json")) == ("input_required", None, None)

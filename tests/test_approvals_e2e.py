@@ -203,6 +203,7 @@ async def test_the_clients_user_declines_and_nothing_runs(tmp_path: Path, mode: 
     async with serve(d, mode=mode, elicitation_callback=person("decline", [])) as server:
         answer = await server.call("send_email", email("mail-n"))
         assert error_code(answer) == "approval_denied", answer.content
+        assert "declined by the client's user" in error(answer)["message"]
         assert error_code(await server.call("send_email", email("mail-n"))) == "approval_denied"
     assert emails(d) == 0
 

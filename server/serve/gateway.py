@@ -370,7 +370,8 @@ class Gateway:
                 decision,
                 by=principal,
                 via="client",
-                reason=reason or f"{said.action}ed by the client's user",
+                reason=reason
+                or f"{'accepted' if said.action == 'accept' else 'declined'} by the client's user",
                 now=time.time(),
                 principal=principal,
             )
