@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import textwrap
+import time
 from pathlib import Path
 
+import anyio.to_thread
 import pytest
 from support.boundary import (
     FakeClock,
@@ -383,3 +386,46 @@ def test_a_first_round_that_asks_the_client_is_logged_and_counted_as_input_requi
     first = input_required("op_1", "Approve?")
     assert _outcome(first) == ("input_required", None, None)
     assert _outcome(first.model_dump(by_alias=True, mode="json")) == ("input_required", None, None)
+
+
+@pytest.mark.anyio
+async def test_ops_approve_and_deny_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from support.policy import run
+
+    from commitgate.server.ledger.sqlite import SQLiteLedger
+
+    path = tmp_path / "ledger.db"
+    ledger = await SQLiteLedger.open(path)
+    now = time.time()  # the CLI decides at the real time: the wait must not have run out
+    try:
+        claim = dataclasses.replace(
+            awaiting(), approval={**WAIT, "requested_at": now, "expires_at": now + 3600}
+        )
+        op = (await ledger.claim(claim, now)).operation
+    finally:
+        await ledger.close()
+    url = f"sqlite:///{path}"
+    bad = await anyio.to_thread.run_sync(
+        run, capsys, ["ops", "approve", op.operation_id, "--by", "eve\x1b[2J", "--ledger", url]
+    )
+    assert bad.code == 1 and "--by must be a name of printable characters" in bad.err
+    listed = await anyio.to_thread.run_sync(
+        run, capsys, ["ops", "list", "--state", "AWAITING_APPROVAL", "--ledger", url, "--json"]
+    )
+    assert [o["operation_id"] for o in json.loads(listed.out)["operations"]] == [op.operation_id]
+    done = await anyio.to_thread.run_sync(
+        run,
+        capsys,
+        ["ops", "approve", op.operation_id, "--by", "anna", "--reason", "fine", "--ledger", url, "--json"],
+    )
+    assert done.code == 0, done.err
+    view = json.loads(done.out)
+    assert (
+        view["state"] == "PENDING"
+        and view["approval"]["by"] == "anna"
+        and view["approval"]["via"] == "operator"
+    )
+    twice = await anyio.to_thread.run_sync(
+        run, capsys, ["ops", "deny", op.operation_id, "--reason", "no", "--ledger", url]
+    )
+    assert twice.code == 1 and "refused" in twice.err and "already approved by anna" in twice.err
