@@ -429,3 +429,5 @@ async def test_ops_approve_and_deny_in_process(tmp_path: Path, capsys: pytest.Ca
         run, capsys, ["ops", "deny", op.operation_id, "--reason", "no", "--ledger", url]
     )
     assert twice.code == 1 and "refused" in twice.err and "already approved by anna" in twice.err
+    shown = await anyio.to_thread.run_sync(run, capsys, ["ops", "show", op.operation_id, "--ledger", url])
+    assert shown.code == 0 and "approval:" in shown.out and '"by":"anna"' in shown.out.replace(" ", "")

@@ -308,7 +308,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             return 0
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
-        for key in ("idempotency_class", "arguments", "result", "error", "reconciliation", "expires_at"):
+        for key in (
+            "idempotency_class", "arguments", "approval", "result", "error", "reconciliation", "expires_at",
+        ):  # fmt: skip
             if view.get(key) is not None:
                 out.print(Text.assemble((key, "bold"), ": ", json_text(view[key], indent=None)))
         table = Table(title="history", title_justify="left")
