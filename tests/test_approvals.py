@@ -431,3 +431,21 @@ async def test_ops_approve_and_deny_in_process(tmp_path: Path, capsys: pytest.Ca
     assert twice.code == 1 and "refused" in twice.err and "already approved by anna" in twice.err
     shown = await anyio.to_thread.run_sync(run, capsys, ["ops", "show", op.operation_id, "--ledger", url])
     assert shown.code == 0 and "approval:" in shown.out and '"by":"anna"' in shown.out.replace(" ", "")
+
+
+@pytest.mark.anyio
+async def test_the_sweep_expires_every_due_wait_however_many_newer_ones_wait(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(approvals, "_SWEEP_BATCH", 3)
+    for i in range(7):  # older waits, due first
+        await ledger.claim(
+            dataclasses.replace(awaiting(f"old-{i}"), approval={**WAIT, "expires_at": T0 + 10}), T0
+        )
+    for i in range(5):  # newer ones, not due yet
+        await ledger.claim(
+            dataclasses.replace(awaiting(f"new-{i}"), approval={**WAIT, "expires_at": T0 + 900}), T0 + 1
+        )
+    expired = await approvals.expire_due(ledger, T0 + 60)
+    assert sorted(op.step for op in expired) == [f"old-{i}" for i in range(7)]
+    assert (await ledger.counts()).states[State.AWAITING_APPROVAL.value] == 5

@@ -197,14 +197,19 @@ async def touch(ledger: Ledger, op: Operation, now: float) -> tuple[Operation, b
 
 async def expire_due(ledger: Ledger, now: float) -> list[Operation]:
     """The periodic sweep: every operation whose wait ran out becomes FAILED_FINAL (approval_expired)."""
-    waiting = await ledger.find(OperationFilter(None, state=State.AWAITING_APPROVAL, limit=_SWEEP_BATCH))
-    expired = []
-    for op in waiting:
-        if due(op, now):
-            moved, mine = await expire(ledger, op, now)
-            if mine:
-                expired.append(moved)
-    return expired
+    expired: list[Operation] = []
+    while True:
+        where = OperationFilter(None, state=State.AWAITING_APPROVAL, approval_due_by=now, limit=_SWEEP_BATCH)
+        batch = await ledger.find(where)
+        moved = 0
+        for op in batch:
+            if due(op, now):
+                current, mine = await expire(ledger, op, now)
+                moved += current.state is not State.AWAITING_APPROVAL
+                if mine:
+                    expired.append(current)
+        if len(batch) < _SWEEP_BATCH or moved == 0:  # all of them, or nothing more will move
+            return expired
 
 
 async def decide(

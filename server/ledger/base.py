@@ -119,6 +119,7 @@ class OperationFilter:
     tool: str | None = None
     older_than: float | None = None
     limit: int = 50
+    approval_due_by: float | None = None  # waits for approval that run out by then (the sweep's)
 
 
 @dataclass(frozen=True, slots=True)
