@@ -313,7 +313,7 @@ def test_policy_check_explains_bad_duplicates_options(tmp_path: Path) -> None:
     policy = tmp_path / "bad.toml"
     policy.write_text(
         TOOLS.format(
-            duplicates='duplicates = { window = "10x", scope = "sesion", action = "approval", windw = 1 }'
+            duplicates='duplicates = { window = "10x", scope = "sesion", action = "ask", windw = 1 }'
         ),
         encoding="utf-8",
     )
@@ -324,7 +324,7 @@ def test_policy_check_explains_bad_duplicates_options(tmp_path: Path) -> None:
     out = done.stdout
     assert "tools.charge_card.duplicates.window: invalid duration '10x'" in out
     assert "tools.charge_card.duplicates.scope: must be 'session' or 'principal'" in out
-    assert 'action = "approval" is not available in this version' in out
+    assert "tools.charge_card.duplicates.action: must be 'reject', 'approval' or 'allow'" in out
     assert "tools.charge_card.duplicates.windw: unknown key; did you mean 'window'?" in out
     assert "(line 7)" in out
     assert "Traceback" not in done.stderr

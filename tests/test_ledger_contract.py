@@ -490,7 +490,10 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     await ledger.close()
     with sqlite3.connect(path) as conn:  # back to version 1, as an earlier release left it
         conn.execute("ALTER TABLE operations ADD COLUMN downstream_ref TEXT")
-        conn.execute("DROP INDEX operations_duplicates")  # added by a later migration
+        conn.execute("DROP INDEX operations_duplicates")  # added by later migrations
+        conn.execute("DROP INDEX operations_awaiting")
+        conn.execute("ALTER TABLE operations DROP COLUMN approval")
+        conn.execute("ALTER TABLE operations DROP COLUMN approval_expires_at")
         conn.execute("DELETE FROM schema_version WHERE version > 1")
     ledger = await SQLiteLedger.open(path)
     try:

@@ -1,10 +1,11 @@
-"""`commitgate ops list|show|resolve|purge|migrate` and `commitgate stats`: operating the ledger.
+"""`commitgate ops list|show|approve|deny|resolve|purge|migrate` and `commitgate stats`: operating the ledger.
 
 These commands read and write the ledger directly (no server needs to run):
 the ledger is the system of record of what commitgate did. `resolve` is how a
 person closes an `UNKNOWN` operation after checking the downstream system;
 it is recorded in the audit trail with who and why, and a later retry of the
-same key replays the resolution.
+same key replays the resolution. `approve` and `deny` decide an operation awaiting a person's
+approval, through the same function every other way of deciding uses (core/approvals.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from commitgate.server.core.resolutions import (
     note_for,
     resolve,
 )
+from commitgate.server.core import approvals
+from commitgate.server.core.boundary import printable as printable_text
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import (
     Ledger,
@@ -82,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
     where.add_argument("--json", action="store_true", help="machine-readable output")
 
-    ops = subparsers.add_parser("ops", help="list, show, resolve and purge operations in the ledger")
+    ops = subparsers.add_parser(
+        "ops", help="list, show, approve, deny, resolve and purge operations in the ledger"
+    )
     actions = ops.add_subparsers(dest="action", required=True)
 
     listing = actions.add_parser("list", parents=[where], help="list operations, newest first")
@@ -116,6 +121,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     resolve.add_argument("--reason", help="why (required with --failed); kept in the audit trail")
     resolve.add_argument("--by", help="who resolves it (default: the OS user)")
     resolve.set_defaults(func=cmd_resolve)
+
+    for verb, what in (("approve", "let it run"), ("deny", "refuse it: it never runs")):
+        decide = actions.add_parser(
+            verb, parents=[where], help=f"decide an operation AWAITING_APPROVAL: {what}"
+        )
+        decide.add_argument("operation_id")
+        decide.add_argument(
+            "--reason", required=verb == "deny", help="why; kept in the audit trail and shown to the agent"
+        )
+        decide.add_argument("--by", help="who decides (default: the OS user)")
+        decide.set_defaults(func=cmd_decide, decision=verb)
 
     purge = actions.add_parser("purge", parents=[where], help="delete records past their retention")
     purge.set_defaults(func=cmd_purge)
@@ -299,7 +315,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             return 0
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
-        for key in ("idempotency_class", "arguments", "result", "error", "reconciliation", "expires_at"):
+        for key in (
+            "idempotency_class", "arguments", "approval", "result", "error", "reconciliation", "expires_at",
+        ):  # fmt: skip
             if view.get(key) is not None:
                 out.print(Text.assemble((key, "bold"), ": ", json_text(view[key], indent=None)))
         table = Table(title="history", title_justify="left")
@@ -356,6 +374,45 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             _print_json(op_view(resolved, now, details=True))
         else:
             print(f"{resolved.operation_id}: UNKNOWN -> {resolved.state.value} (by {resolution.by})")
+        return 0
+
+    return _run(args, body)
+
+
+# --- ops approve / deny ---------------------------------------------------------------------------
+
+
+def cmd_decide(args: argparse.Namespace) -> int:
+    """An operator's decision on an operation awaiting approval; the rules are core/approvals.py's."""
+
+    async def body() -> int:
+        by = args.by or _operator()
+        if not printable_text(by) or not by.strip():
+            raise CommandError("--by must be a name of printable characters")
+        now = time.time()
+        async with opened(ledger_url(args)) as ledger:
+            assert ledger is not None
+            try:
+                decided = await approvals.decide(
+                    ledger,
+                    args.operation_id,
+                    args.decision,
+                    by=by,
+                    via="operator",
+                    reason=args.reason,
+                    now=now,
+                )
+            except approvals.ApprovalRefused as exc:
+                raise CommandError(f"refused: {exc}") from None
+        if args.json:
+            _print_json(op_view(decided, now, details=True))
+        else:
+            after = (
+                "it runs at the next call with its key"
+                if decided.state is State.PENDING
+                else "it will not run"
+            )
+            print(f"{decided.operation_id}: AWAITING_APPROVAL -> {decided.state.value} (by {by}); {after}")
         return 0
 
     return _run(args, body)

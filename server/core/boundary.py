@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import duplicates, errors
+from commitgate.server.core import approvals, duplicates, errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
@@ -30,6 +30,7 @@ from commitgate.server.core.retry import Backoff, classify, error_record
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import (
     LEASE_LOST,
+    Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
@@ -41,7 +42,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import Event, Observer
-from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, IdempotencyClass, State
+from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, ErrorCode, IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy, ToolPolicy
@@ -164,9 +165,13 @@ class CommitBoundary:
         arguments_json = request.arguments_json or canonical_json(request.arguments)
         step = request.key if request.key is not None else _missing_key(tool)
         digest = fingerprint(tool.name, arguments_json)
-        known = self.final.get(request.principal, request.session, step, self.clock())
+        now = self.clock()
+        known = self.final.get(request.principal, request.session, step, now)
         if known is not None and known.tool == tool.name and known.fingerprint == digest:
             return await self._on_existing(request, known, waited=False)
+        approval = approvals.requirement(
+            tool.policy, request.arguments, request.principal, request.session, tool.name, now
+        )
         claim_request = ClaimRequest(
             principal=request.principal,
             session=request.session,
@@ -179,19 +184,26 @@ class CommitBoundary:
             lease_seconds=self.settings.lease,
             retention_seconds=tool.policy.retention or self.settings.retention,
             duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
+            approval=approval,
         )
-        try:
-            claim = await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
-        except LedgerUnavailable as exc:
-            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
-            raise _unavailable(exc) from None
+        claim = await self._claim(claim_request, tool)
         if claim.kind is ClaimKind.CONFLICT:
             self._emit(
                 Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
             )
             raise errors.key_reused(claim.operation, tool.name)
+        if claim.kind is ClaimKind.DUPLICATE and duplicates.asks_approval(tool.policy):
+            return await self._duplicate_to_approval(request, claim_request, claim.operation)
         if claim.kind is ClaimKind.DUPLICATE:
             raise await self._duplicate(request, claim.operation)
+        if claim.kind is ClaimKind.AWAITING:
+            self._emit(
+                Event.APPROVAL_REQUESTED,
+                tool.name,
+                tool.idempotency_class,
+                operation_id=claim.operation.operation_id,
+            )
+            raise errors.approval_pending(claim.operation)
         if claim.duplicate_of is not None:
             self._emit(
                 Event.DUPLICATE_ALLOWED, tool.name, tool.idempotency_class, operation_id=claim.duplicate_of
@@ -199,6 +211,36 @@ class CommitBoundary:
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
         self.final.remember(claim.operation)
+        return await self._on_existing(request, claim.operation, waited=False)
+
+    async def _claim(self, claim_request: ClaimRequest, tool: GuardedTool) -> Claim:
+        try:
+            return await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
+        except LedgerUnavailable as exc:
+            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
+            raise _unavailable(exc) from None
+
+    async def _duplicate_to_approval(
+        self, request: CallRequest, claim_request: ClaimRequest, earlier: Operation
+    ) -> Answer:
+        """`duplicates = {action = "approval"}`: the repeat waits for a person, who sees the earlier one."""
+        record = approvals.record(
+            approvals.for_duplicates(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
+        )
+        again = dataclasses.replace(claim_request, duplicates=None, approval=record)
+        claim = await self._claim(again, request.tool)
+        if claim.kind is ClaimKind.CONFLICT:
+            raise errors.key_reused(claim.operation, request.tool.name)
+        if claim.kind is ClaimKind.AWAITING:
+            self._emit(
+                Event.POSSIBLE_DUPLICATE,
+                request.tool.name,
+                request.tool.idempotency_class,
+                operation_id=earlier.operation_id,
+            )
+            raise errors.approval_pending(claim.operation)
+        if claim.kind is ClaimKind.NEW:
+            return await self._own(request, claim.operation)
         return await self._on_existing(request, claim.operation, waited=False)
 
     async def _duplicate(self, request: CallRequest, earlier: Operation) -> GateError:
@@ -224,16 +266,38 @@ class CommitBoundary:
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed
             self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
-            return Answer(None, op, True, errors.failed(_message(op), op))
+            return Answer(None, op, True, error_for_state(op))
+        if action is OnExisting.AWAIT:
+            return await self._awaiting(request, op, waited)
+        if action is OnExisting.TAKE:
+            return await self._take(request, op)
         if action is OnExisting.WAIT:
-            if waited:
-                raise errors.in_progress(op)
-            return await self._on_existing(request, await self._wait(op), waited=True)
+            return await self._wait_then_answer(request, op, waited)
         if action is OnExisting.RECONCILE:
             return await self._reconcile_in_call(request, op)
         if action is OnExisting.RERUN:  # from UNKNOWN (forwards_key) an earlier attempt may have applied
             return await self._rerun(request, op, maybe_applied=op.state is State.UNKNOWN)
         return Answer(None, op, True, errors.outcome_unknown(op))
+
+    async def _awaiting(self, request: CallRequest, op: Operation, waited: bool) -> Answer:
+        """A person has yet to decide: nothing runs. (Past its timeout, this touch expires it.)"""
+        current = await self.touch_approval(op)
+        if current.state is State.AWAITING_APPROVAL:
+            raise errors.approval_pending(current)
+        return await self._on_existing(request, current, waited=waited)
+
+    async def _wait_then_answer(self, request: CallRequest, op: Operation, waited: bool) -> Answer:
+        if waited:
+            raise errors.in_progress(op)
+        return await self._on_existing(request, await self._wait(op), waited=True)
+
+    async def _take(self, request: CallRequest, op: Operation) -> Answer:
+        """Run an approved operation: of all the calls that find it PENDING, one takes it."""
+        lease = Lease(self.owner, self.clock() + self.settings.lease)
+        taken = await self.ledger.update(op.operation_id, approvals.take_change(op, lease), self.clock())
+        if taken is None:  # another call took it (or it moved on): answer from what it did
+            return await self._on_existing(request, await self._reread(op), waited=False)
+        return await self._own(request, taken)
 
     async def _wait(self, op: Operation) -> Operation:
         """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
@@ -246,7 +310,7 @@ class CommitBoundary:
         delay = 0.005
         while True:
             current = await self._reread(op)
-            if current.state not in (State.RUNNING, State.PENDING):
+            if current.state is not State.RUNNING:
                 return current
             if lease_over(current, self.clock()):
                 return await self.expire(current)
@@ -262,6 +326,12 @@ class CommitBoundary:
             raise _unavailable(exc) from None
         if current is None:  # purged meanwhile; nothing more is known
             return op
+        return current
+
+    async def touch_approval(self, op: Operation) -> Operation:
+        current, expired = await approvals.touch(self.ledger, op, self.clock())
+        if expired:
+            self._emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return current
 
     async def expire(self, op: Operation) -> Operation:
@@ -358,7 +428,10 @@ class CommitBoundary:
             await self.ledger.update(op.operation_id, change, self.clock())
 
     async def poll(self, op: Operation) -> Operation:
-        """A poll is a touch: an expired lease turns UNKNOWN; a status-check tool then reconciles it."""
+        """A poll is a touch: an expired lease turns UNKNOWN; a status-check tool then reconciles it;
+        a wait for approval past its timeout expires."""
+        if op.state is State.AWAITING_APPROVAL:
+            return await self.touch_approval(op)
         if lease_over(op, self.clock()):
             op = await self.expire(op)
         if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK:
@@ -660,6 +733,8 @@ class CommitBoundary:
     async def _sweep(self) -> None:
         for op in await self.ledger.expire_leases(self.clock()):
             self._emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
+        for op in await approvals.expire_due(self.ledger, self.clock()):
+            self._emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
 
     async def _purge(self) -> None:
         await self.ledger.purge(self.clock())
@@ -691,6 +766,13 @@ def _exception_message(exc: BaseException | None) -> str:
 
 
 def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
+    code = (op.error or {}).get("code")
+    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_DENIED:
+        return errors.approval_denied(op)
+    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_EXPIRED:
+        return errors.approval_expired(op)
+    if op.state is State.AWAITING_APPROVAL:
+        return errors.approval_pending(op)
     if op.state is State.FAILED_FINAL:
         return errors.failed(_message(op), op)
     if op.state is State.FAILED_RETRYABLE:

@@ -66,6 +66,8 @@ class OnExisting(StrEnum):
     WAIT = "wait"  # someone runs it now: wait, then answer from the ledger
     RECONCILE = "reconcile"  # ask the status check before anything else
     RERUN = "rerun"  # provably safe to run again with the same key
+    AWAIT = "await"  # a person has yet to decide: nothing runs
+    TAKE = "take"  # approved, not started: this call runs it (one caller wins the take)
     UNKNOWN = "unknown"  # may or may not have happened: never re-run blindly
 
 
@@ -74,7 +76,11 @@ def on_existing(cls: IdempotencyClass, state: State, forwards_key: bool) -> OnEx
         return OnExisting.REPLAY
     if state is State.FAILED_FINAL:
         return OnExisting.FAIL
-    if state in (State.RUNNING, State.PENDING):
+    if state is State.AWAITING_APPROVAL:
+        return OnExisting.AWAIT
+    if state is State.PENDING:
+        return OnExisting.TAKE
+    if state is State.RUNNING:
         return OnExisting.WAIT
     if state is State.FAILED_RETRYABLE:
         return OnExisting.RERUN
@@ -93,7 +99,11 @@ def retry_advice(cls: IdempotencyClass, state: State, forwards_key: bool, lease_
         return RetryAdvice.DO_NOT_RETRY
     if state is State.FAILED_RETRYABLE:
         return RetryAdvice.SAFE_TO_RETRY_SAME_KEY
-    if state is State.PENDING or (state is State.RUNNING and lease_live):
+    if state is State.AWAITING_APPROVAL:
+        return RetryAdvice.WAIT_AND_POLL
+    if state is State.PENDING:  # approved and not started: the same key and arguments run it once
+        return RetryAdvice.SAFE_TO_RETRY_SAME_KEY
+    if state is State.RUNNING and lease_live:
         return RetryAdvice.WAIT_AND_POLL
     if state is State.RUNNING:  # lease ran out: about to become UNKNOWN
         return RetryAdvice.WAIT_AND_POLL if cls is C.KEY_AND_STATUS_CHECK else RetryAdvice.DO_NOT_RETRY

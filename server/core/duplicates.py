@@ -50,9 +50,14 @@ def check_for(policy: ToolPolicy, confirmed: bool) -> DuplicateCheck | None:
     return DuplicateCheck(
         window_seconds=options.window,
         any_session=options.scope == "principal",
-        reject=options.action == "reject",
-        confirmed=confirmed,
+        reject=options.action in ("reject", "approval"),  # approval: refused here, then recorded to wait
+        # With action "approval" a person decides, not the model: confirm_duplicate does not skip it.
+        confirmed=confirmed and options.action != "approval",
     )
+
+
+def asks_approval(policy: ToolPolicy) -> bool:
+    return policy.duplicates is not None and policy.duplicates.action == "approval"
 
 
 def add_confirm_property(schema: dict[str, Any], policy: ToolPolicy) -> dict[str, Any]:
@@ -94,6 +99,8 @@ def _outcome(op: Operation) -> str:
         return f"It succeeded with this result: {_result_text(op)}."
     if op.state in (State.RUNNING, State.PENDING):
         return "It is still running; its result is not known yet."
+    if op.state is State.AWAITING_APPROVAL:
+        return "It is waiting for a person's approval and has not run yet."
     if op.state is State.UNKNOWN:
         return "Its outcome is unknown: it may have taken effect, so repeating it could do it twice."
     return f"It is {op.state.value.lower().replace('_', ' ')}."

@@ -129,3 +129,32 @@ def ledger_unavailable() -> GateError:
         "The operation ledger could not record this call, so it was NOT executed. Try again shortly with the "
         "same idempotency_key.",
     )
+
+
+def approval_pending(op: Operation) -> GateError:
+    return GateError(
+        ErrorCode.APPROVAL_PENDING,
+        f"This action needs a person's approval before it runs; it was recorded (operation {op.operation_id}) "
+        "and nothing was executed yet. Tell the user it is waiting for approval. Do not call again with a new "
+        f"key: poll get_operation_status with idempotency_key {op.step!r}, and once it is approved call again "
+        "with the same idempotency_key and the same arguments to run it (exactly once).",
+        op,
+    )
+
+
+def approval_denied(op: Operation) -> GateError:
+    return GateError(
+        ErrorCode.APPROVAL_DENIED,
+        f"A person denied this action{_reason(op)}; it was not executed and will not be. Do not retry it, with "
+        "this key or another; tell the user, and ask how to proceed if the reason says so.",
+        op,
+    )
+
+
+def approval_expired(op: Operation) -> GateError:
+    return GateError(
+        ErrorCode.APPROVAL_EXPIRED,
+        f"Nobody approved this action in time{_reason(op)}; it was not executed. Do not retry it with this key; "
+        "if it is still wanted, ask the user, then call again with a new idempotency_key to request approval anew.",
+        op,
+    )

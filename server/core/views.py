@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from commitgate.server.core.approvals import status as approval_status
 from commitgate.server.core.classes import retry_advice
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -51,5 +52,7 @@ def status_view(op: Operation, forwards_key: bool, now: float | None = None) -> 
         if isinstance(reconciliation.get("at"), int | float):
             reconciliation["at"] = iso(reconciliation["at"])
         view["reconciliation"] = reconciliation
+    if op.approval is not None:
+        view["approval"] = approval_status(op)
     view["retry_advice"] = retry_advice(op.idempotency_class, op.state, forwards_key, lease_live).value
     return view

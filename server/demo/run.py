@@ -2,7 +2,8 @@
 
 Shows, on the bundled demo tools and a throwaway ledger and sandbox: a first
 call, a replay, a conflicting reuse of a key, a lost acknowledgement
-reconciled by a status check, a `kill -9` of the server mid-operation and the
+reconciled by a status check, a large refund that waits for a person's approval
+(given with `commitgate ops approve`), a `kill -9` of the server mid-operation and the
 recovery, and the double-charge experiment in small (a naive client vs the
 same agent through commitgate).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from mcp import MCPError
 from rich.console import Console
 from rich.table import Table
@@ -141,6 +143,39 @@ async def scenario_basics(box: Sandbox, steps: list[Step]) -> None:
         )
 
 
+async def scenario_approval(box: Sandbox, steps: list[Step]) -> None:
+    """A refund over $100 waits for a person; an operator approves it from the command line."""
+    charge = {"card": "4000056655665556", "amount_cents": 25000, "idempotency_key": "order-1003-charge"}
+    refund_args = {"amount_cents": 15000, "idempotency_key": "order-1003-refund"}
+    async with connect(box.server()) as client:
+        charge_id = (await client.call_tool("charge_card", charge)).structured_content["charge_id"]
+        refund_args["charge_id"] = charge_id
+        first = await client.call_tool("refund", refund_args)
+        pending = _code(first)
+        operation_id = str(_op(first).get("operation_id"))
+        approved = await anyio.to_thread.run_sync(box.ops, ["approve", operation_id, "--by", "demo-operator"])
+        retries = [await client.call_tool("refund", refund_args) for _ in range(3)]
+    refunds = box.count("refunds", charge_id=charge_id)
+    ran = [r for r in retries if not r.is_error and _op(r).get("replayed") is False]
+    say(
+        5,
+        "A large refund waits for a person",
+        "the agent refunds $150 of a $250 charge; the policy asks a person to approve refunds over $100. "
+        f"An operator runs `commitgate ops approve {operation_id}`; the agent retries three times.",
+        f"the first call answered {pending} and refunded nothing; after the approval the first retry "
+        f"refunded and the others replayed it: {times(refunds, 'refund')} of that charge.",
+        "a person says yes before the effect, and the yes still means exactly one refund.",
+    )
+    steps.append(
+        Step(
+            "large refund, approved from the CLI",
+            f"{pending}, then refunded",
+            times(refunds, "refund"),
+            pending == "approval_pending" and approved == 0 and refunds == 1 and len(ran) == 1,
+        )
+    )
+
+
 async def scenario_crash(box: Sandbox, steps: list[Step], quick: bool) -> None:
     charge = {"card": "5555555555554444", "amount_cents": 4200, "idempotency_key": "order-1002-charge"}
     before = box.count("charges")
@@ -158,7 +193,7 @@ async def scenario_crash(box: Sandbox, steps: list[Step], quick: bool) -> None:
         retry = await client.call_tool("charge_card", charge)
     charges = box.count("charges") - before
     say(
-        5,
+        6,
         "The server is killed in the middle of a charge",
         "the card is charged, then the server process is killed (kill -9) before it can write down "
         "the outcome; a new server starts and the agent asks about its key, then retries.",
@@ -188,7 +223,7 @@ async def scenario_crash(box: Sandbox, steps: list[Step], quick: bool) -> None:
         retry = await client.call_tool("send_email", email)
     emails = box.count("emails")
     say(
-        6,
+        7,
         "A crash after an email that cannot be looked up",
         "an email goes out, then the server crashes before recording it; email has no way to ask "
         "'was it sent?', and the agent retries.",
@@ -239,12 +274,13 @@ async def run_demo(quick: bool = False) -> int:
             "goes wrong in real life and shows what ends up in the store."
         )
         await scenario_basics(box, steps)
+        await scenario_approval(box, steps)
         await scenario_crash(box, steps, quick)
         bookings = 10 if quick else 40
         naive = await double_charge(box, bookings, guarded=False)
         guarded = await double_charge(box, bookings, guarded=True)
         say(
-            7,
+            8,
             "Many bookings while half of the answers get lost",
             f"the same agent makes {bookings} bookings twice: once calling the payment tool directly, once "
             "through commitgate; half of the 'charged' answers are lost, and the agent retries until it "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ class Sandbox:
             args += ["--policy", str(policy)]
         env = {**self.env, "COMMITGATE_SANDBOX_FAULTS": faults, "COMMITGATE_DEMO_MARKER": str(self.root)}
         return StdioServerParameters(command=sys.executable, args=args, env=env)
+
+    def ops(self, arguments: list[str]) -> int:
+        """`commitgate ops ...` on this sandbox's ledger, as an operator runs it: another process."""
+        command = [sys.executable, "-m", "commitgate.server.cli", "ops", *arguments]
+        command += ["--ledger", f"sqlite:///{self.root / 'ledger.db'}"]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)
+        return done.returncode
 
 
 @contextlib.asynccontextmanager

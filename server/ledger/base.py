@@ -34,6 +34,7 @@ class ClaimKind(StrEnum):
     EXISTING = "existing"  # someone already recorded this operation; read its state
     CONFLICT = "conflict"  # the key was first used with another tool or other arguments
     DUPLICATE = "duplicate"  # a new key, but the same action was recorded recently: nothing claimed
+    AWAITING = "awaiting"  # a new key recorded AWAITING_APPROVAL: nothing runs before a person decides
 
 
 # States of an earlier operation that make a fresh-key call with the same arguments a possible
@@ -70,6 +71,9 @@ class ClaimRequest:
     lease_seconds: float
     retention_seconds: float
     duplicates: DuplicateCheck | None = None
+    # Set when this call needs a person's approval: a new key is then recorded AWAITING_APPROVAL
+    # (no attempt, no lease) with this record, whose `expires_at` ends the wait.
+    approval: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,7 @@ class Transition:
     lease: Lease | None = None  # set => a new attempt: fence + 1, attempts + 1
     actor: str | None = None
     detail: dict[str, Any] | None = None
+    approval: dict[str, Any] | None = None  # replaces the operation's approval record (a decision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,7 @@ class OperationFilter:
     older_than: float | None = None
     limit: int = 50
     step: str | None = None  # the idempotency key
+    approval_due_by: float | None = None  # waits for approval that run out by then (the sweep's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,4 +21,6 @@ def filter_terms(where: OperationFilter) -> list[tuple[str, Any]]:
     ]
     if where.older_than is not None:
         terms.append(("updated_at <= {}", where.older_than))
+    if where.approval_due_by is not None:
+        terms.append(("approval_expires_at <= {}", where.approval_due_by))
     return terms

@@ -277,6 +277,126 @@ MIGRATIONS: list[str] = [
         RETURN QUERY SELECT c.kind, c.op, NULL::text;
     END $$;
     """,
+    # 4: approvals. An operation waiting for a person's decision keeps it in `approval` (JSON);
+    # the sweep finds the waits that ran out through the partial index. A claim that needs
+    # approval inserts the row AWAITING_APPROVAL (no attempt, no lease); any other outcome of the
+    # insert (the key exists) is the plain claim's. The compare-and-set also writes a decision.
+    """
+    ALTER TABLE commitgate_operations ADD COLUMN approval text,
+        ADD COLUMN approval_expires_at double precision;
+    CREATE INDEX commitgate_operations_awaiting ON commitgate_operations (approval_expires_at)
+        WHERE state = 'AWAITING_APPROVAL';
+
+    CREATE FUNCTION commitgate_claim_awaiting(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text, p_approval text, p_approval_expires_at double precision,
+        p_window double precision, p_any_session boolean, p_reject boolean, p_confirmed boolean
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        r commitgate_operations;
+        m commitgate_operations;
+    BEGIN
+        WITH gone AS (  -- a record past retention no longer holds the key
+            DELETE FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                    AND o.expires_at <= p_now
+                RETURNING o.operation_id)
+        DELETE FROM commitgate_audit a USING gone g WHERE a.operation_id = g.operation_id;
+        IF p_window IS NOT NULL THEN  -- duplicate detection, exactly as commitgate_claim_checked
+            PERFORM 1 FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step;
+            IF NOT FOUND THEN
+                IF p_reject AND NOT p_confirmed THEN
+                    PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.duplicates:' || p_principal
+                        || chr(31) || CASE WHEN p_any_session THEN '' ELSE p_session END
+                        || chr(31) || p_fingerprint, 0));
+                END IF;
+                SELECT o.* INTO m FROM commitgate_operations o
+                    WHERE o.principal = p_principal AND o.fingerprint = p_fingerprint
+                        AND (p_any_session OR o.session = p_session)
+                        AND o.created_at > p_now - p_window
+                        AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'AWAITING_APPROVAL')
+                        AND (o.expires_at IS NULL OR o.expires_at > p_now)
+                        AND NOT (o.session = p_session AND o.step = p_step)
+                    ORDER BY o.created_at DESC LIMIT 1;
+                IF m.operation_id IS NOT NULL AND p_reject AND NOT p_confirmed THEN
+                    RETURN QUERY SELECT 'duplicate'::text, m, NULL::text;
+                    RETURN;
+                END IF;
+            END IF;
+        END IF;
+        INSERT INTO commitgate_operations AS o (
+            operation_id, principal, session, step, tool, idempotency_class, fingerprint, state,
+            attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at)
+        VALUES (p_operation_id, p_principal, p_session, p_step, p_tool, p_class, p_fingerprint,
+            'AWAITING_APPROVAL', 0, 0, p_arguments, p_retention, p_now, p_now, p_approval,
+            p_approval_expires_at)
+        ON CONFLICT ON CONSTRAINT commitgate_operations_key DO NOTHING
+        RETURNING o.* INTO r;
+        IF FOUND THEN
+            INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
+            VALUES (r.operation_id, p_now, 'approval_requested', NULL, 'AWAITING_APPROVAL', 0, p_owner);
+            IF m.operation_id IS NOT NULL THEN  -- allowed or confirmed: the match goes in the audit
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+                VALUES (r.operation_id, p_now, 'possible_duplicate', NULL, 'AWAITING_APPROVAL', 0, p_owner,
+                    json_build_object('duplicate_of', m.operation_id, 'confirmed', p_confirmed)::text);
+            END IF;
+            RETURN QUERY SELECT 'awaiting'::text, r, m.operation_id;
+            RETURN;
+        END IF;
+        RETURN QUERY SELECT c.kind, c.op, NULL::text FROM commitgate_claim(p_operation_id, p_principal,
+            p_session, p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention,
+            p_now, p_lease_lost) c;
+    END $$;
+
+    DROP FUNCTION commitgate_update(text, text, text[], bigint, text, text, text, text, boolean, text,
+        double precision, boolean, text, text, double precision);
+    -- Compare-and-set with its audit row (see base.Transition).
+    CREATE FUNCTION commitgate_update(
+        p_operation_id text, p_to text, p_expect text[], p_fence bigint, p_event text,
+        p_result text, p_error text, p_reconciliation text, p_new_lease boolean,
+        p_lease_owner text, p_lease_expires_at double precision, p_terminal boolean,
+        p_actor text, p_detail text, p_now double precision, p_approval text
+    ) RETURNS SETOF commitgate_operations
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        r commitgate_operations;
+        v_from text;
+    BEGIN
+        SELECT o.state INTO v_from FROM commitgate_operations o
+            WHERE o.operation_id = p_operation_id AND o.state = ANY (p_expect)
+                AND (p_fence IS NULL OR o.fence = p_fence)
+            FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        UPDATE commitgate_operations AS o SET
+            state = p_to,
+            updated_at = p_now,
+            result = coalesce(p_result, o.result),
+            error = CASE WHEN p_error IS NOT NULL OR p_to IN ('SUCCEEDED', 'RUNNING') THEN p_error
+                         ELSE o.error END,
+            reconciliation = coalesce(p_reconciliation, o.reconciliation),
+            approval = coalesce(p_approval, o.approval),
+            fence = o.fence + CASE WHEN p_new_lease THEN 1 ELSE 0 END,
+            attempts = o.attempts + CASE WHEN p_new_lease THEN 1 ELSE 0 END,
+            lease_owner = CASE WHEN p_new_lease THEN p_lease_owner
+                               WHEN p_to <> 'RUNNING' THEN NULL ELSE o.lease_owner END,
+            lease_expires_at = CASE WHEN p_new_lease THEN p_lease_expires_at
+                                    WHEN p_to <> 'RUNNING' THEN NULL ELSE o.lease_expires_at END,
+            completed_at = CASE WHEN NOT p_terminal THEN NULL
+                                WHEN v_from = 'SUCCEEDED' THEN o.completed_at ELSE p_now END,
+            expires_at = CASE WHEN p_terminal THEN p_now + o.retention END
+        WHERE o.operation_id = p_operation_id
+        RETURNING o.* INTO r;
+        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+        VALUES (p_operation_id, p_now, p_event, v_from, p_to, r.fence, p_actor, p_detail);
+        RETURN NEXT r;
+    END $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -293,7 +413,13 @@ _CLAIM_CHECKED = (
     "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_checked($1, $2, $3, $4, $5, $6, $7, $8,"
     " $9, $10, $11, $12, $13, $14, $15, $16, $17) c"
 )
-_UPDATE = "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+_UPDATE = (
+    "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+)
+_CLAIM_AWAITING = (
+    "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_awaiting($1, $2, $3, $4, $5, $6, $7, $8,"
+    " $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) c"
+)
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
 _TO_UNKNOWN = """
@@ -364,6 +490,7 @@ def _decode(row: asyncpg.Record) -> Operation:
         completed_at=row["completed_at"],
         expires_at=row["expires_at"],
         retention=row["retention"],
+        approval=json.loads(row["approval"]) if row["approval"] else None,
     )
 
 
@@ -498,6 +625,8 @@ class PostgresLedger:
     # --- the hot path ---------------------------------------------------------------------
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        if request.approval is not None:
+            return await self._claim_awaiting(request, now)
         check = request.duplicates
         duplicates = (
             () if check is None else (check.window_seconds, check.any_session, check.reject, check.confirmed)
@@ -523,6 +652,37 @@ class PostgresLedger:
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
             op = await self._expire_dead_owner(op, now)
         return Claim(kind, op, rows[0]["duplicate_of"] if check is not None else None)
+
+    async def _claim_awaiting(self, request: ClaimRequest, now: float) -> Claim:
+        approval, check = request.approval or {}, request.duplicates
+        duplicates = (
+            (None, False, False, False)
+            if check is None
+            else (check.window_seconds, check.any_session, check.reject, check.confirmed)
+        )
+        rows = await self._fetch(
+            _CLAIM_AWAITING,
+            "op_" + uuid.uuid4().hex,
+            request.principal,
+            request.session,
+            request.step,
+            request.tool,
+            request.idempotency_class.value,
+            request.fingerprint,
+            request.arguments_json,
+            request.owner,
+            request.lease_seconds,
+            request.retention_seconds,
+            now,
+            _dump(LEASE_LOST),
+            _dump(approval),
+            approval.get("expires_at"),
+            *duplicates,
+        )
+        kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
+        if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
+            op = await self._expire_dead_owner(op, now)
+        return Claim(kind, op, rows[0]["duplicate_of"])
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(
@@ -553,6 +713,7 @@ class PostgresLedger:
             change.actor,
             _dump(change.detail),
             now,
+            _dump(change.approval),
         )
         return _decode(rows[0]) if rows else None
 

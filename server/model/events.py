@@ -22,6 +22,8 @@ class Event(StrEnum):
     RESULT_TOO_LARGE = "result_too_large"  # a result over the ledger's size limit
     POSSIBLE_DUPLICATE = "possible_duplicate"  # a fresh-key repeat of a recent operation, refused
     DUPLICATE_ALLOWED = "duplicate_allowed"  # a fresh-key repeat run anyway (allow, or confirmed)
+    APPROVAL_REQUESTED = "approval_requested"  # a call recorded AWAITING_APPROVAL: operation_id
+    APPROVAL_EXPIRED = "approval_expired"  # nobody decided in time: FAILED_FINAL, operation_id
 
 
 class Observer(Protocol):

@@ -18,6 +18,7 @@ class IdempotencyClass(StrEnum):
 
 
 class State(StrEnum):
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"  # recorded, waiting for a person's decision; no attempt yet
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -46,6 +47,18 @@ class ErrorCode(StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
     POSSIBLE_DUPLICATE = "possible_duplicate"
+    APPROVAL_PENDING = "approval_pending"
+    APPROVAL_DENIED = "approval_denied"
+    APPROVAL_EXPIRED = "approval_expired"
+
+
+class ApprovalState(StrEnum):
+    """Where a person's decision on an operation stands (the status view's `approval.state`)."""
+
+    AWAITING = "awaiting"
+    APPROVED = "approved"
+    DENIED = "denied"
+    EXPIRED = "expired"
 
 
 class RetryAdvice(StrEnum):

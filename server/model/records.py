@@ -62,6 +62,8 @@ class Operation:
     error: dict[str, Any] | None = None
     reconciliation: dict[str, Any] | None = None
     retention: float = 0.0
+    # A person's decision: {state, via, by, reason, decided_at, expires_at, ...}; None when none was asked.
+    approval: dict[str, Any] | None = None
 
 
 def iso(ts: float | None) -> str | None:

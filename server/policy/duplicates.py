@@ -33,24 +33,14 @@ class DuplicatesPolicy(BaseModel):
     )
     action: Literal["reject", "approval", "allow"] = Field(
         "reject",
-        description="'reject': answer possible_duplicate and execute nothing; 'allow': execute and only "
-        "record the match in the audit trail.",
+        description="'reject': answer possible_duplicate and execute nothing; 'approval': a person decides "
+        "(the earlier operation is shown); 'allow': execute and only record the match in the audit trail.",
     )
 
     @field_validator("window", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration(value)
-
-    @field_validator("action")
-    @classmethod
-    def _available(cls, value: str) -> str:
-        if value == "approval":
-            raise ValueError(
-                'action = "approval" is not available in this version (approvals are not built yet): '
-                'use "reject" or "allow"'
-            )
-        return value
 
 
 def duplicates_shorthand(value: Any) -> Any:

@@ -47,6 +47,7 @@ from commitgate.server.model.durations import (
 )
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass
 from commitgate.server.model.outcomes import Outcome, Verdict
+from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
@@ -215,6 +216,11 @@ class ToolPolicy(_Strict):
         default_factory=DuplicatesPolicy,
         description="Keyed tools: catch the same call re-issued under a new key (default on, "
         "{window = '10m', scope = 'session', action = 'reject'}); false turns it off.",
+    )
+    approval: ApprovalPolicy | None = Field(
+        None,
+        description="Keyed tools: a person approves matching calls before they run "
+        "({when = CEL, timeout = '24h', via = ['client', 'operator'], prompt = '...'}).",
     )
     expose: StrictBool = Field(True, description="Listed to clients; false keeps it for compensations only.")
     destructive: StrictBool = Field(False, description="MCP destructiveHint for keyed tools.")
@@ -591,6 +597,8 @@ def _tool_problems(
     problems += _class_problems(where, raw)
     if isinstance(raw.get("compensate"), dict):
         problems += _compensation_problems(name, raw, tools)
+    if isinstance(raw.get("approval"), dict):
+        problems += _approval_problems(where, raw)
     problems += _http_reference_problems(where, raw)
     problems += _http_outcome_problems(where, raw)
     return problems
@@ -643,6 +651,29 @@ def _class_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
                 "safe-retry tools run again by design; only keyed tools detect duplicates",
             )
         )
+    if cls is IdempotencyClass.SAFE_RETRY and raw.get("approval") is not None:
+        problems.append(
+            Problem(
+                f"{where}.approval",
+                "safe-retry tools are not recorded, so nothing can wait for a decision; only keyed tools "
+                "take an approval",
+            )
+        )
+    return problems
+
+
+def _approval_problems(where: str, raw: Mapping[str, Any]) -> list[Problem]:
+    """The prompt's `{arguments.X}` must name arguments of the tool; `{result.X}` does not exist yet."""
+    prompt = raw["approval"].get("prompt")
+    if not isinstance(prompt, str):
+        return []
+    problems: list[Problem] = []
+    schema = raw.get("input_schema") if isinstance(raw.get("input_schema"), dict) else None
+    for location, root, path in template_references(prompt, f"{where}.approval.prompt", problems):
+        if root == "result":
+            problems.append(Problem(location, "a prompt is shown before the call runs: only {arguments.X}"))
+        elif schema is not None and (missing := missing_path(schema, path)) is not None:
+            problems.append(Problem(location, f"the tool has no argument {missing}"))
     return problems
 
 

@@ -42,6 +42,10 @@ def _labels(gateway: Gateway, name: str | None) -> tuple[str, str]:
 
 def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | None]:
     """(answer code, operation meta, error message) of a tools/call answer, without copying its content."""
+    if isinstance(result, types.InputRequiredResult) or (
+        isinstance(result, dict) and result.get("resultType") == "input_required"
+    ):  # a first round: the client is asked (an approval) and will call again
+        return "input_required", None, None
     if isinstance(result, types.CallToolResult):
         parts: tuple[Any, Any, Any] = (result.is_error, result.meta, result.structured_content)
     elif isinstance(result, dict):

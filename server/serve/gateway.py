@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
+import anyio
 import httpx2
 import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from commitgate.server.core import duplicates, errors
+from commitgate.server.core import approvals, duplicates, errors
 from commitgate.server.core.boundary import (
     Answer,
     CallRequest,
@@ -30,6 +31,7 @@ from commitgate.server.core.boundary import (
     check_key,
     check_session,
     error_for_state,
+    fingerprint,
     printable,
 )
 from commitgate.server.core.errors import GateError
@@ -44,10 +46,19 @@ from commitgate.server.ledger import (
 )
 from commitgate.server.ledger.base import lease_over
 from commitgate.server.model.events import Observer
-from commitgate.server.model.facts import OPERATION_META, SESSION_META, STEP_META, IdempotencyClass, State
+from commitgate.server.model.facts import (
+    OPERATION_META,
+    SESSION_META,
+    STEP_META,
+    ErrorCode,
+    IdempotencyClass,
+    State,
+)
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
+from commitgate.server.serve import asking
+from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import Collaborators
@@ -258,12 +269,114 @@ class Gateway:
                 return _structured(await self._compensate_session(args, session, principal))
             served = self.served[name]
             request = self._request(served, args, meta, session, principal)
-            return render(await self.boundary.call(request))
+            return await self._guarded_call(request, asking.CHANNEL.get())
         except GateError as exc:
             return render_error(exc, replayed=False)
         except LedgerUnavailable as exc:
             log.warning("the ledger could not answer %s: %s", name, exc)
             return render_error(errors.ledger_unavailable(), replayed=False)
+
+    # --- approvals asked of the client's user -----------------------------------------------------
+
+    async def _guarded_call(
+        self, request: CallRequest, channel: ClientChannel | None
+    ) -> types.CallToolResult:
+        """The boundary's answer; a call waiting for approval asks the client's user when it can
+        (on 2026-07-28 by raising InputRequired, which the surface answers)."""
+        if channel is not None and channel.answered_operation is not None:
+            await self._client_answered(request, channel)
+        answer = await self.boundary.call(request)
+        op = answer.operation
+        if channel is None or op is None or not _asks_client(answer) or not channel.can_ask:
+            return render(answer)
+        if channel.multi_round:
+            if channel.answered_operation is not None:  # asked already; cancelled or unanswered
+                return render(answer)
+            raise asking.InputRequired(
+                asking.input_required(op.operation_id, (await self._question(op)).text)
+            )
+        assert channel.elicit is not None
+        return render(await self._ask_now(request, op, channel))
+
+    async def _question(self, op: Operation) -> approvals.Question:
+        served = self.served.get(op.tool)
+        earlier_id = (op.approval or {}).get("duplicate_of")
+        earlier = await self.ledger.get_by_id(op.principal, earlier_id) if earlier_id else None
+        return approvals.question(op, served.guard.policy if served else None, earlier)
+
+    async def _ask_now(self, request: CallRequest, op: Operation, channel: ClientChannel) -> Answer:
+        """Handshake era: elicit during the call, while watching the ledger for another decider.
+
+        Bounded by respond_within; no answer (or cancel) leaves it awaiting: approval_pending.
+        """
+        assert channel.elicit is not None
+        elicit, question = channel.elicit, await self._question(op)
+        said: list[types.ElicitResult] = []
+
+        async def ask(scope: anyio.CancelScope) -> None:
+            try:
+                said.append(await elicit(question.text, asking.SCHEMA))
+            except Exception as exc:  # the client failed to ask: still awaiting, said in the log
+                log.warning("%s: asking the client for approval failed: %s", op.operation_id, exc)
+            scope.cancel()
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            delay = 0.05
+            while (await self.boundary.poll(await self._current(op))).state is State.AWAITING_APPROVAL:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            scope.cancel()  # decided elsewhere (an operator) or expired
+
+        with anyio.move_on_after(self.policy.server.respond_within):
+            async with anyio.create_task_group() as group:
+                group.start_soon(ask, group.cancel_scope)
+                group.start_soon(watch, group.cancel_scope)
+        if said:
+            await self._decide_for_client(op, request.principal, said[0])
+        return await self.boundary.call(request)
+
+    async def _current(self, op: Operation) -> Operation:
+        return await self.ledger.get_by_id(op.principal, op.operation_id) or op
+
+    async def _client_answered(self, request: CallRequest, channel: ClientChannel) -> None:
+        """2026-07-28, second round: the state must name this very call's operation in the ledger."""
+        operation_id = channel.answered_operation
+        assert operation_id is not None
+        op = await self.ledger.get_by_id(request.principal, operation_id)
+        digest = fingerprint(request.tool.name, request.arguments_json or canonical_json(request.arguments))
+        if op is None or (op.session, op.step, op.tool, op.fingerprint) != (
+            request.session,
+            request.key,
+            request.tool.name,
+            digest,
+        ):
+            log.warning("a requestState that names no operation of this call was refused")
+            raise errors.invalid_arguments(
+                "the requestState does not belong to this call; call the tool again without it"
+            )
+        if channel.answer is not None:
+            await self._decide_for_client(op, request.principal, channel.answer)
+
+    async def _decide_for_client(self, op: Operation, principal: str, said: types.ElicitResult) -> None:
+        if said.action == "cancel":
+            return
+        reason = (said.content or {}).get("reason") if said.action in ("accept", "decline") else None
+        reason = reason if isinstance(reason, str) and reason.strip() else None
+        decision: approvals.Decision = "approve" if said.action == "accept" else "deny"
+        try:
+            await approvals.decide(
+                self.ledger,
+                op.operation_id,
+                decision,
+                by=principal,
+                via="client",
+                reason=reason
+                or f"{'accepted' if said.action == 'accept' else 'declined'} by the client's user",
+                now=time.time(),
+                principal=principal,
+            )
+        except approvals.ApprovalRefused as exc:  # decided meanwhile, expired, or not the client's to decide
+            log.info("the client's answer was not applied: %s", exc)
 
     def _session(self, meta: Mapping[str, Any]) -> str:
         session = meta.get(SESSION_META)
@@ -330,6 +443,8 @@ class Gateway:
         for op in await self.ledger.find(where):
             if lease_over(op, now):
                 op = await self.boundary.expire(op)  # an expired lease turns UNKNOWN at the next touch
+            elif op.state is State.AWAITING_APPROVAL:
+                op = await self.boundary.touch_approval(op)  # so does a wait for approval past its timeout
             operations.append(status_view(op, self._forwards_key(op), now))
         return {"operations": operations}
 
@@ -339,6 +454,14 @@ class Gateway:
         return await saga.compensate(
             principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
         )
+
+
+def _asks_client(answer: Answer) -> bool:
+    """Waiting for a decision the client's user may take."""
+    op = answer.operation
+    if answer.error is None or answer.error.code is not ErrorCode.APPROVAL_PENDING or op is None:
+        return False
+    return "client" in ((op.approval or {}).get("deciders") or [])
 
 
 def _parse(model: type[M], args: dict[str, Any]) -> M:

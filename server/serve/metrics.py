@@ -100,6 +100,14 @@ class Metrics:
                 counter("duplicates_allowed", "Fresh-key repeats let through (allow, or confirmed)"),
                 None,
             ),
+            Event.APPROVAL_REQUESTED: (
+                counter("approvals_requested", "Calls recorded to wait for a person's approval"),
+                None,
+            ),
+            Event.APPROVAL_EXPIRED: (
+                counter("approvals_expired", "Waits for approval that ran out before anyone decided"),
+                None,
+            ),
         }
         self.operation_seconds = Histogram(
             "commitgate_operation_seconds",

@@ -53,6 +53,11 @@ KEY_SENTENCE = {
     ),
 }
 
+APPROVAL_SENTENCE = (
+    "Some calls need a person's approval first: then it answers approval_pending; poll "
+    "get_operation_status with the same key and, once approved, call again with the same key and arguments."
+)
+
 
 @dataclass(frozen=True, slots=True)
 class ServedTool:
@@ -92,6 +97,8 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
     sentence = KEY_SENTENCE.get(policy.idempotency_class)
     if sentence:
         description = f"{_sentence_end(description)} {sentence}"
+    if policy.approval is not None and policy.idempotency_class.keyed:
+        description = f"{description} {APPROVAL_SENTENCE}"
     return types.Tool(
         name=name,
         title=policy.title,

@@ -21,7 +21,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import tracing
+from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.calls import CallRecorder, PrincipalLimit
 from commitgate.server.serve.gateway import Gateway
@@ -47,11 +47,17 @@ def build_server(
 
     async def call_tool(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
-    ) -> types.CallToolResult:
+    ) -> types.CallToolResult | types.InputRequiredResult:
         if not gateway.has_tool(params.name):
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}")
         meta: dict[str, Any] = dict(ctx.meta or {})
-        return await answer(params.name, params.arguments, meta, principal_of_request())
+        channel = asking.CHANNEL.set(asking.channel_of(ctx, params))  # how to ask for an approval
+        try:
+            return await answer(params.name, params.arguments, meta, principal_of_request())
+        except asking.InputRequired as first_round:
+            return first_round.result
+        finally:
+            asking.CHANNEL.reset(channel)
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
@@ -63,6 +69,10 @@ def build_server(
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
     server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
+    # Seals the state of a call that asks the client's user for an approval (2026-07-28).
+    server.middleware.append(
+        asking.request_state_boundary(gateway.policy.server.name, lambda: principal_of_request())
+    )
     tracing.install(server)  # commitgate's view on the SDK's tools/call span, when tracing is on
     return server
 

@@ -240,15 +240,32 @@ def find_pid(tag: str) -> int:
 
 @contextlib.asynccontextmanager
 async def serve(
-    deployment: Deployment, *, mode: str = "auto", faults: str = "", read_timeout: float = 30.0
+    deployment: Deployment,
+    *,
+    mode: str = "auto",
+    faults: str = "",
+    read_timeout: float = 30.0,
+    elicitation_callback: Any = None,
+    env: Mapping[str, str] | None = None,
+    ledger: str | None = None,
 ) -> AsyncIterator[Server]:
-    """Start `commitgate serve` on the deployment and connect a client to it (`mode`: "auto" or "legacy")."""
+    """Start `commitgate serve` on the deployment and connect a client to it (`mode`: "auto" or "legacy").
+
+    `elicitation_callback`: the client declares elicitation and answers with it (a person, in tests)."""
     tag = uuid.uuid4().hex
     log = deployment.root / f"server-{tag[:8]}.stderr"
     with log.open("w", encoding="utf-8") as errlog:
-        transport = stdio_client(deployment.params(faults, tag), errlog=errlog)
+        params = deployment.params(faults, tag)
+        if ledger is not None:  # another ledger than the deployment's file (e.g. PostgreSQL)
+            params.args = [*params.args[:-1], ledger]
+        if env:
+            params.env = {**(params.env or {}), **env}
+        transport = stdio_client(params, errlog=errlog)
+        options: dict[str, Any] = (
+            {"elicitation_callback": elicitation_callback} if elicitation_callback else {}
+        )
         try:
-            async with Client(transport, mode=mode, read_timeout_seconds=read_timeout) as client:
+            async with Client(transport, mode=mode, read_timeout_seconds=read_timeout, **options) as client:
                 yield Server(client, deployment, tag, log)
         except BaseException:
             errlog.flush()

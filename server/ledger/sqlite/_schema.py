@@ -64,17 +64,29 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX operations_duplicates ON operations (principal, fingerprint, session, created_at);
     """,
+    # 4: approvals. An operation waiting for a person's decision keeps it in `approval` (JSON);
+    # the sweep finds the waits that ran out through the partial index.
+    """
+    ALTER TABLE operations ADD COLUMN approval TEXT;
+    ALTER TABLE operations ADD COLUMN approval_expires_at REAL;
+    CREATE INDEX operations_awaiting ON operations (approval_expires_at) WHERE state = 'AWAITING_APPROVAL';
+    """,
 ]
 
 _COLUMNS = (
     "operation_id, principal, session, step, tool, idempotency_class, fingerprint, state, attempts, fence, "
     "arguments, lease_owner, lease_expires_at, result, error, reconciliation, created_at, "
-    "updated_at, completed_at, expires_at, retention"
+    "updated_at, completed_at, expires_at, retention, approval"
 )
 SELECT = f"SELECT {_COLUMNS} FROM operations"
 # Positions in a SELECT row that the claim and purge steps read without decoding the row.
 TOOL, FINGERPRINT, STATE, EXPIRES_AT = (
     _COLUMNS.split(", ").index(c) for c in ("tool", "fingerprint", "state", "expires_at")
+)
+INSERT_AWAITING = (
+    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+    " state, attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_APPROVAL', 0, 0, ?, ?, ?, ?, ?, ?)"
 )
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
@@ -110,6 +122,7 @@ def decode(row: Sequence[Any]) -> Operation:
         completed_at=row[18],
         expires_at=row[19],
         retention=row[20],
+        approval=json.loads(row[21]) if row[21] else None,
     )
 
 

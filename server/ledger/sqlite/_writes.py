@@ -26,7 +26,15 @@ from commitgate.server.ledger.base import (
     Transition,
     lease_over,
 )
-from commitgate.server.ledger.sqlite._schema import AUDIT, EXPIRES_AT, INSERT, SELECT, decode, dump
+from commitgate.server.ledger.sqlite._schema import (
+    AUDIT,
+    EXPIRES_AT,
+    INSERT,
+    INSERT_AWAITING,
+    SELECT,
+    decode,
+    dump,
+)
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -77,6 +85,8 @@ class ClaimWrite:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
         repeated in the batch) nothing of it is kept and None says: run them one by one."""
         if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
+            return None
+        if any(s.request.approval is not None for s in writes):
             return None
         if not _no_duplicates(conn, writes):
             return None
@@ -240,11 +250,22 @@ def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> C
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
         return Claim(ClaimKind.DUPLICATE, match)
-    op = _insert(conn, request, now)
-    if match is not None and check is not None:
+    kind = ClaimKind.NEW if request.approval is None else ClaimKind.AWAITING
+    op = _insert(conn, request, now) if kind is ClaimKind.NEW else _insert_awaiting(conn, request, now)
+    if match is not None and check is not None:  # allowed or confirmed: the match goes in the audit
         detail = {"duplicate_of": match.operation_id, "confirmed": check.confirmed}
-        _audit(conn, op.operation_id, now, "possible_duplicate", None, "RUNNING", 1, request.owner, detail)
-    return Claim(ClaimKind.NEW, op, match.operation_id if match is not None else None)
+        _audit(
+            conn,
+            op.operation_id,
+            now,
+            "possible_duplicate",
+            None,
+            op.state.value,
+            op.fence,
+            request.owner,
+            detail,
+        )
+    return Claim(kind, op, match.operation_id if match is not None else None)
 
 
 _DUPLICATE_LOOKUP = (
@@ -352,6 +373,27 @@ def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Oper
     return op
 
 
+def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation:
+    """A new operation that waits for a person: no attempt, no lease, no fence taken yet."""
+    op = dataclasses.replace(
+        _new_operation(request, now),
+        state=State.AWAITING_APPROVAL,
+        attempts=0,
+        fence=0,
+        lease_owner=None,
+        lease_expires_at=None,
+        approval=request.approval,
+    )
+    expires_at = (request.approval or {}).get("expires_at")
+    conn.execute(
+        INSERT_AWAITING,
+        (op.operation_id, op.principal, op.session, op.step, op.tool, op.idempotency_class.value,
+         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at),
+    )  # fmt: skip
+    _audit(conn, op.operation_id, now, "approval_requested", None, op.state.value, 0, request.owner)
+    return op
+
+
 def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now: float) -> Operation | None:
     row = conn.execute(f"{SELECT} WHERE operation_id = ?", (operation_id,)).fetchone()
     if row is None:
@@ -364,8 +406,8 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now:
     from_state = _transition(op, change, now)
     conn.execute(
         "UPDATE operations SET state = ?, attempts = ?, fence = ?, lease_owner = ?, lease_expires_at = ?,"
-        " result = ?, error = ?, reconciliation = ?, updated_at = ?, completed_at = ?, expires_at = ?"
-        " WHERE operation_id = ?",
+        " result = ?, error = ?, reconciliation = ?, updated_at = ?, completed_at = ?, expires_at = ?,"
+        " approval = ? WHERE operation_id = ?",
         (
             op.state.value,
             op.attempts,
@@ -378,6 +420,7 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now:
             now,
             op.completed_at,
             op.expires_at,
+            dump(op.approval),
             operation_id,
         ),
     )
@@ -413,6 +456,8 @@ def _transition(op: Operation, change: Transition, now: float) -> State:
         op.error = change.error
     if change.reconciliation is not None:
         op.reconciliation = change.reconciliation
+    if change.approval is not None:
+        op.approval = change.approval
     if change.lease is not None:
         op.fence += 1
         op.attempts += 1

@@ -1,0 +1,340 @@
+"""Approvals: a person says yes before the effect (docs/contract.md#approvals).
+
+A keyed tool with `approval` in the policy asks its `when` expression about each new call; a
+call that needs approval is recorded AWAITING_APPROVAL (no attempt, no effect) and runs only
+after a decision: approved -> PENDING, which the next call with the same key and arguments (or
+the call still held) takes and executes once; denied or not decided within `timeout` ->
+FAILED_FINAL with `approval_denied` / `approval_expired`.
+
+Every way of deciding (the client's user asked within the call, `commitgate ops approve|deny`,
+a console) goes through `decide`, so the rules are the same for all: only an operation still
+awaiting can be decided, only once, only by a decider its policy lists, and a principal-scoped
+caller only for its own operations.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from commitgate.server.ledger.base import Lease, Ledger, OperationFilter, Transition
+from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
+from commitgate.server.model.records import Operation, iso
+from commitgate.server.policy.approvals import ApprovalPolicy
+from commitgate.server.policy.expressions import ExpressionFailed, activation
+from commitgate.server.policy.masking import MASK
+from commitgate.server.policy.models import ToolPolicy
+
+log = logging.getLogger("commitgate.approvals")
+
+Decision = Literal["approve", "deny"]
+
+# Argument names whose values a person deciding never needs to see, and a screen must not show.
+_SECRET_ARGUMENT = re.compile(
+    r"card|pan$|cvv|cvc|token|secret|passw|pwd|pin$|api[-_]?key|apikey|private|credential|ssn|iban|account_number",
+    re.IGNORECASE,
+)
+_SWEEP_BATCH = 500
+
+
+class ApprovalRefused(Exception):
+    """A decision that cannot be taken: says why (its state, who decided, who may decide)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """What a person is asked: the rendered prompt and the call it is about."""
+
+    operation_id: str
+    tool: str
+    principal: str
+    text: str
+
+
+def requirement(
+    policy: ToolPolicy,
+    arguments: Mapping[str, Any],
+    principal: str,
+    session: str,
+    tool: str,
+    now: float,
+) -> dict[str, Any] | None:
+    """The approval record a new call starts with, or None when it needs no approval.
+
+    An expression that cannot be evaluated for this call (a missing argument, a wrong type)
+    requires approval: a person looks rather than the gate guessing.
+    """
+    approval = policy.approval
+    if approval is None:
+        return None
+    try:
+        needed = approval.when.evaluate(activation(arguments, principal, session, tool)) is True
+    except ExpressionFailed as exc:
+        log.warning("%s: approval.when could not be evaluated, so approval is required: %s", tool, exc)
+        return record(approval, now, reason=f"approval.when failed: {exc}")
+    return record(approval, now) if needed else None
+
+
+def record(
+    approval: ApprovalPolicy, now: float, *, duplicate_of: str | None = None, reason: str | None = None
+) -> dict[str, Any]:
+    """The approval record of an operation that waits for a decision."""
+    entry: dict[str, Any] = {
+        "state": ApprovalState.AWAITING.value,
+        "deciders": list(approval.via),  # who may decide; `via` says, once decided, who did
+        "requested_at": now,
+        "expires_at": now + approval.timeout,
+    }
+    if duplicate_of is not None:
+        entry["duplicate_of"] = duplicate_of
+    if reason is not None:
+        entry["required_because"] = reason
+    return entry
+
+
+def for_duplicates(policy: ToolPolicy) -> ApprovalPolicy:
+    """`duplicates = {action = "approval"}`: the tool's own approval settings, or the defaults."""
+    return policy.approval or ApprovalPolicy()
+
+
+def due(op: Operation, now: float) -> bool:
+    """An operation whose wait for a decision has run out."""
+    if op.state is not State.AWAITING_APPROVAL:
+        return False
+    expires_at = (op.approval or {}).get("expires_at")
+    return isinstance(expires_at, int | float) and expires_at <= now
+
+
+# --- the transitions ------------------------------------------------------------------------------
+
+
+def _decided(
+    op: Operation, state: ApprovalState, by: str | None, via: str, reason: str | None, now: float
+) -> dict[str, Any]:
+    return {
+        **(op.approval or {}),
+        "state": state.value,
+        "by": by,
+        "via": via,
+        "reason": reason,
+        "decided_at": now,
+    }
+
+
+def approve_change(op: Operation, by: str, via: str, reason: str | None, now: float) -> Transition:
+    return Transition(
+        State.PENDING,
+        frozenset({State.AWAITING_APPROVAL}),
+        "approved",
+        expect_fence=op.fence,
+        approval=_decided(op, ApprovalState.APPROVED, by, via, reason, now),
+        actor=by,
+        detail={"via": via, "reason": reason},
+    )
+
+
+def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float) -> Transition:
+    why = f": {reason}" if reason else ""
+    return Transition(
+        State.FAILED_FINAL,
+        frozenset({State.AWAITING_APPROVAL}),
+        "denied",
+        expect_fence=op.fence,
+        error={"code": ErrorCode.APPROVAL_DENIED.value, "message": f"denied by {by} ({via}){why}"},
+        approval=_decided(op, ApprovalState.DENIED, by, via, reason, now),
+        actor=by,
+        detail={"via": via, "reason": reason},
+    )
+
+
+def expire_change(op: Operation, now: float) -> Transition:
+    expires_at = (op.approval or {}).get("expires_at")
+    return Transition(
+        State.FAILED_FINAL,
+        frozenset({State.AWAITING_APPROVAL}),
+        "approval_expired",
+        expect_fence=op.fence,
+        error={
+            "code": ErrorCode.APPROVAL_EXPIRED.value,
+            "message": f"nobody approved it before {iso(expires_at) if isinstance(expires_at, float | int) else 'its timeout'}",
+        },
+        approval=_decided(op, ApprovalState.EXPIRED, None, "timeout", None, now),
+    )
+
+
+def take_change(op: Operation, lease: Lease) -> Transition:
+    """An approved operation taken by the call that executes it: its first attempt, exactly once."""
+    return Transition(
+        State.RUNNING,
+        frozenset({State.PENDING}),
+        "approved_claimed",
+        expect_fence=op.fence,
+        lease=lease,
+    )
+
+
+# --- deciding ---------------------------------------------------------------------------------------
+
+
+async def expire(ledger: Ledger, op: Operation, now: float) -> tuple[Operation, bool]:
+    """`op` after its wait ran out (FAILED_FINAL, approval_expired); True when this call moved it."""
+    moved = await ledger.update(op.operation_id, expire_change(op, now), now)
+    if moved is not None:
+        return moved, True
+    return (await ledger.get_by_id(None, op.operation_id)) or op, False
+
+
+async def touch(ledger: Ledger, op: Operation, now: float) -> tuple[Operation, bool]:
+    """Every touch enforces the timeout: an operation past it expires now, not at the next sweep."""
+    if due(op, now):
+        return await expire(ledger, op, now)
+    return op, False
+
+
+async def expire_due(ledger: Ledger, now: float) -> list[Operation]:
+    """The periodic sweep: every operation whose wait ran out becomes FAILED_FINAL (approval_expired)."""
+    expired: list[Operation] = []
+    while True:
+        where = OperationFilter(None, state=State.AWAITING_APPROVAL, approval_due_by=now, limit=_SWEEP_BATCH)
+        batch = await ledger.find(where)
+        moved = 0
+        for op in batch:
+            if due(op, now):
+                current, mine = await expire(ledger, op, now)
+                moved += current.state is not State.AWAITING_APPROVAL
+                if mine:
+                    expired.append(current)
+        if len(batch) < _SWEEP_BATCH or moved == 0:  # all of them, or nothing more will move
+            return expired
+
+
+async def decide(
+    ledger: Ledger,
+    operation_id: str,
+    decision: Decision,
+    *,
+    by: str,
+    via: str,
+    reason: str | None,
+    now: float,
+    principal: str | None = None,
+) -> Operation:
+    """Approve or deny one operation; raise ApprovalRefused saying why when it cannot be decided.
+
+    `principal`: the caller sees only that principal's operations (None: an operator's CLI).
+    """
+    op = await ledger.get_by_id(principal, operation_id)
+    if op is None:
+        raise ApprovalRefused(f"no operation {operation_id!r}" + (" visible to you" if principal else ""))
+    op, _ = await touch(ledger, op, now)
+    refusal = _refusal(op, via)
+    if refusal is not None:
+        raise ApprovalRefused(refusal)
+    change = (approve_change if decision == "approve" else deny_change)(op, by, via, reason, now)
+    decided = await ledger.update(op.operation_id, change, now)
+    if decided is None:  # someone else decided (or the wait ran out) in the meantime
+        current = await ledger.get_by_id(None, op.operation_id) or op
+        raise ApprovalRefused(_refusal(current, via) or f"{op.operation_id} changed meanwhile; look again")
+    log.info("%s %s by %s via %s", op.operation_id, decided.state.value, by, via)
+    return decided
+
+
+def _refusal(op: Operation, via: str) -> str | None:
+    if op.state is not State.AWAITING_APPROVAL:
+        approval = op.approval or {}
+        if approval.get("state") in (ApprovalState.APPROVED, ApprovalState.DENIED):
+            when = (
+                iso(approval["decided_at"])
+                if isinstance(approval.get("decided_at"), int | float)
+                else "earlier"
+            )
+            return (
+                f"{op.operation_id} was already {approval['state']} by {approval.get('by')} "
+                f"({approval.get('via')}) at {when}; it is now {op.state.value}. A decision is taken once."
+            )
+        if approval.get("state") == ApprovalState.EXPIRED:
+            return f"{op.operation_id} is not awaiting approval: nobody decided before its timeout, it is {op.state.value}"
+        return f"{op.operation_id} is not awaiting approval: it is {op.state.value}"
+    allowed = (op.approval or {}).get("deciders") or []
+    if via not in allowed:
+        return f"{op.operation_id} may be decided only via {', '.join(allowed)}, not via {via}"
+    return None
+
+
+# --- what a person is shown ---------------------------------------------------------------------
+
+
+def masked(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments with values of secret-looking fields (card numbers, tokens, passwords) masked."""
+
+    def mask(name: str, value: Any) -> Any:
+        if _SECRET_ARGUMENT.search(name):
+            return MASK
+        if isinstance(value, Mapping):
+            return {k: mask(str(k), v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mask(name, v) for v in value]
+        return value
+
+    return {name: mask(name, value) for name, value in arguments.items()}
+
+
+def render_prompt(template: str, arguments: Mapping[str, Any]) -> str:
+    """`{arguments.X}` filled from the masked arguments (a secret stays masked even when named)."""
+    shown = masked(arguments)
+
+    def value_of(match: re.Match[str]) -> str:
+        if match.group(1) != "arguments":
+            return match.group(0)
+        node: Any = shown
+        for part in match.group(2).split(".")[1:]:
+            if isinstance(node, Mapping) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return match.group(0)
+        return node if isinstance(node, str) else json.dumps(node, ensure_ascii=False, default=str)
+
+    return REFERENCE.sub(value_of, template)
+
+
+def question(op: Operation, policy: ToolPolicy | None, earlier: Operation | None = None) -> Question:
+    """The text a person reads before deciding: the prompt, the tool, the arguments (masked), who asks."""
+    template = policy.approval.prompt if policy is not None and policy.approval is not None else None
+    lines = [render_prompt(template, op.arguments) if template else f"Approve this call of {op.tool}?"]
+    lines.append(f"Tool: {op.tool}")
+    lines.append(f"Arguments: {json.dumps(masked(op.arguments), ensure_ascii=False, default=str)}")
+    lines.append(f"Requested by: {op.principal} (session {op.session!r}, idempotency_key {op.step!r})")
+    if earlier is not None:
+        lines.append(
+            f"Possible duplicate of {earlier.operation_id} (idempotency_key {earlier.step!r}, "
+            f"{earlier.state.value}, created {iso(earlier.created_at)}) with exactly these arguments."
+        )
+    lines.append(f"Operation: {op.operation_id}")
+    return Question(op.operation_id, op.tool, op.principal, "\n".join(lines))
+
+
+def status(op: Operation) -> dict[str, Any] | None:
+    """The status view's `approval = {state, by, via, reason, decided_at}` (with when the wait ends)."""
+    approval = op.approval
+    if approval is None:
+        return None
+    decided_at = approval.get("decided_at")
+    view = {
+        "state": approval.get("state"),
+        "by": approval.get("by"),
+        "via": approval.get("via"),
+        "reason": approval.get("reason"),
+        "decided_at": iso(decided_at) if isinstance(decided_at, int | float) else None,
+    }
+    expires_at = approval.get("expires_at")
+    if approval.get("state") == ApprovalState.AWAITING and isinstance(expires_at, int | float):
+        view["expires_at"] = iso(expires_at)
+    if approval.get("duplicate_of"):
+        view["duplicate_of"] = approval["duplicate_of"]
+    return view
