@@ -26,6 +26,8 @@ from rich.text import Text
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
+from commitgate.server.core import approvals
+from commitgate.server.core.boundary import printable as printable_text
 from commitgate.server.core.resolutions import (
     Finding,
     Resolution,
@@ -35,8 +37,6 @@ from commitgate.server.core.resolutions import (
     note_for,
     resolve,
 )
-from commitgate.server.core import approvals
-from commitgate.server.core.boundary import printable as printable_text
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import (
     Ledger,
@@ -386,7 +386,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     """An operator's decision on an operation awaiting approval; the rules are core/approvals.py's."""
 
     async def body() -> int:
-        by = args.by or _operator()
+        by = args.by or local_operator()
         if not printable_text(by) or not by.strip():
             raise CommandError("--by must be a name of printable characters")
         now = time.time()
