@@ -18,6 +18,7 @@ from commitgate.server.console.pages import PAGES, Page
 from commitgate.server.console.rendering import STATIC, render
 from commitgate.server.console.security import Access, Denied, with_headers
 from commitgate.server.ledger import Ledger, LedgerUnavailable, open_ledger
+from commitgate.server.policy.models import Policy
 
 OpenLedger = Callable[[], Awaitable[Ledger]]
 
@@ -77,8 +78,13 @@ async def _denied(request: Request, exc: Exception) -> Response:
     return _refusal(request, exc, request.app.state.access)
 
 
-def create_app(open_the_ledger: OpenLedger, access: Access, pages: Sequence[Page] = PAGES) -> Starlette:
-    """The console over the ledger `open_the_ledger` gives (opened at start, closed at stop)."""
+def create_app(
+    open_the_ledger: OpenLedger, access: Access, pages: Sequence[Page] = PAGES, policy: Policy | None = None
+) -> Starlette:
+    """The console over the ledger `open_the_ledger` gives (opened at start, closed at stop).
+
+    `policy`: where the tools' approval prompts come from (None: each question is the generic one).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -102,6 +108,7 @@ def create_app(open_the_ledger: OpenLedger, access: Access, pages: Sequence[Page
     )
     app.state.access = access
     app.state.pages = tuple(pages)
+    app.state.policy = policy
     return app
 
 

@@ -23,7 +23,7 @@ DEFAULT_PORT = 8766
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     console = subparsers.add_parser(
         "console",
-        help="a web page for operators: unknown outcomes to resolve, operations to search",
+        help="a web page for operators: approvals to decide, unknown outcomes to resolve, operations to search",
         description="Serve the operator's console over the ledger, beside any running server."
         " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
         " [[auth.tokens]] in the policy.",
@@ -114,14 +114,17 @@ def cmd_console(args: argparse.Namespace) -> int:
     if access.console_token is not None:
         link = f"http://{shown_host}:{port}/?token={access.console_token}"
         print(f"commitgate: console at {link}", flush=True)
-        print("commitgate: the link signs you in; anyone with it can resolve operations", flush=True)
+        print(
+            "commitgate: the link signs you in; anyone with it can approve, deny and resolve operations",
+            flush=True,
+        )
     else:
         print(f"commitgate: console at http://{shown_host}:{port}/", flush=True)
         print(
             "commitgate: sign in with ?token=YOUR_TOKEN (a token of [[auth.tokens]]) or a bearer header",
             flush=True,
         )
-    app = create_app(ledger_opener(url), access)
+    app = create_app(ledger_opener(url), access, policy=policy)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))

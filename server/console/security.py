@@ -98,7 +98,7 @@ class Access:
         if not tokens:
             raise ConsoleRefused(
                 f"refusing to serve the console on {host!r} without authentication: anyone who can reach"
-                " that address could resolve operations. Add [[auth.tokens]] to the policy given with"
+                " that address could approve or resolve operations. Add [[auth.tokens]] to the policy given with"
                 " --policy (principal + token_env or token_sha256), or bind a loopback address such as"
                 " 127.0.0.1 (the default) and open the link the console prints."
             )

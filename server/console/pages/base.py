@@ -10,9 +10,11 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from commitgate.server.console.security import Identity
+from commitgate.server.core import approvals
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.ledger.base import Ledger, lease_over
 from commitgate.server.model.facts import State
+from commitgate.server.policy.models import Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +41,21 @@ def scope_of(request: Request) -> str | None:
     return identity_of(request).principal
 
 
+def policy_of(request: Request) -> Policy | None:
+    """The policy the console was started with: the tools' approval prompts (None: none known)."""
+    policy: Policy | None = request.app.state.policy
+    return policy
+
+
 def now() -> float:
     return time.time()
 
 
-async def touch_leases(ledger: Ledger, at: float) -> None:
+async def touch(ledger: Ledger, at: float) -> None:
     """A listing is a touch (docs/contract.md#leases): a RUNNING operation whose owner is gone shows as
-    UNKNOWN. Only read, unless there is one to turn."""
+    UNKNOWN, and a wait for approval that ran out shows as expired (FAILED_FINAL, approval_expired), as
+    the server's sweep would make them. Only read, unless there is one to turn."""
     running = await ledger.find(OperationFilter(None, state=State.RUNNING, limit=1000))
     if any(lease_over(op, at) for op in running):
         await ledger.expire_leases(at)
+    await approvals.expire_due(ledger, at)

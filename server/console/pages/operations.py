@@ -8,9 +8,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch_leases
+from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch
+from commitgate.server.console.pages.questions import waiting
 from commitgate.server.console.rendering import history_rows, render, shown_json, shown_result, status_check
 from commitgate.server.console.security import Denied
+from commitgate.server.core import approvals
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.model.facts import State
@@ -48,7 +50,7 @@ def _search(request: Request) -> tuple[dict[str, str], OperationFilter]:
 async def operations_page(request: Request) -> Response:
     typed, where = _search(request)
     ledger = ledger_of(request)
-    await touch_leases(ledger, now())
+    await touch(ledger, now())
     found = await ledger.find(where)
     return render(
         request,
@@ -78,6 +80,8 @@ async def operation_page(
     op = await ledger.get_by_id(scope_of(request), operation_id)
     if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
+    at = now()
+    op, _ = await approvals.touch(ledger, op, at)  # a wait that ran out shows as expired, not waiting
     history = await ledger.history(op.operation_id)
     view: dict[str, Any] = {
         "op": op,
@@ -89,9 +93,11 @@ async def operation_page(
         # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
         "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),
         "history": history_rows(history),
+        "approval": approvals.status(op),
+        "waiting": await waiting(request, op, at) if op.state is State.AWAITING_APPROVAL else None,
         "problem": problem,
         "problem_field": problem_field,
-        "typed": typed or {"reason": "", "result": ""},
+        "typed": {"reason": "", "result": "", "approval_reason": "", **(typed or {})},
     }
     return render(request, "operation.html", status_code, title=f"Operation {op.operation_id}", **view)
 

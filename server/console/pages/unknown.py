@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from commitgate.server.console.pages.base import Page, identity_of, ledger_of, now, scope_of, touch_leases
+from commitgate.server.console.pages.base import Page, identity_of, ledger_of, now, scope_of, touch
 from commitgate.server.console.pages.operations import operation_page
 from commitgate.server.console.rendering import render, status_check
 from commitgate.server.console.security import checked_form
@@ -23,7 +23,7 @@ POLL_SECONDS = 3
 
 async def _entries(request: Request) -> dict[str, Any]:
     ledger = ledger_of(request)
-    await touch_leases(ledger, now())
+    await touch(ledger, now())
     found = await ledger.find(OperationFilter(scope_of(request), state=State.UNKNOWN, limit=SHOWN + 1))
     return {
         "entries": [(op, status_check(op)) for op in found[:SHOWN]],

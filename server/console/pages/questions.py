@@ -1,0 +1,70 @@
+"""What a reviewer reads about an operation awaiting approval, on the list and on its own page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from commitgate.server.console.pages.base import ledger_of, policy_of, scope_of
+from commitgate.server.core import approvals
+from commitgate.server.model.records import Operation
+from commitgate.server.policy.masking import mask_values
+
+VIA = "operator"  # the console is an operator's surface: a policy's `via = ["operator"]` covers it
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """One operation awaiting a decision, as a reviewer sees it."""
+
+    op: Operation
+    prompt: str  # the question's first line: the policy's prompt, filled in and masked
+    notes: list[str]  # what else the question says that the facts do not (a possible duplicate)
+    requested_at: float
+    expires_at: float | None
+    waited: str
+    expires_in: str
+    operator_decides: bool  # False: the policy lets only the client's user decide this one
+    deciders: str
+
+
+def duration(seconds: float) -> str:
+    """A span as people say it, to the minute: "under a minute", "12 min", "3 h 5 min", "2 d 4 h"."""
+    minutes = int(max(seconds, 0.0) // 60)
+    if minutes < 1:
+        return "under a minute"
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+async def waiting(request: Request, op: Operation, at: float) -> Waiting:
+    """What a reviewer reads about `op`: the question core/approvals.py builds, masked for a screen."""
+    record = op.approval or {}
+    earlier = None
+    if record.get("duplicate_of"):
+        earlier = await ledger_of(request).get_by_id(scope_of(request), str(record["duplicate_of"]))
+    policy = policy_of(request)
+    text = approvals.question(op, policy.tools.get(op.tool) if policy else None, earlier).text
+    lines = str(mask_values(text)).splitlines()  # card numbers in free text, too
+    requested = record.get("requested_at")
+    requested_at = float(requested) if isinstance(requested, int | float) else op.created_at
+    expires = record.get("expires_at")
+    expires_at = float(expires) if isinstance(expires, int | float) else None
+    deciders = [str(d) for d in record.get("deciders") or []]
+    return Waiting(
+        op=op,
+        prompt=lines[0] if lines else "",
+        notes=[line for line in lines if line.startswith("Possible duplicate of ")],
+        requested_at=requested_at,
+        expires_at=expires_at,
+        waited=duration(at - requested_at),
+        expires_in=duration(expires_at - at) if expires_at is not None else "",
+        operator_decides=VIA in deciders,
+        deciders=", ".join(deciders),
+    )
