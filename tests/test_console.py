@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def state_of(ledger_url: str, operation_id: str) -> State:
 # --- sign-in ------------------------------------------------------------------------------------
 
 
-PAGES = ["/unknown", "/unknown/rows", "/operations", "/operations/op_x"]
+PAGES = ["/approvals", "/approvals/rows", "/unknown", "/unknown/rows", "/operations", "/operations/op_x"]
 
 
 def test_without_the_token_every_page_refuses_and_says_how_to_sign_in(policy: Path, ledger_url: str) -> None:
@@ -133,7 +134,7 @@ def test_on_loopback_only_loopback_host_names_are_answered(policy: Path, ledger_
 
 def test_every_answer_carries_a_strict_content_security_policy(policy: Path, ledger_url: str) -> None:
     with console_client(ledger_url, loopback_access()) as client:
-        for path in ["/unknown", "/unknown/rows", "/operations", "/operations/op_missing", "/nowhere"]:
+        for path in [*PAGES, "/operations/op_missing", "/nowhere"]:
             answer = client.get(path)
             assert answer.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
             assert answer.headers["x-frame-options"] == "DENY"
@@ -152,7 +153,6 @@ def test_the_unknown_list_shows_each_operation_and_what_the_status_check_said(
 ) -> None:
     op_id = unknown_email(policy, monkeypatch)
     with console_client(ledger_url, loopback_access()) as client:
-        assert client.get("/").headers["location"] == "/unknown"
         page = client.get("/unknown")
         assert page.status_code == 200
         assert op_id in page.text and "1 operation to decide." in page.text
@@ -443,10 +443,14 @@ def test_every_post_route_checks_the_csrf_token(policy: Path, ledger_url: str) -
     """A page added later cannot forget it: every POST route of the app is tried without a token."""
     with console_client(ledger_url, loopback_access()) as client:
         posts = [r for r in client.app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]  # type: ignore[attr-defined]
-        assert posts
+        assert {r.path for r in posts} >= {
+            "/operations/{operation_id}/resolve",
+            "/operations/{operation_id}/decide",
+        }
         for route in posts:
             path = route.path.replace("{operation_id}", "op_any")
-            assert client.post(path, data={"finding": "failed"}).status_code == 403, route.path
+            form = {"finding": "failed", "decision": "approve"}
+            assert client.post(path, data=form).status_code == 403, route.path
 
 
 # --- escaping and masking ---------------------------------------------------------------------------
@@ -467,7 +471,14 @@ def test_markup_from_clients_is_shown_escaped_on_every_page(
         )
     )
     with console_client(ledger_url, loopback_access()) as client:
-        pages = ["/unknown", "/unknown/rows", "/operations", f"/operations/{op_id}"]
+        pages = [
+            "/approvals",
+            "/approvals/rows",
+            "/unknown",
+            "/unknown/rows",
+            "/operations",
+            f"/operations/{op_id}",
+        ]
         pages += [f"/operations?session=s{IMG}", f"/operations?tool={SCRIPT}&key={IMG}"]
         for path in pages:
             answer = client.get(path, params=None)
@@ -624,3 +635,308 @@ def test_a_port_in_use_is_said_with_what_to_do(
         port = taken.getsockname()[1]
         assert main(["console", "--ledger", ledger_url, "--port", str(port)]) == 1
     assert "pick another with --port" in capsys.readouterr().err
+
+
+# --- waiting for approval ---------------------------------------------------------------------------
+
+OUTSIDE = {"to": "bob@elsewhere.org", "subject": "Quarterly numbers", "body": "attached"}
+
+
+def awaiting_mail(policy: Path, key: str = "mail-1", session: str = "s1", **changes: str) -> str:
+    """A call of `mail_out` to an outside address: recorded AWAITING_APPROVAL, nothing sent. Its id."""
+    result = asyncio.run(call(policy, "mail_out", key, session, **{**OUTSIDE, **changes}))
+    assert error_code(result) == "approval_pending", result.content
+    return str(result.structured_content["error"]["operation"]["operation_id"])
+
+
+def decide_form(client: Any, op_id: str, decision: str, reason: str = "", where: str = "list") -> Any:
+    page = client.get("/approvals" if where == "list" else f"/operations/{op_id}").text
+    form = {"csrf_token": csrf_of(page), "decision": decision, "reason": reason, "from": where}
+    return client.post(f"/operations/{op_id}/decide", data=form)
+
+
+def test_the_waiting_list_is_the_first_page_and_shows_each_call_with_its_question(
+    policy: Path, ledger_url: str
+) -> None:
+    op_id = awaiting_mail(policy, session="night-run")
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        assert client.get("/").headers["location"] == "/approvals"
+        page = client.get("/approvals")
+        assert page.status_code == 200
+        card = page.text.split(f'id="op-{op_id}"', 1)[1]
+        for fact in (
+            "mail_out",
+            "agent",
+            "night-run",
+            "mail-1",
+            "Send &#39;Quarterly numbers&#39; to bob@elsewhere.org?",
+        ):
+            assert fact in card, fact
+        assert "bob@elsewhere.org" in card and "&#34;body&#34;: &#34;attached&#34;" in card  # the arguments
+        assert "Waiting</dt><dd>under a minute" in card and "Expires</dt><dd>in 23 h 59 min" in card
+        assert "1 call waiting for approval." in page.text
+        assert 'data-poll="/approvals/rows"' in page.text  # live updates
+        assert page.text.index('href="/approvals"') < page.text.index('href="/unknown"')  # first in the menu
+
+        rows = client.get("/approvals/rows")
+        assert op_id in rows.text and "<html" not in rows.text  # a fragment, not a page
+        later = awaiting_mail(policy, "mail-2", subject="Second")  # a new request shows in the fragment
+        rows = client.get("/approvals/rows")
+        assert later in rows.text and "2 calls waiting for approval." in rows.text
+        assert demo.count("emails") == 0
+
+
+def test_without_a_policy_the_question_is_the_generic_one(policy: Path, ledger_url: str) -> None:
+    awaiting_mail(policy)
+    with console_client(ledger_url, loopback_access()) as client:
+        assert "Approve this call of mail_out?" in client.get("/approvals").text
+
+
+def test_approving_from_the_list_lets_the_retry_run_exactly_once(policy: Path, ledger_url: str) -> None:
+    op_id = awaiting_mail(policy)
+    with console_client(ledger_url, loopback_access("alice"), policy=policy) as client:
+        answer = decide_form(client, op_id, "approve")  # no reason needed to approve
+        assert answer.status_code == 303 and answer.headers["location"] == f"/approvals?decided={op_id}"
+        after = client.get(answer.headers["location"]).text
+        assert "is now <strong>PENDING</strong>: approved by alice" in after
+        assert "Nothing waits for approval." in after
+        page = client.get(f"/operations/{op_id}").text
+        block = page.split('id="approval"', 1)[1].split("</section>", 1)[0]
+        for fact in ("approved", "alice", "operator", "Decided"):
+            assert fact in block, fact
+        assert 'id="decide"' not in page
+    assert demo.count("emails") == 0  # approving runs nothing by itself
+    first = asyncio.run(call(policy, "mail_out", "mail-1", **OUTSIDE))
+    assert not first.is_error, first.content
+    again = asyncio.run(call(policy, "mail_out", "mail-1", **OUTSIDE))
+    assert (again.meta or {})["commitgate/operation"]["replayed"] is True
+    assert demo.count("emails") == 1
+
+
+def test_denying_needs_a_reason_and_the_retry_answers_approval_denied(policy: Path, ledger_url: str) -> None:
+    op_id = awaiting_mail(policy)
+    with console_client(ledger_url, loopback_access("alice"), policy=policy) as client:
+        bare = decide_form(client, op_id, "deny", "  ")
+        assert bare.status_code == 400 and "A denial needs a reason" in bare.text
+        assert 'aria-invalid="true"' in bare.text and 'id="decide"' in bare.text  # the operation's form
+        assert state_of(ledger_url, op_id) is State.AWAITING_APPROVAL
+        on_page = decide_form(client, op_id, "deny", "", where="operation")
+        assert (
+            on_page.status_code == 400
+            and 'id="decide"' in on_page.text
+            and "A denial needs a reason" in on_page.text
+        )
+        odd = decide_form(client, op_id, "maybe")
+        assert odd.status_code == 400 and "Choose Approve or Deny." in odd.text
+        denied = decide_form(client, op_id, "deny", "not to outside addresses")
+        assert denied.status_code == 303
+        assert (
+            "is now <strong>FAILED_FINAL</strong>: denied by alice"
+            in client.get(denied.headers["location"]).text
+        )
+    answer = asyncio.run(call(policy, "mail_out", "mail-1", **OUTSIDE))
+    assert error_code(answer) == "approval_denied"
+    assert "not to outside addresses" in answer.structured_content["error"]["message"]
+    assert demo.count("emails") == 0
+
+
+@pytest.mark.parametrize("decision", ["approve", "deny"])
+def test_the_console_records_a_decision_exactly_as_ops_approve_and_deny_do(
+    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str], decision: str
+) -> None:
+    by_page = awaiting_mail(policy, "by-page")
+    by_cli = awaiting_mail(policy, "by-cli")
+    with console_client(ledger_url, loopback_access("bo"), policy=policy) as client:
+        assert decide_form(client, by_page, decision, "checked with finance").status_code == 303
+    command = [
+        "ops",
+        decision,
+        by_cli,
+        "--ledger",
+        ledger_url,
+        "--reason",
+        "checked with finance",
+        "--by",
+        "bo",
+    ]
+    assert main(command) == 0
+
+    def recorded(op_id: str) -> dict[str, object]:
+        capsys.readouterr()
+        assert main(["ops", "show", op_id, "--ledger", ledger_url, "--json"]) == 0
+        view = json.loads(capsys.readouterr().out)
+        last = view["history"][-1]
+        error = view.get("error")
+        if error is not None:
+            error = {**error, "message": error["message"].replace(op_id, "OP")}
+        return {
+            "state": view["state"],
+            "error": error,
+            "approval": {k: v for k, v in view["approval"].items() if k != "decided_at"},
+            "last": {k: last[k] for k in ("event", "actor", "detail", "from_state", "to_state")},
+        }
+
+    assert recorded(by_page) == recorded(by_cli)
+    assert recorded(by_page)["approval"] == {
+        "state": "approved" if decision == "approve" else "denied",
+        "by": "bo",
+        "via": "operator",
+        "reason": "checked with finance",
+    }
+
+
+def test_deciding_twice_is_refused_with_the_state_it_is_in(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    op_id = awaiting_mail(policy)
+    unknown = asyncio.run(claim(tmp_path / "ledger.db", step="not-waiting"))
+    with console_client(ledger_url, loopback_access("alice"), policy=policy) as client:
+        token = csrf_of(client.get("/approvals").text)
+        form = {"csrf_token": token, "decision": "approve", "reason": "", "from": "list"}
+        assert client.post(f"/operations/{op_id}/decide", data=form).status_code == 303
+        for again in ({**form, "decision": "deny", "reason": "changed my mind"}, form):
+            answer = client.post(f"/operations/{op_id}/decide", data=again)
+            assert answer.status_code == 409, answer.text
+            assert (
+                "Not recorded:" in answer.text and "was already approved by alice (operator)" in answer.text
+            )
+            assert "it is now PENDING. A decision is taken once." in answer.text
+        on_page = client.post(f"/operations/{op_id}/decide", data={**form, "from": "operation"})
+        assert on_page.status_code == 409 and "A decision is taken once." in on_page.text
+        assert 'id="approval"' in on_page.text  # the operation's own page, with its approval block
+        other = client.post(f"/operations/{unknown}/decide", data=form)
+        assert other.status_code == 409 and "is not awaiting approval: it is UNKNOWN" in other.text
+        assert client.post("/operations/op_nope/decide", data=form).status_code == 404
+    assert state_of(ledger_url, op_id) is State.PENDING and state_of(ledger_url, unknown) is State.UNKNOWN
+
+
+def test_a_wait_that_ran_out_is_shown_as_expired_and_cannot_be_decided(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    listed = asyncio.run(
+        claim(tmp_path / "ledger.db", step="late-1", state=State.AWAITING_APPROVAL, timeout=0.05)
+    )
+    opened = asyncio.run(
+        claim(tmp_path / "ledger.db", step="late-2", state=State.AWAITING_APPROVAL, timeout=0.05)
+    )
+    decided = asyncio.run(
+        claim(tmp_path / "ledger.db", step="late-3", state=State.AWAITING_APPROVAL, timeout=0.05)
+    )
+    fresh = asyncio.run(claim(tmp_path / "ledger.db", step="fresh", state=State.AWAITING_APPROVAL))
+    time.sleep(0.1)
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        token = csrf_of(client.get(f"/operations/{fresh}").text)
+        form = {"csrf_token": token, "decision": "approve", "from": "list"}
+        answer = client.post(f"/operations/{decided}/decide", data=form)  # touched first by the decision
+        assert (
+            answer.status_code == 409
+            and "nobody decided before its timeout, it is FAILED_FINAL" in answer.text
+        )
+        page = client.get(f"/operations/{opened}").text  # touched first by its page
+        block = page.split('id="approval"', 1)[1].split("</section>", 1)[0]
+        assert "expired" in block and "timeout" in block and 'id="decide"' not in page
+        assert "approval_expired" in page and "FAILED_FINAL" in page
+        waiting = client.get("/approvals").text  # the listing expires what ran out, as the sweep does
+        assert fresh in waiting and listed not in waiting and "1 call waiting for approval." in waiting
+    for op_id in (listed, opened, decided):
+        assert state_of(ledger_url, op_id) is State.FAILED_FINAL
+
+
+def test_a_tool_only_the_clients_user_may_decide_has_no_form(policy: Path, ledger_url: str) -> None:
+    result = asyncio.run(call(policy, "ask_the_user", "ask-1", **OUTSIDE))
+    assert error_code(result) == "approval_pending"
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    awaiting_mail(policy)  # one the console may decide, whose form carries a token
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        listed = client.get("/approvals").text
+        card = listed.split(f'id="op-{op_id}"', 1)[1].split("</li>", 1)[0]
+        assert "Only client may decide this one" in card and "<form" not in card
+        assert "Only client may decide this one" in client.get(f"/operations/{op_id}").text
+        form = {"csrf_token": csrf_of(listed), "decision": "approve", "from": "operation"}
+        answer = client.post(f"/operations/{op_id}/decide", data=form)
+        assert answer.status_code == 409 and "may be decided only via client, not via operator" in answer.text
+    assert state_of(ledger_url, op_id) is State.AWAITING_APPROVAL
+
+
+def test_the_decide_form_without_the_sessions_csrf_token_is_refused(policy: Path, ledger_url: str) -> None:
+    op_id = awaiting_mail(policy)
+    access = loopback_access()
+    with console_client(ledger_url, access) as other:
+        foreign = csrf_of(other.get("/approvals").text)
+    with console_client(ledger_url, access) as client:
+        mine = csrf_of(client.get("/approvals").text)
+        for decision in ("approve", "deny"):
+            form = {"decision": decision, "reason": "because"}
+            for attempt in ({}, {"csrf_token": ""}, {"csrf_token": foreign}):
+                answer = client.post(f"/operations/{op_id}/decide", data={**form, **attempt})
+                assert answer.status_code == 403 and "reload the page" in answer.text, attempt
+            elsewhere = client.post(
+                f"/operations/{op_id}/decide",
+                data={**form, "csrf_token": mine},
+                headers={"Origin": "http://attacker.example"},
+            )
+            assert elsewhere.status_code == 403 and "from another site" in elsewhere.text
+    assert state_of(ledger_url, op_id) is State.AWAITING_APPROVAL
+
+
+def test_markup_in_a_waiting_call_is_shown_escaped_and_secrets_masked(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    op_id = asyncio.run(
+        claim(
+            tmp_path / "ledger.db",
+            session=f"s{IMG}",
+            step=f"k{SCRIPT}",
+            tool="mail_out",
+            arguments={
+                "to": f"x{IMG}",
+                "subject": f"pay with {CARD} {SCRIPT}",
+                "password": "hunter2-hunter2",
+            },
+            state=State.AWAITING_APPROVAL,
+        )
+    )
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        for path in ("/approvals", "/approvals/rows", f"/operations/{op_id}"):
+            text = client.get(path).text
+            assert op_id in text, path
+            assert "<script>alert" not in text and "<img src=x" not in text, path
+            assert "&lt;script&gt;alert(" in text and "&lt;img src=x onerror=alert(1)&gt;" in text, path
+            assert CARD not in text and "hunter2-hunter2" not in text, path
+            assert "Send &#39;pay with •••• 4242" in text, path  # the prompt, masked too
+
+
+def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    mine = asyncio.run(
+        claim(tmp_path / "ledger.db", principal="alice", step="a-1", state=State.AWAITING_APPROVAL)
+    )
+    theirs = asyncio.run(
+        claim(tmp_path / "ledger.db", principal="bob", step="b-1", state=State.AWAITING_APPROVAL)
+    )
+    with console_client(ledger_url, _policy_tokens(), sign_in=False) as client:
+        bearer = {"Authorization": "Bearer alice-token-0123456789", "Host": "console.example:8766"}
+        listed = client.get("/approvals", headers=bearer).text
+        assert mine in listed and theirs not in listed
+        form = {"csrf_token": csrf_of(listed), "decision": "approve"}
+        assert client.post(f"/operations/{theirs}/decide", data=form, headers=bearer).status_code == 404
+        assert client.post(f"/operations/{mine}/decide", data=form, headers=bearer).status_code == 303
+    assert (
+        state_of(ledger_url, mine) is State.PENDING
+        and state_of(ledger_url, theirs) is State.AWAITING_APPROVAL
+    )
+
+    async def approval_of(op_id: str) -> dict[str, Any] | None:
+        ledger = await open_ledger(ledger_url, read_only=True)
+        try:
+            op = await ledger.get_by_id(None, op_id)
+            return None if op is None else op.approval
+        finally:
+            await ledger.close()
+
+    decided = asyncio.run(approval_of(mine))
+    assert decided is not None and decided["by"] == "alice" and decided["via"] == "operator"

@@ -24,11 +24,21 @@ from support.browser import (
     serious_violations,
 )
 from support.console import seed
-from support.e2e import Deployment, Server, error, error_code, operation, serve
+from support.e2e import Deployment, Server, error, error_code, operation, policy_toml, serve
 
 pytestmark = [pytest.mark.browser, pytest.mark.anyio]
 
 EMAIL = {"to": "ann@example.com", "subject": "Your receipt", "body": "Thanks"}
+OUTSIDE = {"to": "bob@elsewhere.org", "subject": "Quarterly numbers", "body": "attached"}
+# Mail to an outside address waits for a person: the client below cannot be asked, so an operator is.
+APPROVAL_TOML = """
+[tools.mail_out]
+class = "key-required"
+python = "commitgate.tools.demo:send_email"
+timeout = "10s"
+duplicates = false
+approval = { when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{arguments.subject}' to {arguments.to}?" }
+"""
 LOAD_BUDGET_MS = 3000.0  # far above what a healthy page takes here (see the README's figures)
 
 
@@ -44,6 +54,19 @@ async def lost_email(server: Server, key: str, session: str = "s1", **changes: s
     return str(error(result)["operation"]["operation_id"])
 
 
+def with_approvals(root: Path) -> Deployment:
+    deployment = Deployment.create(root)
+    deployment.policy.write_text(policy_toml() + APPROVAL_TOML, encoding="utf-8")
+    return deployment
+
+
+async def waiting_mail(server: Server, key: str, **changes: str) -> str:
+    """Mail to an outside address: AWAITING_APPROVAL, nothing sent; its operation id."""
+    result = await server.call("mail_out", {**OUTSIDE, **changes, "idempotency_key": key})
+    assert error_code(result) == "approval_pending", result.content
+    return str(error(result)["operation"]["operation_id"])
+
+
 async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(tmp_path: Path) -> None:
     deployment = Deployment.create(tmp_path)
     async with serve(deployment, faults="send_email.lose_ack=2x") as server:
@@ -55,7 +78,8 @@ async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(t
                 dialogs: list[str] = []
                 page.on("dialog", lambda dialog: dialogs.append(dialog.message))
                 await page.goto(link)
-                assert page.url.endswith("/unknown") and "token=" not in page.url
+                assert page.url.endswith("/approvals") and "token=" not in page.url  # the first page
+                await page.locator("nav a[href='/unknown']").click()
                 assert await page.locator(f"[id='op-{first}']").is_visible()
 
                 # A new entry shows without a reload (the page polls its list).
@@ -97,7 +121,8 @@ async def test_a_script_in_an_argument_stays_inert_and_shows_as_text(tmp_path: P
             page = await browser.new_page()
             dialogs: list[str] = []
             page.on("dialog", lambda dialog: dialogs.append(dialog.message))
-            await page.goto(link)
+            await page.goto(link)  # signs in
+            await page.goto(link.split("/?")[0] + "/unknown")
             card = await page.locator(f"[id='op-{op_id}']").inner_text()
             assert session in card and "<img src=x" in card  # shown as the text it is
             await page.locator(f"[id='op-{op_id}'] h2 a").click()
@@ -113,9 +138,11 @@ async def test_a_script_in_an_argument_stays_inert_and_shows_as_text(tmp_path: P
             assert await page.locator("img[src='x']").count() == 0
 
 
-async def pages_of(link: str, op_unknown: str, op_done: str) -> list[tuple[str, str]]:
+async def pages_of(link: str, op_unknown: str, op_done: str, op_waiting: str) -> list[tuple[str, str]]:
     base = link.split("/?")[0]
     return [
+        ("waiting for approval", f"{base}/approvals"),
+        ("a waiting operation with its form", f"{base}/operations/{op_waiting}"),
         ("unknown outcomes", f"{base}/unknown"),
         ("operations", f"{base}/operations"),
         ("operations, searched", f"{base}/operations?state=UNKNOWN&tool=send_email"),
@@ -126,19 +153,20 @@ async def pages_of(link: str, op_unknown: str, op_done: str) -> list[tuple[str, 
 
 
 async def test_every_page_passes_axe_without_serious_or_critical_violations(tmp_path: Path) -> None:
-    deployment = Deployment.create(tmp_path)
+    deployment = with_approvals(tmp_path)
     async with serve(deployment, faults="send_email.lose_ack=1x") as server:
         unknown = await lost_email(server, "a11y-1")
         done = await server.call("send_email", {**EMAIL, "subject": "ok", "idempotency_key": "a11y-2"})
         assert not done.is_error
+        waiting = await waiting_mail(server, "a11y-3")
     source = axe_source()
     found: dict[str, Any] = {}
-    with console_process(deployment.ledger) as link:
+    with console_process(deployment.ledger, deployment.policy) as link:
         async with chromium() as browser:
             for width, height in ((1280, 900), (390, 844)):  # a desktop and a phone
                 page = await browser.new_page(viewport={"width": width, "height": height})
                 await page.goto(link)
-                for name, url in await pages_of(link, unknown, operation(done)["operation_id"]):
+                for name, url in await pages_of(link, unknown, operation(done)["operation_id"], waiting):
                     await page.goto(url)
                     violations = await serious_violations(page, source)
                     if violations:
@@ -153,17 +181,99 @@ async def test_every_page_passes_axe_without_serious_or_critical_violations(tmp_
 
 async def test_page_load_times_with_ten_thousand_operations(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger.db"
-    await seed(ledger, 10_000, unknown_every=5)  # 2,000 of them UNKNOWN
+    await seed(ledger, 10_000, unknown_every=5, awaiting_every=25)  # 2,000 UNKNOWN, 400 waiting for approval
     figures: dict[str, float] = {}
     with console_process(ledger) as link:
         base = link.split("/?")[0]
         async with chromium() as browser:
             page = await browser.new_page()
             await page.goto(link)
-            for name, path in (("operations", "/operations"), ("unknown outcomes", "/unknown")):
+            pages = (
+                ("operations", "/operations"),
+                ("unknown outcomes", "/unknown"),
+                ("waiting for approval", "/approvals"),
+            )
+            for name, path in pages:
                 times = [await load_time_ms(page, base + path) for _ in range(5)]
                 figures[name] = statistics.median(times)
     print("\npage load, navigation start to load event, median of 5, 10,000 operations in the ledger:")
     for name, ms in figures.items():
         print(f"  {name}: {ms:.0f} ms")
     assert all(ms < LOAD_BUDGET_MS for ms in figures.values()), figures
+
+
+async def test_a_reviewer_approves_from_the_list_and_the_waiting_agents_retry_runs_once(
+    tmp_path: Path,
+) -> None:
+    deployment = with_approvals(tmp_path)
+    async with serve(deployment) as server:
+        first = await waiting_mail(server, "big-1")
+        with console_process(deployment.ledger, deployment.policy) as link:
+            async with chromium() as browser:
+                page = await browser.new_page()
+                dialogs: list[str] = []
+                page.on("dialog", lambda dialog: dialogs.append(dialog.message))
+                await page.goto(link)
+                assert page.url.endswith("/approvals")  # the console opens on this page
+                card = page.locator(f"[id='op-{first}']")
+                assert (
+                    "Send 'Quarterly numbers' to bob@elsewhere.org?"
+                    in await card.locator(".prompt").inner_text()
+                )
+
+                # A new request shows without a reload (the page polls its list).
+                await page.evaluate("() => { window.stayedOnPage = true; }")
+                later = await waiting_mail(server, "big-2", subject="Annual numbers")
+                await page.locator(f"[id='op-{later}']").wait_for(timeout=15_000)
+                assert await page.evaluate("() => window.stayedOnPage") is True
+                assert "2 calls waiting for approval." in await page.locator(".count").inner_text()
+
+                # The reviewer approves right on the row: one click, no reason needed.
+                clicks = 0
+                await card.locator("button[value='approve']").click()
+                clicks += 1
+                await page.wait_for_url(f"**/approvals?decided={first}")
+                assert "is now PENDING: approved by" in await page.locator(".notice").inner_text()
+                assert await page.locator(f"[id='op-{first}']").count() == 0
+                assert dialogs == []
+                print(f"\nclicks to approve a waiting call from the list: {clicks}")
+        assert deployment.count("emails") == 0  # approving runs nothing by itself
+
+        retry = await server.call("mail_out", {**OUTSIDE, "idempotency_key": "big-1"})
+        assert not retry.is_error, retry.content
+        assert operation(retry)["replayed"] is False and operation(retry)["state"] == "SUCCEEDED"
+        again = await server.call("mail_out", {**OUTSIDE, "idempotency_key": "big-1"})
+        assert operation(again)["replayed"] is True
+        status = (await server.status(None, idempotency_key="big-1"))["operation"]
+        assert status["approval"]["state"] == "approved" and status["approval"]["via"] == "operator"
+    assert deployment.count("emails", idempotency_key="big-1") == 1  # exactly one email
+    assert deployment.count("emails") == 1  # and none for the one still waiting
+
+
+async def test_a_reviewer_denies_with_a_reason_and_the_retry_is_told_no_effect(tmp_path: Path) -> None:
+    deployment = with_approvals(tmp_path)
+    async with serve(deployment) as server:
+        op_id = await waiting_mail(server, "big-d")
+        with console_process(deployment.ledger, deployment.policy) as link:
+            async with chromium() as browser:
+                page = await browser.new_page()
+                await page.goto(link)
+                # The reviewer opens the form from the row (click 1), says why, denies (click 2).
+                clicks = 0
+                await page.locator(f"[id='op-{op_id}'] a.deny").click()
+                clicks += 1
+                await page.locator("#decide button[value='deny']").click()  # no reason: refused
+                await page.wait_for_load_state("load")
+                assert "A denial needs a reason" in await page.locator("#decide-problem").inner_text()
+                await page.fill("#a-reason", "not to outside addresses")
+                await page.locator("#decide button[value='deny']").click()
+                clicks += 1
+                await page.wait_for_url(f"**/approvals?decided={op_id}")
+                assert "is now FAILED_FINAL: denied by" in await page.locator(".notice").inner_text()
+                print(f"\nclicks to deny a waiting call with a reason (from the list): {clicks}")
+
+        answer = await server.call("mail_out", {**OUTSIDE, "idempotency_key": "big-d"})
+        assert error_code(answer) == "approval_denied"
+        assert "not to outside addresses" in error(answer)["message"]
+        assert operation(answer)["state"] == "FAILED_FINAL"
+    assert deployment.count("emails") == 0  # nothing sent

@@ -20,10 +20,12 @@ from starlette.testclient import TestClient
 
 from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.security import CSRF_FIELD, Access
+from commitgate.server.core import approvals
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.models import load_policy
 from commitgate.server.policy.tokens import TokenTable
 from commitgate.server.serve.gateway import Gateway
@@ -42,6 +44,18 @@ class = "key-required"
 python = "commitgate.tools.demo:send_email"
 retry = {{ attempts = 1 }}
 duplicates = false  # the tests send the same email under several keys on purpose
+
+[tools.mail_out]
+class = "key-required"
+python = "commitgate.tools.demo:send_email"
+duplicates = false
+approval = {{ when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{{arguments.subject}}' to {{arguments.to}}?" }}
+
+[tools.ask_the_user]
+class = "key-required"
+python = "commitgate.tools.demo:send_email"
+duplicates = false
+approval = {{ via = ["client"] }}
 
 [tools.charge_card]
 class = "key-and-status-check"
@@ -92,8 +106,11 @@ async def claim(
     state: State = State.UNKNOWN,
     owner: str = "elsewhere:1:aaaa",
     at: float | None = None,
+    timeout: float = 3600.0,
 ) -> str:
-    """An operation written straight into the ledger (a SQLite file or a URL; any strings at all); its id."""
+    """An operation written straight into the ledger (a SQLite file or a URL; any strings at all); its id.
+
+    AWAITING_APPROVAL: recorded as a call that needs approval is, waiting `timeout` seconds."""
     ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
     now = time.time() if at is None else at
     try:
@@ -108,9 +125,10 @@ async def claim(
             owner=owner,
             lease_seconds=60.0,
             retention_seconds=86400.0,
+            approval=waits(now, timeout) if state is State.AWAITING_APPROVAL else None,
         )
         op = (await ledger.claim(request, now)).operation
-        if state is not State.RUNNING:
+        if state not in (State.RUNNING, State.AWAITING_APPROVAL):
             error = (
                 {"code": "ambiguous", "message": "the answer was lost"} if state is State.UNKNOWN else None
             )
@@ -123,8 +141,14 @@ async def claim(
         await ledger.close()
 
 
-async def seed(ledger_path: Path, count: int, unknown_every: int = 5) -> None:
-    """`count` operations in one go (for timing pages): every `unknown_every`-th one UNKNOWN."""
+def waits(now: float, timeout: float = 3600.0) -> dict[str, Any]:
+    """The approval record of a call waiting for a person (the policy's defaults, `timeout` apart)."""
+    return approvals.record(ApprovalPolicy(timeout=timeout), now)
+
+
+async def seed(ledger_path: Path, count: int, unknown_every: int = 5, awaiting_every: int = 0) -> None:
+    """`count` operations in one go (for timing pages): every `unknown_every`-th one UNKNOWN, and
+    every `awaiting_every`-th of the others (when set) AWAITING_APPROVAL."""
     ledger = await SQLiteLedger.open(ledger_path)
     now = time.time()
     try:
@@ -140,8 +164,13 @@ async def seed(ledger_path: Path, count: int, unknown_every: int = 5) -> None:
                 owner="elsewhere:1:aaaa",
                 lease_seconds=60.0,
                 retention_seconds=86400.0,
+                approval=waits(now)
+                if awaiting_every and i % unknown_every and i % awaiting_every == 1
+                else None,
             )
             op = (await ledger.claim(request, now + i * 1e-3)).operation
+            if op.state is State.AWAITING_APPROVAL:
+                continue
             state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
             change = Transition(state, frozenset({State.RUNNING}), "seeded", expect_fence=op.fence)
             await ledger.update(op.operation_id, change, now + i * 1e-3)
@@ -154,9 +183,12 @@ def loopback_access(operator: str = "alice") -> Access:
 
 
 @contextlib.contextmanager
-def console_client(ledger_url: str, access: Access, *, sign_in: bool = True) -> Iterator[TestClient]:
-    """A client of the console app (its lifespan opens the ledger), signed in with the console's token."""
-    app = create_app(ledger_opener(ledger_url), access)
+def console_client(
+    ledger_url: str, access: Access, *, sign_in: bool = True, policy: Path | None = None
+) -> Iterator[TestClient]:
+    """A client of the console app (its lifespan opens the ledger), signed in with the console's token;
+    `policy` gives the tools' approval prompts, as `commitgate console --policy` does."""
+    app = create_app(ledger_opener(ledger_url), access, policy=load_policy(policy) if policy else None)
     with TestClient(app, base_url=BASE_URL, follow_redirects=False) as client:
         if sign_in:
             assert access.console_token is not None
