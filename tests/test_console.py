@@ -1,4 +1,5 @@
-"""The console over HTTP: every page, sign-in and its refusals, CSRF, escaping, masking, resolving.
+"""The console over HTTP: every page, sign-in and its refusals, CSRF, escaping, masking, resolving,
+deciding approvals.
 
 The app runs in-process (Starlette's TestClient) over a real SQLite ledger file; operations come
 from real calls through a gateway, and effects are counted in the demo sandbox.
@@ -30,6 +31,7 @@ from support.console import (
 )
 
 from commitgate.server.cli.main import main
+from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
@@ -391,7 +393,7 @@ def test_only_unknown_operations_can_be_resolved(
 
 
 @pytest.mark.postgres
-def test_the_console_searches_and_resolves_on_a_postgresql_ledger() -> None:
+def test_the_console_searches_resolves_and_decides_on_a_postgresql_ledger() -> None:
     from support.postgres import fresh_url
 
     url = asyncio.run(fresh_url())
@@ -406,6 +408,18 @@ def test_the_console_searches_and_resolves_on_a_postgresql_ledger() -> None:
         assert client.post(f"/operations/{op_id}/resolve", data=form).status_code == 303
         page = client.get(f"/operations/{op_id}").text
         assert "FAILED_FINAL" in page and "carol" in page
+
+    waiting = asyncio.run(claim(url, session="pg-run", step="pg-3", state=State.AWAITING_APPROVAL))
+    late = asyncio.run(claim(url, session="pg-run", step="pg-4", state=State.AWAITING_APPROVAL, timeout=0.05))
+    time.sleep(0.1)
+    with console_client(url, loopback_access("carol")) as client:
+        listed = client.get("/approvals").text
+        assert waiting in listed and late not in listed  # the listing expired the one that ran out
+        form = {"csrf_token": csrf_of(listed), "decision": "approve"}
+        assert client.post(f"/operations/{waiting}/decide", data=form).status_code == 303
+        assert client.post(f"/operations/{late}/decide", data=form).status_code == 409
+        assert "approved" in client.get(f"/operations/{waiting}").text
+    assert state_of(url, waiting) is State.PENDING and state_of(url, late) is State.FAILED_FINAL
 
 
 # --- CSRF -----------------------------------------------------------------------------------------
@@ -728,6 +742,13 @@ def test_denying_needs_a_reason_and_the_retry_answers_approval_denied(policy: Pa
         )
         odd = decide_form(client, op_id, "maybe")
         assert odd.status_code == 400 and "Choose Approve or Deny." in odd.text
+        long = decide_form(client, op_id, "approve", "x" * 2001)
+        assert long.status_code == 400 and "at most 2000 characters" in long.text
+        link = client.get(f"/approvals?decided={op_id}").text  # a link cannot fake a decision
+        assert (
+            "is now <strong>AWAITING_APPROVAL</strong>." in link
+            and " by " not in link.split("notice", 1)[1][:300]
+        )
         denied = decide_form(client, op_id, "deny", "not to outside addresses")
         assert denied.status_code == 303
         assert (
@@ -940,3 +961,12 @@ def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
 
     decided = asyncio.run(approval_of(mine))
     assert decided is not None and decided["by"] == "alice" and decided["via"] == "operator"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "said"),
+    [(0, "under a minute"), (59, "under a minute"), (60, "1 min"), (3600, "1 h"), (3720, "1 h 2 min"),
+     (86400, "1 d"), (97200, "1 d 3 h"), (-5, "under a minute")],
+)  # fmt: skip
+def test_waits_are_said_to_the_minute(seconds: float, said: str) -> None:
+    assert duration(seconds) == said

@@ -3,8 +3,10 @@
 A real `commitgate serve` process (stdio, a real MCP client) records an `UNKNOWN` outcome when the
 demo sandbox loses an email's acknowledgement (the email is sent; the answer is lost); a real
 `commitgate console` process serves the page over the same ledger file. Effects are counted in
-the sandbox. Also: a script in an argument stays inert, every page passes axe-core without
-serious or critical violations, and page load times with 10,000 operations in the ledger.
+the sandbox. Calls to a tool whose approval `when` holds wait for a reviewer, who approves or
+denies them on the console while the agent's server runs. Also: a script in an argument stays
+inert, every page passes axe-core without serious or critical violations, and page load times
+with 10,000 operations in the ledger.
 """
 
 from __future__ import annotations
