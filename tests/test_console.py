@@ -31,12 +31,13 @@ from support.console import (
 )
 
 from commitgate.server.cli.main import main
+from commitgate.server.console.command import prompt_policy
 from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
 from commitgate.server.policy.masking import mask_values
-from commitgate.server.policy.models import AuthPolicy, AuthToken
+from commitgate.server.policy.models import AuthPolicy, AuthToken, default_policy, load_policy
 from commitgate.server.policy.tokens import load_tokens
 from commitgate.tools import demo
 
@@ -704,6 +705,14 @@ def test_without_a_policy_the_question_is_the_generic_one(policy: Path, ledger_u
     awaiting_mail(policy)
     with console_client(ledger_url, loopback_access()) as client:
         assert "Approve this call of mail_out?" in client.get("/approvals").text
+
+
+def test_a_console_given_only_a_ledger_does_not_take_the_bundled_policys_prompts(policy: Path) -> None:
+    bundled = default_policy()
+    assert prompt_policy(bundled, None, "sqlite:////srv/ledger.db") is None  # someone else's tools
+    assert prompt_policy(bundled, None, None) is bundled  # the demo's own ledger
+    mine = load_policy(policy)
+    assert prompt_policy(mine, str(policy), "sqlite:////srv/ledger.db") is mine
 
 
 def test_approving_from_the_list_lets_the_retry_run_exactly_once(policy: Path, ledger_url: str) -> None:

@@ -14,7 +14,7 @@ from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.masking import mask_url
-from commitgate.server.policy.models import default_policy, load_policy
+from commitgate.server.policy.models import Policy, default_policy, load_policy
 from commitgate.server.policy.tokens import AuthConfigError, load_tokens
 
 DEFAULT_PORT = 8766
@@ -124,7 +124,7 @@ def cmd_console(args: argparse.Namespace) -> int:
             "commitgate: sign in with ?token=YOUR_TOKEN (a token of [[auth.tokens]]) or a bearer header",
             flush=True,
         )
-    app = create_app(ledger_opener(url), access, policy=policy)
+    app = create_app(ledger_opener(url), access, policy=prompt_policy(policy, path, args.ledger))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
@@ -134,3 +134,12 @@ def cmd_console(args: argparse.Namespace) -> int:
         sock.close()
     print("commitgate: console stopped", file=sys.stderr)
     return 0
+
+
+def prompt_policy(policy: Policy, path: str | None, ledger_flag: str | None) -> Policy | None:
+    """The policy whose approval prompts the page shows, if any.
+
+    The bundled policy describes the demo's ledger only: beside `--ledger` alone its prompts would
+    describe someone else's tools under the same names, so the page asks the generic question.
+    """
+    return policy if path or not ledger_flag else None
