@@ -44,6 +44,7 @@ from commitgate.server.ledger.base import (
     LedgerUnavailable,
     OperationFilter,
     Transition,
+    is_outcome,
     owner_known_dead,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -294,6 +295,11 @@ _CLAIM_CHECKED = (
     " $9, $10, $11, $12, $13, $14, $15, $16, $17) c"
 )
 _UPDATE = "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+# durability = "claim": the outcome's transaction (this one statement's) commits without waiting for
+# its WAL flush (synchronous_commit = off, local to it); PostgreSQL's WAL writer flushes it within
+# about three times wal_writer_delay (200ms by default). A crash of the database server in that
+# window loses the outcome, never the claim: the operation stays RUNNING, then UNKNOWN.
+_UPDATE_LAZY = _UPDATE.replace("SELECT *", "SELECT *, set_config('synchronous_commit', 'off', true)")
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
 _TO_UNKNOWN = """
@@ -436,6 +442,7 @@ class PostgresLedger:
         self.url = redact(url)
         self._timeout = timeout
         self._host_prefix = socket.gethostname() + ":"
+        self.lazy_outcomes = False  # durability "claim": outcomes commit without waiting for the WAL flush
 
     @classmethod
     async def open(
@@ -446,6 +453,7 @@ class PostgresLedger:
         max_size: int = 16,
         timeout: float = 30.0,
         auto_migrate: bool = True,
+        durability: str = "full",
     ) -> PostgresLedger:
         """Connect a pool and bring the schema up to date (or, with `auto_migrate=False`, require it).
 
@@ -462,6 +470,7 @@ class PostgresLedger:
         except _FAILURES as exc:
             raise LedgerUnavailable(f"cannot connect to the ledger {redact(url)}: {exc}") from exc
         ledger = cls(pool, url, timeout)
+        ledger.lazy_outcomes = durability == "claim"
         try:
             await ledger._run(_apply_migrations if auto_migrate else ledger._require_current)
         except BaseException:
@@ -536,8 +545,9 @@ class PostgresLedger:
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         lease = change.lease  # one statement checks and writes: `current` would save nothing
+        lazy = self.lazy_outcomes and is_outcome(change)
         rows = await self._fetch(
-            _UPDATE,
+            _UPDATE_LAZY if lazy else _UPDATE,
             operation_id,
             change.to_state.value,
             sorted(state.value for state in change.expect_states),

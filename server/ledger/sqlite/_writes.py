@@ -109,12 +109,13 @@ class OutcomeWrite:
     group commit, consecutive plain outcomes are written with one update and one audit insert
     (and one read, unless every caller held its operation)."""
 
-    __slots__ = ("change", "current", "now", "operation_id")
+    __slots__ = ("change", "current", "lazy", "now", "operation_id")
 
     def __init__(
         self, operation_id: str, change: Transition, now: float, current: Operation | None = None
     ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
+        self.lazy = False  # may commit without a sync of its own (durability "claim")
         # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
         known = current is not None and current.fence == change.expect_fence and self.plain_outcome
         self.current = current if known else None
