@@ -150,7 +150,7 @@ def test_quantile_and_spread() -> None:
 
 def test_goals_are_judged_on_the_median_ratio() -> None:
     ratio = {"median": 1.10, "p25": 1.0, "p75": 1.2, "min": 0.9, "max": 1.3}
-    results = {
+    results: dict[str, Any] = {
         "overhead": {
             "ratios": {
                 "guarded_over_unguarded": ratio,

@@ -916,12 +916,12 @@ async def _round(variants: list[_Variant], round_no: int, calls: int, floor: Dis
         # A fresh order each time: a fixed cycle always hands the same server to the same variant
         # just after another server ran (caches and wake-ups cold), which biased the ratios.
         random.shuffle(order)
-        for variant in order:
-            if variant is None:
+        for item in order:
+            if item is None:
                 assert floor is not None
                 floor.samples[-1].append(floor.sample())
             else:
-                variant.samples[-1].append(await _timed(variant, round_no, i))
+                item.samples[-1].append(await _timed(item, round_no, i))
 
 
 def _paired(top: _Variant, bottom: _Variant) -> dict[str, float]:
