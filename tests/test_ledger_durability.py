@@ -170,3 +170,21 @@ async def test_open_ledger_passes_durability_to_the_sqlite_ledger(tmp_path: Path
         assert ledger.unsynced_outcomes == 1
     finally:
         await ledger.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_records_the_outcome_under_claim_durability() -> None:
+    """On PostgreSQL the outcome's own transaction runs with synchronous_commit = off; it is still
+    committed before the answer: every connection reads it at once."""
+    from support.postgres import open_test_ledger
+
+    ledger = await open_test_ledger(durability="claim")
+    try:
+        assert ledger.lazy_outcomes
+        claim = await ledger.claim(request("k1"), time.time())
+        recorded = await ledger.update(claim.operation.operation_id, SUCCEEDED, time.time())
+        assert recorded is not None and recorded.state is State.SUCCEEDED
+        again = await ledger.get("alice", "s1", "k1")
+        assert again is not None and again.state is State.SUCCEEDED and again.result == SUCCEEDED.result
+    finally:
+        await ledger.close()
