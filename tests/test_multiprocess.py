@@ -146,6 +146,21 @@ def test_a_process_killed_before_recording_is_not_rerun_after_restart(
     assert recovered is not None and recovered.state.value == state
 
 
+def test_with_claim_durability_a_process_killed_after_the_effect_leaves_unknown_not_a_second_run(
+    tmp_path: Path,
+) -> None:
+    """`durability = "claim"` still syncs the claim before the effect: the restart finds the claim."""
+    site = Site(tmp_path)
+    crashing = site.spawn(
+        cls="key-required", script=["hold_after"], effect=site.marker("effect"), durability="claim"
+    )
+    wait_for(site.marker("effect"), [crashing])
+    kill(crashing)
+    restarted = answers(site.spawn(cls="key-required", running=True, durability="claim"))
+    assert [(a["code"], a["state"]) for a in restarted] == [("operation_outcome_unknown", "UNKNOWN")]
+    assert site.record.count() == 1
+
+
 def test_a_restart_without_a_sweep_finds_the_dead_owner_on_claim(tmp_path: Path) -> None:
     site = Site(tmp_path)
     crashing = site.spawn(cls="key-required", script=["hold_after"], effect=site.marker("effect"))

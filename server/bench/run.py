@@ -23,8 +23,11 @@ and a paired ratio, and the summary is the median ratio with its spread. Beside
 the compared variants (on the default, lean stdio transport of fast_stdio.py) it
 measures the guarded call without fsyncs (what the guard costs in software), the
 same server on the SDK's stdio transport, what duplicate detection adds (the same
-guarded no-op with `duplicates = false`), and what one durable SQLite commit
-costs in syncs on this disk (the least a guarded call can cost over an unguarded one).
+guarded no-op with `duplicates = false`), the guarded call with `[ledger] durability
+= "claim"` (the outcome synced by the next group commit), what one durable SQLite commit
+costs in syncs on this disk, and, timed in the same rounds, the disk floor: a 4 KiB
+overwrite of a preallocated file + fdatasync. The guard's cost is reported in units of
+two such syncs, what a claim and an outcome need at the least.
 Then the ledger alone (its throughput), memory with a million ledger rows, ledger bytes per
 operation and start-up time.
 
@@ -281,6 +284,35 @@ def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> f
             probe.unlink(missing_ok=True)
     full, normal = (statistics.median(timings[mode]) for mode in ("FULL", "NORMAL"))
     return round(max(0.0, full - normal) * 1e6, 1)
+
+
+class DiskFloor:
+    """The least a durable write can cost on this filesystem: overwrite one 4 KiB frame of a
+    preallocated file and fdatasync it, as a WAL commit at its least does. Timed inside the
+    overhead rounds, beside the calls, so that a busy disk or CPU weighs on both alike."""
+
+    FRAME = 4096
+    FRAMES = 64
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f".disk-floor-{uuid.uuid4().hex}"
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.write(self._fd, os.urandom(self.FRAME * self.FRAMES))  # allocated, so no sync grows the file
+        os.fsync(self._fd)
+        self._frame = os.urandom(self.FRAME)
+        self._next = 0
+        self.samples: list[list[float]] = []  # µs, one list per round
+
+    def sample(self) -> float:
+        start = time.perf_counter_ns()
+        os.pwrite(self._fd, self._frame, (self._next % self.FRAMES) * self.FRAME)
+        getattr(os, "fdatasync", os.fsync)(self._fd)
+        self._next += 1
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def close(self) -> None:
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
 
 
 # --- the workspace: a sandbox, policies, server processes -----------------------------------------------
@@ -767,10 +799,14 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     tick = bench.task("cost per call", scale.rounds)
     ledger = bench.ledger("overhead")
     lazy = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "NORMAL"')
+    claim_only = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "FULL"\ndurability = "claim"')
     servers = {
         "gate": bench.serve(bench.policy("overhead", OVERHEAD_POLICY), ledger),
         "plain": bench.plain(),
         "no_fsync": bench.serve(bench.policy("overhead-normal", lazy), bench.ledger("overhead-normal")),
+        "claim_durability": bench.serve(
+            bench.policy("overhead-claim", claim_only), bench.ledger("overhead-claim")
+        ),
         "sdk_stdio": bench.serve(
             bench.policy("overhead", OVERHEAD_POLICY), bench.ledger("overhead-sdk-stdio"), stdio="sdk"
         ),
@@ -781,9 +817,13 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         for variant in variants:  # warm every path up; the replays' keys are among these
             for i in range(_REPLAY_KEYS):
                 await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
-        for round_no in range(scale.rounds):
-            await _round(variants, round_no, scale.calls_per_round)
-            tick(1)
+        floor = DiskFloor(bench.root)
+        try:
+            for round_no in range(scale.rounds):
+                await _round(variants, round_no, scale.calls_per_round, floor)
+                tick(1)
+        finally:
+            floor.close()
     by_name = {variant.name: variant for variant in variants}
     bench.raw["overhead_us"] = {name: [s for r in v.samples for s in r] for name, v in by_name.items()}
     sync_us = commit_sync_us(bench.root)
@@ -809,10 +849,19 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "sdk_stdio_unguarded_over_unguarded": ratio("unguarded_sdk_stdio", "unguarded"),
             "guarded_no_fsync_over_unguarded": ratio("guarded_no_fsync", "unguarded"),
             "guarded_over_guarded_no_detection": ratio("guarded", "guarded_no_detection"),
+            "claim_durability_over_unguarded": ratio("guarded_claim_durability", "unguarded"),
+            "claim_durability_over_plain_sdk": ratio("guarded_claim_durability", "plain_sdk"),
+        },
+        "disk_floor_us": spread([statistics.median(r) for r in floor.samples], 1),
+        "overhead_over_floor": {
+            "full": _over_floor(by_name["guarded"], by_name["unguarded"], floor),
+            "claim": _over_floor(by_name["guarded_claim_durability"], by_name["unguarded"], floor),
         },
         "variants": {
             "unguarded, guarded, replay": "commitgate serve as users get it (the lean stdio transport)",
             "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
+            "guarded_claim_durability": 'the guarded call with [ledger] durability = "claim" (one sync per call)',
+            "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory",
             "*_sdk_stdio": "the same server on the MCP SDK's stdio transport (commitgate serve --stdio sdk)",
         },
         "commit_sync_us": sync_us,
@@ -827,7 +876,7 @@ _REPLAY_KEYS = 50
 
 
 def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
-    """The same no-op seven ways; only the guarded ones carry a key (a new one, or one already seen)."""
+    """The same no-op nine ways; only the guarded ones carry a key (a new one, or one already seen)."""
     run = uuid.uuid4().hex[:8]
 
     def new_key(r: int, i: int) -> dict[str, Any]:
@@ -851,21 +900,28 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
         _Variant("replay", gate, "noop_keyed", seen_key, True),
         _Variant("plain_sdk", clients["plain"], "noop", bare, None),
         _Variant("guarded_no_fsync", clients["no_fsync"], "noop_keyed", new_key, False),
+        _Variant("guarded_claim_durability", clients["claim_durability"], "noop_keyed", new_key, False),
         _Variant("unguarded_sdk_stdio", sdk_stdio, "noop", bare, None),
         _Variant("guarded_sdk_stdio", sdk_stdio, "noop_keyed", new_key, False),
     ]
 
 
-async def _round(variants: list[_Variant], round_no: int, calls: int) -> None:
+async def _round(variants: list[_Variant], round_no: int, calls: int, floor: DiskFloor | None = None) -> None:
     for variant in variants:
         variant.samples.append([])
-    order = list(variants)
+    if floor is not None:
+        floor.samples.append([])
+    order: list[_Variant | None] = [*variants, None] if floor is not None else list(variants)
     for i in range(calls):
         # A fresh order each time: a fixed cycle always hands the same server to the same variant
         # just after another server ran (caches and wake-ups cold), which biased the ratios.
         random.shuffle(order)
-        for variant in order:
-            variant.samples[-1].append(await _timed(variant, round_no, i))
+        for item in order:
+            if item is None:
+                assert floor is not None
+                floor.samples[-1].append(floor.sample())
+            else:
+                item.samples[-1].append(await _timed(item, round_no, i))
 
 
 def _paired(top: _Variant, bottom: _Variant) -> dict[str, float]:
@@ -873,6 +929,15 @@ def _paired(top: _Variant, bottom: _Variant) -> dict[str, float]:
         statistics.median(a) / statistics.median(b) for a, b in zip(top.samples, bottom.samples, strict=True)
     ]
     return spread(ratios)
+
+
+def _over_floor(guarded: _Variant, unguarded: _Variant, floor: DiskFloor) -> dict[str, float]:
+    """What the guard adds to a call, in units of what durability needs: (guarded - unguarded) ÷
+    (2 × the disk floor), per round. 1.0 would be a guard whose only cost is its two syncs."""
+    rounds = zip(guarded.samples, unguarded.samples, floor.samples, strict=True)
+    return spread(
+        [(statistics.median(g) - statistics.median(u)) / (2 * statistics.median(f)) for g, u, f in rounds]
+    )
 
 
 def _syncs_in_server(by_name: dict[str, _Variant]) -> dict[str, dict[str, float]]:
@@ -1136,7 +1201,7 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
     for goal, key, limit in (
         ("guarded_call_cost", "guarded_over_unguarded", 1.15),
         ("replay_cost", "replay_over_unguarded", 1.05),
-        ("cost_against_plain_sdk", "guarded_over_plain_sdk", 1.15),
+        ("cost_against_plain_sdk", "guarded_over_plain_sdk", 1.0),
     ):
         if key in ratios:
             figure = ratios[key]
@@ -1152,21 +1217,28 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
     if "replay_cost" in out:
         out["replay_cost"]["aim"] = "<= 1.02"
     if "cost_against_plain_sdk" in out:
-        out["cost_against_plain_sdk"]["stretch"] = "< 1.0"
-        out["cost_against_plain_sdk"]["stretch_met"] = out["cost_against_plain_sdk"]["ratio"] < 1.0
         sdk_stdio = ratios.get("sdk_stdio_guarded_over_plain_sdk")
         if sdk_stdio:
             out["cost_against_plain_sdk"]["with_sdk_stdio"] = sdk_stdio
     if "guarded_call_cost" in out and "sdk_stdio_guarded_over_unguarded" in ratios:
         out["guarded_call_cost"]["with_sdk_stdio"] = ratios["sdk_stdio_guarded_over_unguarded"]
+    over_floor = results.get("overhead", {}).get("overhead_over_floor", {}).get("full")
+    if over_floor:
+        out["guard_over_floor"] = {
+            "measure": "(guarded new-key call - unguarded call) / (2 x (overwrite 4 KiB + fdatasync))",
+            "ratio": over_floor["median"],
+            "spread": over_floor,
+            "goal": "<= 2.0",
+            "met": over_floor["median"] <= 2.0,
+        }
     ledger = results.get("ledger", {}).get("concurrent_claim_complete")
     if ledger:
         out["ledger_throughput"] = {
             "measure": "ledger alone, 64 tasks, durable claim+complete",
             "ops_per_s": ledger["ops_per_s"],
             "p99_ms": round(ledger["p99_us"] / 1000, 2),
-            "goal": ">= 10000 ops/s with p99 <= 10 ms",
-            "met": ledger["ops_per_s"] >= 10_000 and ledger["p99_us"] <= 10_000,
+            "goal": ">= 15000 ops/s with p99 <= 8 ms",
+            "met": ledger["ops_per_s"] >= 15_000 and ledger["p99_us"] <= 8_000,
         }
     return out
 
@@ -1203,6 +1275,8 @@ Row = tuple[str, str, str, str, str]
 
 
 TARGET_ROWS = {
+    "guard_over_floor": "what the guard adds to a call (guarded with a new key minus unguarded), in units of "
+    "the two disk syncs that durability needs (a 4 KiB overwrite + fdatasync, twice)",
     "guarded_call_cost": "time of a guarded call with a new key ÷ the same tool unguarded",
     "replay_cost": "time of a replayed answer ÷ the same tool unguarded",
     "cost_against_plain_sdk": "time of a guarded call ÷ a no-op tool on a plain MCP SDK server",
@@ -1220,6 +1294,9 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
         else ""
     )
     why = {
+        "guard_over_floor": "besides its two syncs a guarded call runs the claim's and the outcome's "
+        "transactions, its work task and a larger answer in Python, which on this machine cost more than "
+        'the syncs themselves. The rows for durability = "claim" show the call with one sync fewer.',
         "guarded_call_cost": "a guarded call writes the ledger durably before and after the effect; on this disk "
         f"those two commits alone put the ratio at {overhead.get('guarded_over_unguarded_floor', 0):.3f} or more. "
         "The row without disk syncs shows what the guard costs in software.",
@@ -1244,6 +1321,7 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
 VARIANT_NAMES = {
     "plain_sdk": "plain SDK server",
     "guarded_no_fsync": "guarded without disk syncs",
+    "guarded_claim_durability": 'guarded with durability = "claim"',
     "unguarded_sdk_stdio": "unguarded on the SDK's stdio",
     "guarded_sdk_stdio": "guarded on the SDK's stdio",
 }
@@ -1428,10 +1506,50 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
             "—",
         )
     ]
-    for name in ("guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
+    for name in ("guard_over_floor", "guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
+        if name not in goal:
+            continue
         g, text = goal[name], TARGET_ROWS[name]
-        target = g["goal"] + (f" (aim {g['aim']})" if "aim" in g else f" (stretch {g['stretch']})")
+        target = g["goal"] + (f" (aim {g['aim']})" if "aim" in g else "")
         rows.append(("cost", text, _ratio_text(g["spread"]), target, _verdict(g["met"])))
+    floor = figures.get("disk_floor_us")
+    if floor:
+        rows.append(
+            (
+                "cost",
+                "the disk floor, timed in the same rounds: overwrite 4 KiB of a preallocated file + fdatasync",
+                f"{floor['median']:.0f} µs (IQR {floor['p25']:.0f}–{floor['p75']:.0f})",
+                "set by the disk, not by commitgate",
+                "—",
+            )
+        )
+    claim = figures["ratios"].get("claim_durability_over_unguarded")
+    if claim:
+        over = figures["overhead_over_floor"]["claim"]
+        rows += [
+            (
+                "cost",
+                'with \\[ledger] durability = "claim" (outcome synced within 50 ms, not before the answer): '
+                "guarded ÷ unguarded",
+                _ratio_text(claim),
+                "the price of the full guarantee is the difference to the row above",
+                "—",
+            ),
+            (
+                "cost",
+                'with durability = "claim": what the guard adds, in units of two disk syncs',
+                _ratio_text(over),
+                "<= 2.0",
+                _verdict(over["median"] <= 2.0),
+            ),
+            (
+                "cost",
+                'with durability = "claim": guarded ÷ plain MCP SDK server',
+                _ratio_text(figures["ratios"]["claim_durability_over_plain_sdk"]),
+                "<= 1.0",
+                _verdict(figures["ratios"]["claim_durability_over_plain_sdk"]["median"] <= 1.0),
+            ),
+        ]
     for name, text, limit in (
         (
             "guarded_call_cost",
@@ -1441,12 +1559,13 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
         (
             "cost_against_plain_sdk",
             "guarded on the SDK's stdio transport ÷ plain MCP SDK server",
-            "<= 1.15 (stretch < 1.0)",
+            "<= 1.0",
         ),
     ):
         other = goal[name].get("with_sdk_stdio")
         if other:
-            rows.append(("cost", text, _ratio_text(other), limit, _verdict(other["median"] <= 1.15)))
+            met = other["median"] <= float(limit.removeprefix("<= "))
+            rows.append(("cost", text, _ratio_text(other), limit, _verdict(met)))
     rows.append(
         (
             "cost",

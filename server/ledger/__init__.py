@@ -57,10 +57,18 @@ def default_ledger_name(policy_path: Path | str | None) -> str:
 
 
 async def open_ledger(
-    url: str | None, *, synchronous: str = "FULL", auto_migrate: bool = True, read_only: bool = False
+    url: str | None,
+    *,
+    synchronous: str = "FULL",
+    auto_migrate: bool = True,
+    read_only: bool = False,
+    durability: str = "full",
+    outcome_sync_within: float = 0.05,
 ) -> Ledger:
     """The ledger at `url`. `read_only`: for commands that only look; nothing is created or migrated,
-    and a database that is not a commitgate ledger is reported as such (LedgerUnavailable)."""
+    and a database that is not a commitgate ledger is reported as such (LedgerUnavailable).
+    `durability`: "full" syncs the claim and the outcome; "claim" syncs the claim and leaves the
+    outcome to the next group commit, at most `outcome_sync_within` seconds later."""
     try:
         where = parse_ledger_url(url or default_ledger_url())
         if where.backend is Backend.POSTGRESQL:
@@ -72,12 +80,19 @@ async def open_ledger(
 
         if read_only:
             return await SQLiteLedger.open_read_only(where.sqlite_path)
-        return await SQLiteLedger.open(where.sqlite_path, synchronous=synchronous)
+        return await SQLiteLedger.open(
+            where.sqlite_path,
+            synchronous=synchronous,
+            durability=durability,
+            outcome_sync_within=outcome_sync_within,
+        )
     try:
         from commitgate.server.ledger.postgres import PostgresLedger  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:
         raise LedgerUnavailable(
             f"the PostgreSQL ledger needs asyncpg: pip install 'commitgate[postgres]' ({exc})"
         ) from exc
-    ledger: Ledger = await PostgresLedger.open(where.url, auto_migrate=auto_migrate and not read_only)
+    ledger: Ledger = await PostgresLedger.open(
+        where.url, auto_migrate=auto_migrate and not read_only, durability=durability
+    )
     return ledger

@@ -220,3 +220,11 @@ def lease_over(op: Operation, now: float) -> bool:
     return op.state is State.RUNNING and (
         (op.lease_expires_at is not None and op.lease_expires_at <= now) or owner_known_dead(op.lease_owner)
     )
+
+
+def is_outcome(change: Transition) -> bool:
+    """The outcome of an attempt: a running operation's final state. Lost (a power loss before its
+    sync), it leaves the operation RUNNING, which its lease turns UNKNOWN: never run twice. So it
+    may wait for a later sync under `[ledger] durability = "claim"`."""
+    final = change.to_state.terminal or change.to_state is State.UNKNOWN
+    return final and change.expect_states == frozenset({State.RUNNING}) and change.lease is None

@@ -44,6 +44,7 @@ from commitgate.server.ledger.base import (
     LedgerUnavailable,
     OperationFilter,
     Transition,
+    is_outcome,
     owner_known_dead,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -420,6 +421,11 @@ _CLAIM_AWAITING = (
     "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_awaiting($1, $2, $3, $4, $5, $6, $7, $8,"
     " $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) c"
 )
+# durability = "claim": the outcome's transaction (this one statement's) commits without waiting for
+# its WAL flush (synchronous_commit = off, local to it); PostgreSQL's WAL writer flushes it within
+# about three times wal_writer_delay (200ms by default). A crash of the database server in that
+# window loses the outcome, never the claim: the operation stays RUNNING, then UNKNOWN.
+_UPDATE_LAZY = _UPDATE.replace("SELECT *", "SELECT *, set_config('synchronous_commit', 'off', true)")
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
 _TO_UNKNOWN = """
@@ -563,6 +569,7 @@ class PostgresLedger:
         self.url = redact(url)
         self._timeout = timeout
         self._host_prefix = socket.gethostname() + ":"
+        self.lazy_outcomes = False  # durability "claim": outcomes commit without waiting for the WAL flush
 
     @classmethod
     async def open(
@@ -573,6 +580,7 @@ class PostgresLedger:
         max_size: int = 16,
         timeout: float = 30.0,
         auto_migrate: bool = True,
+        durability: str = "full",
     ) -> PostgresLedger:
         """Connect a pool and bring the schema up to date (or, with `auto_migrate=False`, require it).
 
@@ -589,6 +597,7 @@ class PostgresLedger:
         except _FAILURES as exc:
             raise LedgerUnavailable(f"cannot connect to the ledger {redact(url)}: {exc}") from exc
         ledger = cls(pool, url, timeout)
+        ledger.lazy_outcomes = durability == "claim"
         try:
             await ledger._run(_apply_migrations if auto_migrate else ledger._require_current)
         except BaseException:
@@ -696,8 +705,9 @@ class PostgresLedger:
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         lease = change.lease  # one statement checks and writes: `current` would save nothing
+        lazy = self.lazy_outcomes and is_outcome(change)
         rows = await self._fetch(
-            _UPDATE,
+            _UPDATE_LAZY if lazy else _UPDATE,
             operation_id,
             change.to_state.value,
             sorted(state.value for state in change.expect_states),

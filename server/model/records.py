@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,16 +16,24 @@ class ToolResult:
 
     content: list[dict[str, Any]]
     structured: dict[str, Any] | None = None
+    # The encoded form, made once: the size limit, the ledger and the replay cache all read it.
+    _json: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"content": self.content, "structuredContent": self.structured}, separators=(",", ":")
-        )
+        if self._json is None:
+            encoded = json.dumps(
+                {"content": self.content, "structuredContent": self.structured}, separators=(",", ":")
+            )
+            object.__setattr__(self, "_json", encoded)  # a cache, not a change: the value stays equal
+            return encoded
+        return self._json
 
     @classmethod
     def from_json(cls, text: str) -> ToolResult:
         data = json.loads(text)
-        return cls(content=data["content"], structured=data.get("structuredContent"))
+        result = cls(content=data["content"], structured=data.get("structuredContent"))
+        object.__setattr__(result, "_json", text)  # the stored text is this result's encoding
+        return result
 
     @classmethod
     def of(cls, value: Any) -> ToolResult:

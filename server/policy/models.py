@@ -305,6 +305,17 @@ class LedgerPolicy(_Strict):
     synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         "FULL", description="SQLite durability; FULL survives power loss."
     )
+    durability: Literal["full", "claim"] = Field(
+        "full",
+        description="full: the claim and the outcome are on disk before the effect and before the answer. "
+        "claim: the claim is on disk before the effect; the outcome is committed at once but synced by the "
+        "next group commit, within outcome_sync_within (one disk sync less per call); a power loss in that "
+        "window leaves the operation UNKNOWN, never executed twice.",
+    )
+    outcome_sync_within: PositiveDuration = Field(
+        0.05,
+        description='durability = "claim": the longest an outcome waits for its disk sync (default 50ms).',
+    )
     auto_migrate: bool = Field(
         True,
         description="PostgreSQL: bring the ledger schema up to date at start-up (safe with several "

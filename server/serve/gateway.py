@@ -192,6 +192,8 @@ class Gateway:
                 policy.ledger.url or default_ledger_url(policy_path),
                 synchronous=policy.ledger.synchronous,
                 auto_migrate=policy.ledger.auto_migrate,
+                durability=policy.ledger.durability,
+                outcome_sync_within=policy.ledger.outcome_sync_within,
             )
         except BaseException:
             await upstreams.aclose()

@@ -7,7 +7,8 @@ key, script / status / default (ScriptedTool), copies (concurrent calls in this
 process), server (ServerPolicy overrides), running (serve inside
 `boundary.running()`, as a restarted server does), ready / go (marker files: this
 process touches `ready` once it is set up, then waits for `go` to exist),
-entered / effect (marker files touched when the tool starts / applies its effect).
+entered / effect (marker files touched when the tool starts / applies its effect),
+durability ("full" or "claim", the ledger's).
 
 Prints one JSON line per answer: {code, state, replayed, effect, attempts, fence}.
 In mode "open" it opens the ledger (racing the others on a new file), claims a key
@@ -70,7 +71,7 @@ def describe(answer: Answer) -> dict[str, Any]:
 
 
 async def call(config: dict[str, Any]) -> None:
-    ledger = await SQLiteLedger.open(config["ledger"])
+    ledger = await SQLiteLedger.open(config["ledger"], durability=config.get("durability", "full"))
     try:
         source = ScriptedTool(
             SystemOfRecord(Path(config["record"])),

@@ -46,6 +46,7 @@ from commitgate.server.ledger.base import (
     LedgerUnavailable,
     OperationFilter,
     Transition,
+    is_outcome,
     lease_over,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -159,17 +160,27 @@ class SQLiteLedger:
 
     @classmethod
     async def open(
-        cls, path: Path | str, *, synchronous: str = "FULL", busy_timeout_ms: int = 5000
+        cls,
+        path: Path | str,
+        *,
+        synchronous: str = "FULL",
+        busy_timeout_ms: int = 5000,
+        durability: str = "full",
+        outcome_sync_within: float = 0.05,
     ) -> SQLiteLedger:
+        """`durability = "claim"`: outcomes commit without a sync of their own (see `Writer`)."""
         path = Path(path).expanduser()
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA", "OFF"):
             raise ValueError(f"synchronous must be FULL, NORMAL, EXTRA or OFF, not {synchronous!r}")
+        if durability not in ("full", "claim"):
+            raise ValueError(f"durability must be 'full' or 'claim', not {durability!r}")
         reason = foreign(path)  # before anything writes: WAL mode alone would change the file
         if reason is not None:
             raise LedgerUnavailable(f"{path} is not a commitgate ledger: {reason}")
         try:
             _create_private(path)
-            writer = Writer(path, synchronous.upper(), busy_timeout_ms)
+            lazy_within = outcome_sync_within if durability == "claim" else None
+            writer = Writer(path, synchronous.upper(), busy_timeout_ms, lazy_within)
         except (OSError, sqlite3.Error) as exc:
             raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
         writer.start()
@@ -189,7 +200,6 @@ class SQLiteLedger:
         if alone and self.inline_when_alone:
             ran, value = self._writer.run_inline(write)
             if ran:
-                await asyncio.sleep(0)  # let other tasks in, so that company (and batching) can form
                 return cast(T, value)  # ran => the write's own value
         return await self._writer.submit(write)
 
@@ -208,6 +218,11 @@ class SQLiteLedger:
         )
         if claim.kind is ClaimKind.NEW:
             self._open.add(claim.operation.operation_id)
+        if alone and settled is None:
+            # Written inline without yielding: let other tasks in now, with this operation already
+            # counted as open, so that theirs go to the writer and company (batching) forms. An
+            # outcome needs no such turn: its caller answers next, which yields anyway.
+            await asyncio.sleep(0)
         return claim
 
     def _settled(self, request: ClaimRequest, now: float) -> Claim | None:
@@ -236,7 +251,11 @@ class SQLiteLedger:
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
         alone = self._open <= {operation_id}
-        updated = await self._write(OutcomeWrite(operation_id, change, now, current), alone=alone)
+        write = OutcomeWrite(operation_id, change, now, current)
+        # An outcome lost to a power loss leaves its operation RUNNING, so UNKNOWN once its lease is
+        # over: never run twice. Such a write may wait for the next sync when the policy says so.
+        write.lazy = self._writer.lazy_outcomes and is_outcome(change)
+        updated = await self._write(write, alone=alone)
         if updated is not None:
             if updated.state is State.RUNNING:
                 self._open.add(operation_id)
@@ -323,6 +342,11 @@ class SQLiteLedger:
     async def check_writable(self) -> None:
         self.check_identity()
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
+
+    @property
+    def unsynced_outcomes(self) -> int:
+        """Outcomes committed without a sync and not yet synced (durability "claim"; else 0)."""
+        return self._writer.unsynced
 
     @property
     def group_commit_stats(self) -> tuple[int, int]:

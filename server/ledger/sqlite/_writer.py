@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import queue
 import random
 import sqlite3
@@ -17,6 +19,8 @@ from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.ledger.sqlite._writes import run_writes
 
 T = TypeVar("T")
+
+log = logging.getLogger("commitgate.ledger")
 
 _BACKSTOP_CHECKPOINT_PAGES = 20_000  # ~80 MB of WAL: reached only if the checkpointer falls behind
 
@@ -36,12 +40,25 @@ def _enable_wal(conn: sqlite3.Connection, busy_timeout_ms: int) -> None:
 
 
 class Writer(threading.Thread):
-    """Runs ledger writes on one connection, committing everything queued in one transaction."""
+    """Runs ledger writes on one connection, committing everything queued in one transaction.
+
+    `lazy_within` (durability "claim"): a transaction made only of writes marked `lazy` (outcomes)
+    commits with synchronous=NORMAL: in the WAL, without a sync. The next synced commit syncs the
+    whole WAL, and so them too; `_Syncer` syncs the WAL itself when none came within `lazy_within`
+    seconds. Claims always commit with the configured synchronous setting.
+    """
 
     _STOP = object()
 
-    def __init__(self, path: Path, synchronous: str, busy_timeout_ms: int) -> None:
+    def __init__(
+        self, path: Path, synchronous: str, busy_timeout_ms: int, lazy_within: float | None = None
+    ) -> None:
         super().__init__(name="commitgate-ledger-writer", daemon=True)
+        self._synchronous = synchronous
+        # Only a sync that would happen can be saved: NORMAL and OFF never sync a commit anyway.
+        self.lazy_outcomes = lazy_within is not None and synchronous in ("FULL", "EXTRA")
+        self._modes: dict[sqlite3.Connection, bool] = {}  # connection -> its commits are lazy
+        self._syncer = _Syncer(path, lazy_within or 0.05)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
@@ -81,6 +98,7 @@ class Writer(threading.Thread):
             return False, None
         conn = self._inline
         try:
+            lazy, changes = self._set_mode(conn, [write]), conn.total_changes
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError:
@@ -92,6 +110,7 @@ class Writer(threading.Thread):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            self._committed(lazy, changes, conn)
             return True, value
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"ledger write failed: {exc}") from exc
@@ -107,6 +126,28 @@ class Writer(threading.Thread):
         """
         return self._inline.execute(sql, params).fetchone()
 
+    def _set_mode(self, conn: sqlite3.Connection, writes: Sequence[Any]) -> bool:
+        """Before a transaction: commit it without a sync when every write in it may wait for one.
+        The setting is per connection and changed only when it differs (a statement each way)."""
+        lazy = self.lazy_outcomes and all(getattr(write, "lazy", False) for write in writes)
+        if self._modes.get(conn, False) is not lazy:
+            conn.execute(f"PRAGMA synchronous = {'NORMAL' if lazy else self._synchronous}")
+            self._modes[conn] = lazy
+        return lazy
+
+    def _committed(self, lazy: bool, changes_before: int, conn: sqlite3.Connection) -> None:
+        """After a commit, under the write lock: a synced commit synced every earlier one too (if it
+        wrote anything: a commit without changes writes no WAL frame and syncs nothing)."""
+        if lazy:
+            self._syncer.owe()
+        elif self.lazy_outcomes and conn.total_changes != changes_before:
+            self._syncer.paid()
+
+    @property
+    def unsynced(self) -> int:
+        """Lazy commits not yet synced."""
+        return self._syncer.owed
+
     @property
     def busy(self) -> bool:
         """A batch is being committed or writes are waiting for the next one."""
@@ -115,6 +156,8 @@ class Writer(threading.Thread):
     def start(self) -> None:
         super().start()
         self._checkpointer.start()
+        if self.lazy_outcomes:
+            self._syncer.start()
 
     def stop(self) -> None:
         self._queue.put(self._STOP)
@@ -136,6 +179,9 @@ class Writer(threading.Thread):
                 with self._lock:
                     self._run_batch(batch)
                 self._in_batch = False
+        if self._syncer.is_alive():  # its last sync while the WAL is surely there
+            self._syncer.stop()
+            self._syncer.join(timeout=10)
         with self._lock:
             self._inline.close()
         self._conn.close()
@@ -168,6 +214,7 @@ class Writer(threading.Thread):
     def _together(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]] | None:
         """All writes in one transaction; None (everything rolled back) as soon as one fails."""
         conn = self._conn
+        lazy, changes = self._set_mode(conn, writes), conn.total_changes
         conn.execute("BEGIN IMMEDIATE")
         try:
             outcomes = [(True, value) for value in run_writes(conn, writes)]
@@ -175,11 +222,13 @@ class Writer(threading.Thread):
             conn.execute("ROLLBACK")
             return None
         conn.execute("COMMIT")
+        self._committed(lazy, changes, conn)
         return outcomes
 
     def _isolated(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
         """All writes in one transaction, each in a savepoint: a failing write takes only itself down."""
         conn = self._conn
+        lazy, changes = self._set_mode(conn, writes), conn.total_changes
         conn.execute("BEGIN IMMEDIATE")
         outcomes: list[tuple[bool, Any]] = []
         for write in writes:
@@ -191,6 +240,7 @@ class Writer(threading.Thread):
                 outcomes.append((False, exc))
             conn.execute("RELEASE step")
         conn.execute("COMMIT")
+        self._committed(lazy, changes, conn)
         return outcomes
 
 
@@ -227,6 +277,76 @@ class _Checkpointer(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+
+
+class _Syncer(threading.Thread):
+    """Syncs the WAL at most `within` seconds after a commit that did not sync (durability "claim").
+
+    A sync of the WAL file makes every frame written before it durable, whichever connection or
+    commit wrote them, so one sync pays for all the outcomes committed meanwhile.
+    """
+
+    def __init__(self, path: Path, within: float) -> None:
+        super().__init__(name="commitgate-ledger-sync", daemon=True)
+        self._wal = Path(f"{path}-wal")
+        self._within = within
+        self._due = threading.Event()
+        self._stopping = threading.Event()
+        self._counts = threading.Lock()
+        self._owed_through = 0  # lazy commits so far
+        self._paid_through = 0  # of those, the ones known synced
+        self._fd: int | None = None
+
+    @property
+    def owed(self) -> int:
+        return self._owed_through - self._paid_through
+
+    def owe(self) -> None:
+        with self._counts:
+            self._owed_through += 1
+        self._due.set()
+
+    def paid(self) -> None:
+        with self._counts:
+            self._paid_through = self._owed_through
+
+    def run(self) -> None:
+        try:
+            while True:
+                self._due.wait()
+                if self._stopping.wait(self._within):  # meanwhile, the window's outcomes gather
+                    break
+                self._due.clear()  # a stop() after this sets it again; one before is seen here
+                if self._stopping.is_set():
+                    break
+                self.sync()
+        finally:
+            self.sync()  # nothing owed is left behind by a clean stop
+            if self._fd is not None:
+                os.close(self._fd)
+
+    def sync(self) -> None:
+        with self._counts:
+            through = self._owed_through
+        if through <= self._paid_through:
+            return
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._wal, os.O_RDONLY)
+            _datasync(self._fd)
+        except OSError as exc:
+            log.warning("could not sync the ledger's WAL (%s); trying again", exc)
+            self._due.set()  # owed still: try again after another window
+            return
+        with self._counts:
+            self._paid_through = max(self._paid_through, through)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._due.set()
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)
 
 
 def _settle_all(items: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:

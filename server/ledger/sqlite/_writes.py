@@ -72,13 +72,16 @@ class ClaimWrite:
     """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
     for the rows and their audit entries (`run_many`); anything unusual runs write by write."""
 
-    __slots__ = ("now", "request")
+    __slots__ = ("new", "now", "request")
 
     def __init__(self, request: ClaimRequest, now: float) -> None:
         self.request, self.now = request, now
+        # Built here, on the caller's thread: the writer thread is the ledger's one serial path,
+        # and what it need not do in Python shortens every group commit.
+        self.new = _new_operation(request, now)
 
     def __call__(self, conn: sqlite3.Connection) -> Claim:
-        return _claim(conn, self.request, self.now)
+        return _claim(conn, self.request, self.now, self.new)
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> list[Claim] | None:
@@ -90,7 +93,7 @@ class ClaimWrite:
             return None
         if not _no_duplicates(conn, writes):
             return None
-        ops = [_new_operation(s.request, s.now) for s in writes]
+        ops = [s.new for s in writes]
         with _savepoint(conn) as undo:
             inserted = conn.executemany(
                 INSERT + " ON CONFLICT (principal, session, step) DO NOTHING",
@@ -119,25 +122,29 @@ class OutcomeWrite:
     group commit, consecutive plain outcomes are written with one update and one audit insert
     (and one read, unless every caller held its operation)."""
 
-    __slots__ = ("change", "current", "now", "operation_id")
+    __slots__ = ("after", "audit_row", "change", "current", "lazy", "now", "operation_id", "row")
 
     def __init__(
         self, operation_id: str, change: Transition, now: float, current: Operation | None = None
     ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
+        self.lazy = False  # may commit without a sync of its own (durability "claim")
         # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
         known = current is not None and current.fence == change.expect_fence and self.plain_outcome
         self.current = current if known else None
+        # The rows and the operation after the change, built here rather than on the writer thread.
+        self.row, self.audit_row = self._row(), self._audit_row()
+        self.after = _outcome(current, change, now) if known and current is not None else None
 
     def __call__(self, conn: sqlite3.Connection) -> Operation | None:
         if self.current is None:
             return _apply(conn, self.operation_id, self.change, self.now)
         # The WHERE clause makes exactly `_apply`'s checks for such a change; whatever else may
         # have moved meanwhile (a lease renewal) the outcome overwrites anyway.
-        if conn.execute(_PLAIN_OUTCOME, self._row()).rowcount != 1:
+        if conn.execute(_PLAIN_OUTCOME, self.row).rowcount != 1:
             return None
-        conn.execute(AUDIT, self._audit_row())
-        return _outcome(self.current, self.change, self.now)
+        conn.execute(AUDIT, self.audit_row)
+        return self.after
 
     def _row(self) -> tuple[Any, ...]:
         change, now = self.change, self.now
@@ -177,13 +184,13 @@ class OutcomeWrite:
         if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in writes):
             return None
         with _savepoint(conn) as undo:
-            updated = conn.executemany(_PLAIN_OUTCOME, [s._row() for s in writes]).rowcount
+            updated = conn.executemany(_PLAIN_OUTCOME, [s.row for s in writes]).rowcount
             if updated != len(writes):  # one was fenced out or moved on: decide each on its own
                 undo()
                 return None
-            conn.executemany(AUDIT, [s._audit_row() for s in writes])
-            if all(s.current is not None for s in writes):
-                return [_outcome(s.current, s.change, s.now) for s in writes if s.current is not None]
+            conn.executemany(AUDIT, [s.audit_row for s in writes])
+            if all(s.after is not None for s in writes):
+                return [s.after for s in writes if s.after is not None]
             marks = ",".join("?" * len(ids))
             rows = {row[0]: row for row in conn.execute(f"{SELECT} WHERE operation_id IN ({marks})", ids)}
         return [decode(rows[operation_id]) for operation_id in ids]
@@ -220,7 +227,10 @@ def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Conn
     return values
 
 
-def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+def _claim(
+    conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
+) -> Claim:
+    """`new`: the operation a new key creates, when the caller built it already."""
     row = conn.execute(
         f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
         (request.principal, request.session, request.step),
@@ -230,7 +240,7 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
         conn.execute("DELETE FROM operations WHERE operation_id = ?", (row[0],))
         row = None
     if row is None:
-        return _claim_new(conn, request, now)
+        return _claim_new(conn, request, now, new)
     op = decode(row)
     if op.tool != request.tool or op.fingerprint != request.fingerprint:
         return Claim(ClaimKind.CONFLICT, op)
@@ -244,14 +254,16 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     return Claim(ClaimKind.EXISTING, op)
 
 
-def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+def _claim_new(
+    conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
+) -> Claim:
     """A key not seen before: claimed, unless the same action is recorded under another key."""
     check = request.duplicates
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
         return Claim(ClaimKind.DUPLICATE, match)
     kind = ClaimKind.NEW if request.approval is None else ClaimKind.AWAITING
-    op = _insert(conn, request, now) if kind is ClaimKind.NEW else _insert_awaiting(conn, request, now)
+    op = _insert(conn, request, now, new) if kind is ClaimKind.NEW else _insert_awaiting(conn, request, now)
     if match is not None and check is not None:  # allowed or confirmed: the match goes in the audit
         detail = {"duplicate_of": match.operation_id, "confirmed": check.confirmed}
         _audit(
@@ -366,8 +378,10 @@ def _claimed_row(op: Operation) -> tuple[Any, ...]:
     return (op.operation_id, op.created_at, "claimed", None, "RUNNING", 1, op.lease_owner, None)
 
 
-def _insert(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation:
-    op = _new_operation(request, now)
+def _insert(
+    conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
+) -> Operation:
+    op = new if new is not None else _new_operation(request, now)
     conn.execute(INSERT, _insert_row(op, request))
     conn.execute(AUDIT, _claimed_row(op))
     return op
