@@ -487,7 +487,10 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     await ledger.close()
     with sqlite3.connect(path) as conn:  # back to version 1, as an earlier release left it
         conn.execute("ALTER TABLE operations ADD COLUMN downstream_ref TEXT")
-        conn.execute("DROP INDEX operations_duplicates")  # added by a later migration
+        conn.execute("DROP INDEX operations_duplicates")  # added by later migrations
+        conn.execute("DROP INDEX operations_budget")
+        conn.execute("ALTER TABLE operations DROP COLUMN budget_amount")
+        conn.execute("ALTER TABLE operations DROP COLUMN budget")
         conn.execute("DELETE FROM schema_version WHERE version > 1")
     ledger = await SQLiteLedger.open(path)
     try:

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     LEASE_LOST,
     AuditEntry,
     Claim,
@@ -43,6 +44,8 @@ from commitgate.server.ledger.base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
+    OverBudget,
+    Spent,
     Transition,
     owner_known_dead,
 )
@@ -277,6 +280,70 @@ MIGRATIONS: list[str] = [
         RETURN QUERY SELECT c.kind, c.op, NULL::text;
     END $$;
     """,
+    # 4: budgets. Each operation of a budgeted tool carries its budget's name and the amount it
+    # spends; its scope is its own principal and session. A claim that may execute (a key not seen
+    # before, or a retryable one taken again) takes a transaction-level advisory lock on its budget
+    # scope, adds up what the scope spent within the window and claims only if its amount fits:
+    # concurrent claims of one scope queue on the lock, each sees the rows of those before it, and
+    # claims of other scopes or of unbudgeted tools never wait. The index covers the sum.
+    """
+    ALTER TABLE commitgate_operations ADD COLUMN budget text, ADD COLUMN budget_amount double precision;
+    CREATE INDEX commitgate_operations_budget
+        ON commitgate_operations (budget, principal, session, created_at)
+        INCLUDE (state, budget_amount, expires_at) WHERE budget IS NOT NULL;
+
+    CREATE FUNCTION commitgate_claim_budgeted(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text, p_duplicates boolean, p_window double precision, p_any_session boolean,
+        p_reject boolean, p_confirmed boolean, p_budget text, p_per text, p_amount double precision,
+        p_limit double precision, p_budget_window double precision
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text, spent double precision)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        e commitgate_operations;
+        v_spent double precision;
+        c record;
+    BEGIN
+        SELECT o.* INTO e FROM commitgate_operations o
+            WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+        IF NOT FOUND OR e.state = 'FAILED_RETRYABLE' THEN  -- this call may execute, and spend
+            PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.budget:' || p_budget
+                || chr(31) || CASE WHEN p_per = 'all' THEN '' ELSE p_principal END
+                || chr(31) || CASE WHEN p_per = 'session' THEN p_session ELSE '' END, 0));
+            SELECT coalesce(sum(o.budget_amount), 0) INTO v_spent FROM commitgate_operations o
+                WHERE o.budget = p_budget
+                    AND (p_per = 'all' OR o.principal = p_principal)
+                    AND (p_per <> 'session' OR o.session = p_session)
+                    AND o.created_at > p_now - p_budget_window
+                    AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+            IF v_spent + p_amount > p_limit THEN
+                RETURN QUERY SELECT 'over_budget'::text, NULL::commitgate_operations, NULL::text, v_spent;
+                RETURN;
+            END IF;
+        END IF;
+        IF p_duplicates THEN
+            SELECT * INTO c FROM commitgate_claim_checked(p_operation_id, p_principal, p_session, p_step,
+                p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
+                p_lease_lost, p_window, p_any_session, p_reject, p_confirmed);
+        ELSE
+            SELECT x.kind, x.op, NULL::text AS duplicate_of INTO c FROM commitgate_claim(p_operation_id,
+                p_principal, p_session, p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner,
+                p_lease, p_retention, p_now, p_lease_lost) x;
+        END IF;
+        IF c.kind = 'new' THEN
+            UPDATE commitgate_operations AS o SET budget = p_budget, budget_amount = p_amount
+                WHERE o.operation_id = (c.op).operation_id
+                RETURNING o.* INTO e;
+            RETURN QUERY SELECT c.kind, e, c.duplicate_of, v_spent;
+            RETURN;
+        END IF;
+        RETURN QUERY SELECT c.kind, c.op, c.duplicate_of, v_spent;
+    END $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -292,6 +359,10 @@ _CLAIM = (
 _CLAIM_CHECKED = (
     "SELECT c.kind, c.duplicate_of, (c.op).* FROM commitgate_claim_checked($1, $2, $3, $4, $5, $6, $7, $8,"
     " $9, $10, $11, $12, $13, $14, $15, $16, $17) c"
+)
+_CLAIM_BUDGETED = (
+    "SELECT c.kind, c.duplicate_of, c.spent, (c.op).* FROM commitgate_claim_budgeted($1, $2, $3, $4, $5, $6,"
+    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23) c"
 )
 _UPDATE = "SELECT * FROM commitgate_update($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
 
@@ -498,12 +569,17 @@ class PostgresLedger:
     # --- the hot path ---------------------------------------------------------------------
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
-        check = request.duplicates
-        duplicates = (
+        check, budget = request.duplicates, request.budget
+        duplicates: tuple[Any, ...] = (
             () if check is None else (check.window_seconds, check.any_session, check.reject, check.confirmed)
         )
+        sql = _CLAIM if check is None else _CLAIM_CHECKED
+        if budget is not None:  # one function for both checks: (whether to look for duplicates, ...)
+            sql = _CLAIM_BUDGETED
+            duplicates = (check is not None, *(duplicates or (0.0, False, False, False)))
+            duplicates += (budget.name, budget.per, budget.amount, budget.limit, budget.window_seconds)
         rows = await self._fetch(
-            _CLAIM if check is None else _CLAIM_CHECKED,
+            sql,
             "op_" + uuid.uuid4().hex,
             request.principal,
             request.session,
@@ -519,6 +595,8 @@ class PostgresLedger:
             _dump(LEASE_LOST),
             *duplicates,
         )
+        if rows[0]["kind"] == "over_budget":
+            raise OverBudget(float(rows[0]["spent"]))
         kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
             op = await self._expire_dead_owner(op, now)
@@ -641,6 +719,23 @@ class PostgresLedger:
             states[state] = n
         events = dict(await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"))
         return Counts(states, events)
+
+    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
+        columns = {
+            "all": "NULL::text, NULL::text",
+            "principal": "principal, NULL::text",
+            "session": "principal, session",
+        }[per]
+        rows = await self._fetch(
+            f"SELECT {columns}, sum(budget_amount), count(*) FROM commitgate_operations"
+            " WHERE budget = $1 AND created_at > $2 AND state = ANY ($3::text[])"
+            " AND (expires_at IS NULL OR expires_at > $4) GROUP BY 1, 2 ORDER BY 3 DESC",
+            budget,
+            since,
+            list(BUDGET_STATES),
+            now,
+        )
+        return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows]
 
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.

@@ -22,6 +22,8 @@ class Event(StrEnum):
     RESULT_TOO_LARGE = "result_too_large"  # a result over the ledger's size limit
     POSSIBLE_DUPLICATE = "possible_duplicate"  # a fresh-key repeat of a recent operation, refused
     DUPLICATE_ALLOWED = "duplicate_allowed"  # a fresh-key repeat run anyway (allow, or confirmed)
+    BUDGET_SPENT = "budget_spent"  # a call claimed an amount of a budget: budget, scope, amount
+    BUDGET_EXCEEDED = "budget_exceeded"  # a call refused, it would pass its budget's limit: budget, scope
 
 
 class Observer(Protocol):

@@ -46,6 +46,7 @@ class ErrorCode(StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
     POSSIBLE_DUPLICATE = "possible_duplicate"
+    BUDGET_EXCEEDED = "budget_exceeded"
 
 
 class RetryAdvice(StrEnum):

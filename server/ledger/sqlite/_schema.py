@@ -64,6 +64,15 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX operations_duplicates ON operations (principal, fingerprint, session, created_at);
     """,
+    # 4: budgets. Each operation of a budgeted tool carries its budget's name and the amount it
+    # spends; its scope is its own principal and session. The sum a claim takes is a range scan of
+    # this index, which holds every column the sum reads.
+    """
+    ALTER TABLE operations ADD COLUMN budget TEXT;
+    ALTER TABLE operations ADD COLUMN budget_amount REAL;
+    CREATE INDEX operations_budget ON operations (budget, principal, session, created_at, state, budget_amount,
+        expires_at) WHERE budget IS NOT NULL;
+    """,
 ]
 
 _COLUMNS = (
@@ -78,8 +87,9 @@ TOOL, FINGERPRINT, STATE, EXPIRES_AT = (
 )
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
-    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
+    " budget, budget_amount)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 AUDIT = (
     "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"

@@ -17,14 +17,18 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     DUPLICATE_STATES,
     LEASE_LOST,
+    BudgetCheck,
     Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
+    OverBudget,
     Transition,
     lease_over,
+    scope_of,
 )
 from commitgate.server.ledger.sqlite._schema import AUDIT, EXPIRES_AT, INSERT, SELECT, decode, dump
 from commitgate.server.model.facts import State
@@ -69,16 +73,17 @@ class ClaimWrite:
     def __init__(self, request: ClaimRequest, now: float) -> None:
         self.request, self.now = request, now
 
-    def __call__(self, conn: sqlite3.Connection) -> Claim:
+    def __call__(self, conn: sqlite3.Connection) -> Claim | OverBudget:
         return _claim(conn, self.request, self.now)
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> list[Claim] | None:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
-        repeated in the batch) nothing of it is kept and None says: run them one by one."""
+        repeated in the batch, or a budget that not all of them fit) nothing of it is kept and None
+        says: run them one by one."""
         if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
             return None
-        if not _no_duplicates(conn, writes):
+        if not _no_duplicates(conn, writes) or not _budgets_fit(conn, writes):
             return None
         ops = [_new_operation(s.request, s.now) for s in writes]
         with _savepoint(conn) as undo:
@@ -210,7 +215,7 @@ def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Conn
     return values
 
 
-def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim | OverBudget:
     row = conn.execute(
         f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
         (request.principal, request.session, request.step),
@@ -227,6 +232,10 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     if lease_over(op, now):
         to_unknown(conn, op, now)
     if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
+        if request.budget is not None:  # ... and spends again: it must fit
+            spent = budget_spent(conn, request, now)
+            if spent + request.budget.amount > request.budget.limit:
+                return OverBudget(spent)
         lease = Lease(request.owner, now + request.lease_seconds)
         taken = _apply(conn, op.operation_id, _retake(lease), now)
         if taken is not None:
@@ -234,8 +243,13 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     return Claim(ClaimKind.EXISTING, op)
 
 
-def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
-    """A key not seen before: claimed, unless the same action is recorded under another key."""
+def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim | OverBudget:
+    """A key not seen before: claimed, unless the same action is recorded under another key, or
+    its amount does not fit its budget."""
+    if request.budget is not None:
+        spent = budget_spent(conn, request, now)
+        if spent + request.budget.amount > request.budget.limit:
+            return OverBudget(spent)
     check = request.duplicates
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
@@ -281,6 +295,50 @@ def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bo
     if len({(r.principal, r.fingerprint) for r in checked}) != len(checked):
         return False
     return all(find_duplicate(conn, w.request, w.now) is None for w in writes if w.request.duplicates)
+
+
+_BUDGET_SUM = (
+    # INDEXED BY: the covering index answers the sum without reading a single row.
+    "SELECT coalesce(sum(budget_amount), 0) FROM operations INDEXED BY operations_budget"
+    " WHERE budget = ? {scope} AND created_at > ?"
+    f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+    " AND (expires_at IS NULL OR expires_at > ?)"
+)
+BUDGET_SUMS = {
+    "all": _BUDGET_SUM.format(scope=""),
+    "principal": _BUDGET_SUM.format(scope="AND principal = ?"),
+    "session": _BUDGET_SUM.format(scope="AND principal = ? AND session = ?"),
+}
+
+
+def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> float:
+    """What the request's budget scope spent within the window, as this transaction sees it."""
+    check = request.budget
+    assert check is not None
+    principal, session = scope_of(check.per, request.principal, request.session)
+    scope = tuple(v for v in (principal, session) if v is not None)
+    params = (check.name, *scope, now - check.window_seconds, now)
+    return float(conn.execute(BUDGET_SUMS[check.per], params).fetchone()[0])
+
+
+def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
+    """True when every budgeted claim of the batch fits, counting the claims before it in the batch."""
+    spent: dict[tuple[Any, ...], float] = {}
+    for write in writes:
+        request, check = write.request, write.request.budget
+        if check is None:
+            continue
+        key = (_budget_key(check), *scope_of(check.per, request.principal, request.session))
+        if key not in spent:
+            spent[key] = budget_spent(conn, request, write.now)
+        if spent[key] + check.amount > check.limit:
+            return False
+        spent[key] += check.amount
+    return True
+
+
+def _budget_key(check: BudgetCheck) -> tuple[Any, ...]:
+    return (check.name, check.per, check.window_seconds)
 
 
 def _retake(lease: Lease) -> Transition:
@@ -338,6 +396,8 @@ def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.retention,
         op.created_at,
         op.updated_at,
+        request.budget.name if request.budget is not None else None,
+        request.budget.amount if request.budget is not None else None,
     )
 
 
