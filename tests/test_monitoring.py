@@ -24,11 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RULE_TESTS = ROOT / "tests" / "monitoring" / "commitgate-alerts.test.yml"
 METRIC = re.compile(r"\bcommitgate_[a-z0-9_]+")
 
-# Metrics the rules watch that other features export (approvals, budgets); the dashboard uses none of them.
+# Metrics the rules watch that other features export (approvals); the dashboard uses none of them.
 EXPORTED_ELSEWHERE = {
     "commitgate_approvals_expired_total",
-    "commitgate_budget_spent",
-    "commitgate_budget_limit",
 }
 
 
