@@ -108,6 +108,35 @@ def test_policy_check_says_what_is_wrong_with_a_budget_and_where(line: str, expe
     assert found.endswith("(line 3)"), found
 
 
+def test_policy_show_lists_budgets_and_its_json_loads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from support.policy import run
+
+    from commitgate.server.policy.models import Policy
+
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY, encoding="utf-8")
+    shown = run(capsys, ["policy", "show", str(path)])
+    assert shown.code == 0
+    line = next(line for line in shown.out.splitlines() if "payments" in line and "arguments" in line)
+    assert all(
+        word in line for word in ("arguments.amount_cents", "100000", "30d", "principal", "charge_card")
+    )
+    assert "30d (the window of budget payments)" in " ".join(shown.out.split())  # the records are kept for the window
+    dumped = json.loads(run(capsys, ["policy", "show", "--json", str(path)]).out)
+    assert dumped["budgets"]["payments"] == {
+        "amount": "arguments.amount_cents",
+        "limit": 100000,
+        "window": "30d",
+        "per": "principal",
+        "exceeded": "reject",
+    }
+    assert Policy.model_validate(dumped).budgets == loads_policy(POLICY).budgets
+
+
 def test_budget_names_are_checked() -> None:
     text = POLICY.replace("[budgets.payments]", '[budgets."pay ments"]').replace(
         'budget = "payments"', 'budget = "pay ments"'

@@ -13,13 +13,19 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    PlainSerializer,
     Field,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
 )
 
-from commitgate.server.model.durations import DURATION_PATTERN, parse_duration, parse_written_duration
+from commitgate.server.model.durations import (
+    DURATION_PATTERN,
+    format_duration,
+    parse_duration,
+    parse_written_duration,
+)
 from commitgate.server.policy.expressions import CelExpression
 
 Per = Literal["principal", "session", "all"]
@@ -34,9 +40,13 @@ class BudgetPolicy(BaseModel):
         description="CEL giving the number a call spends, e.g. 'arguments.amount_cents'.",
         json_schema_extra={"examples": ["arguments.amount_cents"]},
     )
-    limit: float = Field(ge=0, description="The most that may be spent within the window, per scope.")
+    limit: Annotated[
+        float, PlainSerializer(lambda value: int(value) if value.is_integer() else value, when_used="json")
+    ] = Field(ge=0, description="The most that may be spent within the window, per scope.")
     window: Annotated[
-        float, WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "examples": ["24h", "30d"]})
+        float,
+        PlainSerializer(lambda seconds: format_duration(seconds), return_type=str, when_used="json"),
+        WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "examples": ["24h", "30d"]}),
     ] = Field(gt=0, description="How far back spending counts (a sliding window), e.g. '30d'.")
     per: Per = Field(
         "principal",
