@@ -125,7 +125,9 @@ def test_policy_show_lists_budgets_and_its_json_loads_back(
     assert all(
         word in line for word in ("arguments.amount_cents", "100000", "30d", "principal", "charge_card")
     )
-    assert "30d (the window of budget payments)" in " ".join(shown.out.split())  # the records are kept for the window
+    assert "30d (the window of budget payments)" in " ".join(
+        shown.out.split()
+    )  # the records are kept for the window
     dumped = json.loads(run(capsys, ["policy", "show", "--json", str(path)]).out)
     assert dumped["budgets"]["payments"] == {
         "amount": "arguments.amount_cents",

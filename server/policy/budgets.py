@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
-    PlainSerializer,
     Field,
+    PlainSerializer,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
