@@ -299,6 +299,32 @@ async def test_the_sqlite_sum_reads_only_its_index(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.postgres
+async def test_the_postgres_sum_uses_its_index() -> None:
+    import asyncpg
+    from support.postgres import fresh_url
+
+    from commitgate.server.ledger.postgres import PostgresLedger
+
+    url = await fresh_url()
+    ledger = await PostgresLedger.open(url)
+    await ledger.close()
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("SET enable_seqscan = off")  # an empty table would be scanned: ask what it can use
+        rows = await conn.fetch(
+            "EXPLAIN SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o"
+            " WHERE o.budget = 'payments' AND o.principal = 'alice' AND o.created_at > 0"
+            " AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')"
+            " AND (o.expires_at IS NULL OR o.expires_at > 0)"
+        )
+    finally:
+        await conn.close()
+    plan = "\n".join(r[0] for r in rows)
+    assert "commitgate_operations_budget" in plan, plan
+
+
+@pytest.mark.anyio
 async def test_a_ledger_of_the_previous_schema_is_migrated_and_counts_from_then_on(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     ledger = await SQLiteLedger.open(path)
@@ -490,3 +516,15 @@ async def test_metrics_export_limits_and_what_each_served_scope_spent(
         assert not any(name == "commitgate_budget_spent" for name, _ in await scrape())
     finally:
         await gateway.close()
+
+
+def test_ops_budgets_says_when_the_policy_declares_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from support.policy import run
+
+    path = tmp_path / "policy.toml"
+    path.write_text('[server]\nname = "no-budgets"\n', encoding="utf-8")
+    done = run(capsys, ["ops", "budgets", "--policy", str(path)])
+    assert done.code == 1
+    assert "the policy declares no budgets ([budgets.NAME]); nothing to show" in done.err
