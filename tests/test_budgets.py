@@ -275,6 +275,13 @@ async def test_concurrent_claims_never_jointly_overspend(ledger: Ledger) -> None
 
 
 @pytest.mark.anyio
+async def test_concurrent_copies_of_one_call_are_one_operation_not_a_budget_refusal(ledger: Ledger) -> None:
+    """The whole limit under one key, sent eight times at once: one claim, seven answered from it."""
+    claims = await asyncio.gather(*(ledger.claim(spending("k1", 1000.0), T0) for _ in range(8)))
+    assert sorted(c.kind.value for c in claims) == ["existing"] * 7 + ["new"]
+
+
+@pytest.mark.anyio
 async def test_concurrent_claims_of_other_scopes_and_other_budgets_all_go_through(ledger: Ledger) -> None:
     claims = [ledger.claim(spending(f"k{i}", 1000.0, principal=f"p{i}"), T0) for i in range(8)]
     claims += [ledger.claim(request(f"plain{i}", fingerprint=f"fp-plain-{i}"), T0) for i in range(8)]

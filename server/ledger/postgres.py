@@ -304,15 +304,24 @@ MIGRATIONS: list[str] = [
     DECLARE
         e commitgate_operations;
         v_spent double precision;
+        v_may_spend boolean;
         c record;
     BEGIN
         SELECT o.* INTO e FROM commitgate_operations o
             WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
                 AND (o.expires_at IS NULL OR o.expires_at > p_now);
-        IF NOT FOUND OR e.state = 'FAILED_RETRYABLE' THEN  -- this call may execute, and spend
+        v_may_spend := NOT FOUND OR e.state = 'FAILED_RETRYABLE';  -- this call may execute, and spend
+        IF v_may_spend THEN
             PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.budget:' || p_budget
                 || chr(31) || CASE WHEN p_per = 'all' THEN '' ELSE p_principal END
                 || chr(31) || CASE WHEN p_per = 'session' THEN p_session ELSE '' END, 0));
+            -- a concurrent call of the same key may have claimed it while this one waited
+            SELECT o.* INTO e FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+            v_may_spend := NOT FOUND OR e.state = 'FAILED_RETRYABLE';
+        END IF;
+        IF v_may_spend THEN
             SELECT coalesce(sum(o.budget_amount), 0) INTO v_spent FROM commitgate_operations o
                 WHERE o.budget = p_budget
                     AND (p_per = 'all' OR o.principal = p_principal)
