@@ -535,3 +535,12 @@ def test_ops_budgets_says_when_the_policy_declares_none(
     done = run(capsys, ["ops", "budgets", "--policy", str(path)])
     assert done.code == 1
     assert "the policy declares no budgets ([budgets.NAME]); nothing to show" in done.err
+
+
+@pytest.mark.anyio
+async def test_the_budget_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> None:
+    from commitgate.server.bench.budgets import measure
+
+    figures = await measure(prior=20, calls=10, rounds=2, root=tmp_path)
+    assert figures["prior_operations_in_scope"] == 20 and len(figures["added_per_round_us"]) == 2
+    assert figures["plain_median_us"] > 0 and figures["budgeted_median_us"] > 0
