@@ -544,3 +544,51 @@ async def test_the_budget_benchmark_runs_and_reports_its_figures(tmp_path: Path)
     figures = await measure(prior=20, calls=10, rounds=2, root=tmp_path)
     assert figures["prior_operations_in_scope"] == 20 and len(figures["added_per_round_us"]) == 2
     assert figures["plain_median_us"] > 0 and figures["budgeted_median_us"] > 0
+
+
+# --- what a refusal leaves in traces and logs ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_refusal_is_an_answer_in_the_claim_span_and_logs_keep_the_amount_out(
+    tmp_path: Path, record: SystemOfRecord
+) -> None:
+    import io
+    import json
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import commitgate.server.core.tracing as tracing
+    from commitgate.server.model import traces
+    from commitgate.server.serve.logs import configure_logging, log_event
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    logged = io.StringIO()
+    configure_logging("info", stream=logged)
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    traces.turn_on(provider)
+    try:
+        tool, _ = budgeted(record)
+        boundary = make_boundary(ledger, [tool])
+        boundary.observers.extend([*tracing.span_events(), log_event])
+        assert (await boundary.call(call(tool, "k1", {"amount": 987}))).error is None
+        refused = await boundary.call(call(tool, "k2", {"amount": 654}))
+        assert refused.error is not None and refused.error.code is ErrorCode.BUDGET_EXCEEDED
+    finally:
+        traces.turn_off()
+        provider.shutdown()
+        await ledger.close()
+        configure_logging("warning")
+    claims = [dict(s.attributes or {}) for s in exporter.get_finished_spans() if s.name == "commitgate.claim"]
+    assert [c.get("commitgate.claim") for c in claims] == ["new", "over_budget"]
+    spans = exporter.get_finished_spans()
+    assert all(s.status.status_code.name != "ERROR" for s in spans if s.name == "commitgate.claim")
+    events = [json.loads(line) for line in logged.getvalue().splitlines()]
+    budget_events = [e for e in events if e.get("event") in ("budget_spent", "budget_exceeded")]
+    assert [e["event"] for e in budget_events] == ["budget_spent", "budget_exceeded"]
+    assert all(e["budget"] == "payments" for e in budget_events)
+    assert "987" not in logged.getvalue() and "654" not in logged.getvalue()  # amounts come from arguments
