@@ -592,3 +592,40 @@ async def test_a_refusal_is_an_answer_in_the_claim_span_and_logs_keep_the_amount
     assert [e["event"] for e in budget_events] == ["budget_spent", "budget_exceeded"]
     assert all(e["budget"] == "payments" for e in budget_events)
     assert "987" not in logged.getvalue() and "654" not in logged.getvalue()  # amounts come from arguments
+
+
+@pytest.mark.anyio
+async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from commitgate.server.policy.models import load_policy
+    from commitgate.server.serve.gateway import Gateway
+    from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
+    from commitgate.tools import demo
+
+    monkeypatch.setenv("COMMITGATE_SANDBOX", str(tmp_path / "sandbox.db"))
+    path = tmp_path / "policy.toml"
+    ledger = f'\n[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n'
+    path.write_text(POLICY.replace("limit = 100000", "limit = 1000") + ledger, encoding="utf-8")
+    gateway = await Gateway.open(load_policy(path), path)
+
+    async def on_applied() -> None:
+        return None
+
+    reloader = PolicyReloader(gateway, path, on_applied)
+    await reloader.prime()
+
+    def charge(key: str) -> dict[str, object]:
+        return {"card": "4242", "amount_cents": 800, "description": key, "idempotency_key": key}
+
+    try:
+        assert not (await gateway.call_tool("charge_card", charge("k1"), None, "alice")).is_error
+        refused = await gateway.call_tool("charge_card", charge("k2"), None, "alice")
+        assert refused.structured_content is not None
+        assert refused.structured_content["error"]["budget"]["limit"] == 1000
+        path.write_text(POLICY.replace("limit = 100000", "limit = 2000") + ledger, encoding="utf-8")
+        assert (await reloader.reload()).status is ReloadStatus.APPLIED
+        assert not (await gateway.call_tool("charge_card", charge("k2"), None, "alice")).is_error
+    finally:
+        await gateway.close()
+    assert demo.count("charges") == 2
