@@ -629,3 +629,33 @@ async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
     finally:
         await gateway.close()
     assert demo.count("charges") == 2
+
+
+@pytest.mark.anyio
+async def test_a_sqlite_group_commit_counts_the_claims_before_each_one(tmp_path: Path) -> None:
+    """Claims committed together (run_many) fit only if each fits after the ones before it in the batch."""
+    from commitgate.server.ledger.sqlite._writes import ClaimWrite
+
+    path = tmp_path / "ledger.db"
+    await (await SQLiteLedger.open(path)).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+
+        def batch(*requests: ClaimRequest) -> object:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                return ClaimWrite.run_many(conn, [ClaimWrite(r, T0) for r in requests])
+            finally:
+                conn.execute("ROLLBACK")
+
+        fits = batch(spending("k1"), spending("k2"), spending("k3", 200.0), request("plain", fingerprint="x"))
+        assert isinstance(fits, list) and len(fits) == 4
+        assert batch(spending("k1"), spending("k2"), spending("k3")) is None  # 1200 > 1000: one by one
+        other_shape = dataclasses.replace(LIMIT, per="all")
+        assert batch(spending("k1", 1.0), spending("k2", 1.0, check=other_shape)) is None
+        assert (
+            batch(spending("k1"), spending("k2", principal="bob"), spending("k3", principal="carol"))
+            is not None
+        )
+    finally:
+        conn.close()

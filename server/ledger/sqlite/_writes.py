@@ -20,7 +20,6 @@ from commitgate.server.ledger.base import (
     BUDGET_STATES,
     DUPLICATE_STATES,
     LEASE_LOST,
-    BudgetCheck,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -322,23 +321,28 @@ def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) ->
 
 
 def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
-    """True when every budgeted claim of the batch fits, counting the claims before it in the batch."""
-    spent: dict[tuple[Any, ...], float] = {}
+    """True when every budgeted claim of the batch fits, counting the claims before it in the batch.
+
+    Claims that see one budget differently (a policy reloaded between them: another `per` or
+    window) cannot share a running sum: False, so they run one by one."""
+    shapes: dict[str, tuple[str, float]] = {}
+    spent: dict[tuple[str | None, ...], float] = {}
     for write in writes:
         request, check = write.request, write.request.budget
         if check is None:
             continue
-        key = (_budget_key(check), *scope_of(check.per, request.principal, request.session))
+        if shapes.setdefault(check.name, (check.per, check.window_seconds)) != (
+            check.per,
+            check.window_seconds,
+        ):
+            return False
+        key = (check.name, *scope_of(check.per, request.principal, request.session))
         if key not in spent:
             spent[key] = budget_spent(conn, request, write.now)
         if spent[key] + check.amount > check.limit:
             return False
         spent[key] += check.amount
     return True
-
-
-def _budget_key(check: BudgetCheck) -> tuple[Any, ...]:
-    return (check.name, check.per, check.window_seconds)
 
 
 def _retake(lease: Lease) -> Transition:
