@@ -17,14 +17,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     DUPLICATE_STATES,
     LEASE_LOST,
     Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
+    OverBudget,
     Transition,
     lease_over,
+    scope_of,
 )
 from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
@@ -77,18 +80,19 @@ class ClaimWrite:
     def __init__(self, request: ClaimRequest, now: float) -> None:
         self.request, self.now = request, now
 
-    def __call__(self, conn: sqlite3.Connection) -> Claim:
+    def __call__(self, conn: sqlite3.Connection) -> Claim | OverBudget:
         return _claim(conn, self.request, self.now)
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> list[Claim] | None:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
-        repeated in the batch) nothing of it is kept and None says: run them one by one."""
+        repeated in the batch, or a budget that not all of them fit) nothing of it is kept and None
+        says: run them one by one."""
         if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
             return None
         if any(s.request.approval is not None for s in writes):
             return None
-        if not _no_duplicates(conn, writes):
+        if not _no_duplicates(conn, writes) or not _budgets_fit(conn, writes):
             return None
         ops = [_new_operation(s.request, s.now) for s in writes]
         with _savepoint(conn) as undo:
@@ -220,7 +224,7 @@ def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Conn
     return values
 
 
-def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
+def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim | OverBudget:
     row = conn.execute(
         f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
         (request.principal, request.session, request.step),
@@ -237,6 +241,10 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     if lease_over(op, now):
         to_unknown(conn, op, now)
     if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
+        if request.budget is not None:  # ... and spends again: it must fit
+            spent = budget_spent(conn, request, now)
+            if spent + request.budget.amount > request.budget.limit:
+                return OverBudget(spent)
         lease = Lease(request.owner, now + request.lease_seconds)
         taken = _apply(conn, op.operation_id, _retake(lease), now)
         if taken is not None:
@@ -244,8 +252,13 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     return Claim(ClaimKind.EXISTING, op)
 
 
-def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim:
-    """A key not seen before: claimed, unless the same action is recorded under another key."""
+def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim | OverBudget:
+    """A key not seen before: claimed, unless the same action is recorded under another key, or
+    its amount does not fit its budget."""
+    if request.budget is not None:
+        spent = budget_spent(conn, request, now)
+        if spent + request.budget.amount > request.budget.limit:
+            return OverBudget(spent)
     check = request.duplicates
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
@@ -304,6 +317,55 @@ def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bo
     return all(find_duplicate(conn, w.request, w.now) is None for w in writes if w.request.duplicates)
 
 
+_BUDGET_SUM = (
+    # INDEXED BY: the covering index answers the sum without reading a single row.
+    "SELECT coalesce(sum(budget_amount), 0) FROM operations INDEXED BY operations_budget"
+    " WHERE budget = ? {scope} AND created_at > ?"
+    f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+    " AND (expires_at IS NULL OR expires_at > ?)"
+)
+BUDGET_SUMS = {
+    "all": _BUDGET_SUM.format(scope=""),
+    "principal": _BUDGET_SUM.format(scope="AND principal = ?"),
+    "session": _BUDGET_SUM.format(scope="AND principal = ? AND session = ?"),
+}
+
+
+def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> float:
+    """What the request's budget scope spent within the window, as this transaction sees it."""
+    check = request.budget
+    assert check is not None
+    principal, session = scope_of(check.per, request.principal, request.session)
+    scope = tuple(v for v in (principal, session) if v is not None)
+    params = (check.name, *scope, now - check.window_seconds, now)
+    return float(conn.execute(BUDGET_SUMS[check.per], params).fetchone()[0])
+
+
+def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
+    """True when every budgeted claim of the batch fits, counting the claims before it in the batch.
+
+    Claims that see one budget differently (a policy reloaded between them: another `per` or
+    window) cannot share a running sum: False, so they run one by one."""
+    shapes: dict[str, tuple[str, float]] = {}
+    spent: dict[tuple[str | None, ...], float] = {}
+    for write in writes:
+        request, check = write.request, write.request.budget
+        if check is None:
+            continue
+        if shapes.setdefault(check.name, (check.per, check.window_seconds)) != (
+            check.per,
+            check.window_seconds,
+        ):
+            return False
+        key = (check.name, *scope_of(check.per, request.principal, request.session))
+        if key not in spent:
+            spent[key] = budget_spent(conn, request, write.now)
+        if spent[key] + check.amount > check.limit:
+            return False
+        spent[key] += check.amount
+    return True
+
+
 def _retake(lease: Lease) -> Transition:
     return Transition(
         to_state=State.RUNNING,
@@ -359,7 +421,14 @@ def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.retention,
         op.created_at,
         op.updated_at,
+        *_budget_columns(request),
     )
+
+
+def _budget_columns(request: ClaimRequest) -> tuple[str | None, float | None]:
+    """The budget a new operation spends from and its amount (both None for a tool without one)."""
+    check = request.budget
+    return (check.name, check.amount) if check is not None else (None, None)
 
 
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
@@ -388,7 +457,8 @@ def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float
     conn.execute(
         INSERT_AWAITING,
         (op.operation_id, op.principal, op.session, op.step, op.tool, op.idempotency_class.value,
-         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at),
+         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at,
+         *_budget_columns(request)),
     )  # fmt: skip
     _audit(conn, op.operation_id, now, "approval_requested", None, op.state.value, 0, request.owner)
     return op
