@@ -91,10 +91,6 @@ def test_only_keyed_tools_spend_a_budget() -> None:
         ('limit = "lots"', "budgets.payments.limit"),
         ('window = "30 days"', "budgets.payments.window: invalid duration '30 days'"),
         ('per = "person"', "budgets.payments.per: must be 'principal', 'session' or 'all'"),
-        (
-            'exceeded = "approval"',
-            'budgets.payments.exceeded: exceeded = "approval" is not available in this',
-        ),
         ('exceeded = "ignore"', "budgets.payments.exceeded: must be 'reject' or 'approval'"),
         ("windw = 1", "budgets.payments.windw: unknown key; did you mean 'window'?"),
     ],

@@ -5,7 +5,8 @@ charges nothing and records nothing. Of concurrent calls that together would ove
 those that fit go through, on SQLite and on PostgreSQL (server processes sharing one ledger).
 Failed and compensated charges give their amount back, spending leaves with the window, each
 principal has its own budget, an amount that is not a number is refused, and `commitgate ops
-budgets` shows what was spent.
+budgets` shows what was spent. With `exceeded = "approval"` a charge past the limit waits for
+`commitgate ops approve|deny` instead: approved, it charges once; denied, never.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from support.e2e import (
     error,
     error_code,
     new_id,
+    operation,
     policy_toml,
     serve,
 )
@@ -44,6 +46,7 @@ amount = "{amount}"
 limit = {limit}
 window = "{window}"
 per = "principal"
+exceeded = "{exceeded}"
 
 [tools.charge_card]
 class = "key-and-status-check"
@@ -75,9 +78,10 @@ def deployment(
     amount: str = "arguments.amount_cents",
     principal: str | None = None,
     name: str = "policy.toml",
+    exceeded: str = "reject",
 ) -> Deployment:
     made = Deployment.create(root, name=name, principal=principal)
-    tools = TOOLS.format(amount=amount, limit=limit, window=window)
+    tools = TOOLS.format(amount=amount, limit=limit, window=window, exceeded=exceeded)
     made.policy.write_text(policy_toml(principal=principal).replace(TOOLS_TOML, tools), encoding="utf-8")
     return made
 
@@ -118,6 +122,56 @@ async def test_a_charge_past_the_limit_is_refused_charges_nothing_and_records_no
         assert not (await server.call("charge_card", charge("c3", 1000), session="s")).is_error
         assert_refused(await server.call("pay_booking", charge("p1", 1), session="s"), spent=3000)
     assert d.count("charges") == 2 and charged(d) == 3000
+
+
+# --- exceeded = "approval": a person decides whether to spend past the limit --------------------------
+
+
+def ops(d: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
+    """`commitgate ops ...` as an operator runs it: another process, the same ledger file."""
+    command = [str(CONSOLE_SCRIPT), "ops", *args, "--ledger", f"sqlite:///{d.ledger}"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=d.env())
+
+
+@pytest.mark.anyio
+async def test_past_the_limit_a_person_decides_approved_charges_once_denied_never(tmp_path: Path) -> None:
+    d = deployment(tmp_path, exceeded="approval")
+    async with serve(d) as server:
+        assert not (await server.call("charge_card", charge("c1", 2000), session="s")).is_error
+        waiting = await server.call("charge_card", charge("c2", 1500), session="s")
+        assert error_code(waiting) == "approval_pending", waiting.content
+        text = " ".join(getattr(block, "text", "") for block in waiting.content)
+        assert "would take budget 'payments' past its limit" in text
+        assert d.count("charges") == 1  # nothing runs before a person says yes
+        status = (await server.status("s", idempotency_key="c2"))["operation"]
+        assert status["state"] == "AWAITING_APPROVAL" and status["retry_advice"] == "wait_and_poll"
+        over = {"name": "payments", "limit": LIMIT, "spent": 2000, "amount": 1500}
+        assert status["approval"]["over_budget"] == over
+        op_id = status["operation_id"]
+        # waiting, it does not count: a charge that fits still goes through
+        assert not (await server.call("charge_card", charge("c3", 1000), session="s")).is_error
+        assert error_code(await server.call("charge_card", charge("c2", 1500), session="s")) == (
+            "approval_pending"
+        )
+        assert d.count("charges") == 2
+
+        shown = ops(d, "show", op_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert '"over_budget"' in shown.stdout and '"budget_exceeded"' in shown.stdout  # view and audit
+        approved = ops(d, "approve", op_id, "--reason", "the customer's order is worth it", "--by", "anna")
+        assert approved.returncode == 0, approved.stderr
+        results = [await server.call("charge_card", charge("c2", 1500), session="s") for _ in range(3)]
+        assert [r.is_error for r in results] == [False] * 3, [r.content for r in results]
+        assert d.count("charges") == 3 and d.count("charges", description="c2") == 1
+        assert charged(d) == 4500  # approved knowingly past the limit of 3000
+
+        denied_call = await server.call("charge_card", charge("c4", 100), session="s")
+        assert error_code(denied_call) == "approval_pending"
+        denied_id = operation(denied_call)["operation_id"]
+        assert ops(d, "deny", denied_id, "--reason", "over budget").returncode == 0
+        after = await server.call("charge_card", charge("c4", 100), session="s")
+        assert error_code(after) == "approval_denied", after.content
+    assert d.count("charges") == 3 and d.count("charges", description="c4") == 0
 
 
 # --- atomic under concurrency ------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ class CommitBoundary:
             retention_seconds=max(retention, budget.policy.window) if budget is not None else retention,
             duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
             approval=approval,
-            budget=budgets.check_for(budget, amount) if budget is not None else None,
+            budget=budgets.check_for(budget, amount, tool.policy, now) if budget is not None else None,
         )
         claim = await self._claim(request, claim_request)
         if claim.kind is ClaimKind.CONFLICT:
@@ -209,13 +209,7 @@ class CommitBoundary:
         if claim.kind is ClaimKind.DUPLICATE:
             raise await self._duplicate(request, claim.operation)
         if claim.kind is ClaimKind.AWAITING:
-            self._emit(
-                Event.APPROVAL_REQUESTED,
-                tool.name,
-                tool.idempotency_class,
-                operation_id=claim.operation.operation_id,
-            )
-            raise errors.approval_pending(claim.operation)
+            raise self._awaiting_approval(request, claim.operation)
         if claim.duplicate_of is not None:
             self._emit(
                 Event.DUPLICATE_ALLOWED, tool.name, tool.idempotency_class, operation_id=claim.duplicate_of
@@ -234,6 +228,18 @@ class CommitBoundary:
             return await self._own(request, claim.operation)
         self.final.remember(claim.operation)
         return await self._on_existing(request, claim.operation, waited=False, claim_request=claim_request)
+
+    def _awaiting_approval(self, request: CallRequest, op: Operation) -> GateError:
+        """`approval_pending` for an operation just recorded to wait (past its budget, perhaps)."""
+        tool = request.tool
+        self._emit(Event.APPROVAL_REQUESTED, tool.name, tool.idempotency_class, operation_id=op.operation_id)
+        over = approvals.over_budget(op)
+        if over is not None and tool.budget is not None:
+            scope = budgets.scope_label(tool.budget, request.principal, request.session)
+            self._emit(
+                Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over["name"], scope=scope
+            )
+        return errors.approval_pending(op)
 
     def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: float) -> GateError:
         tool, budget, check = request.tool, request.tool.budget, claim_request.budget
@@ -257,7 +263,7 @@ class CommitBoundary:
     ) -> Answer:
         """`duplicates = {action = "approval"}`: the repeat waits for a person, who sees the earlier one."""
         record = approvals.record(
-            approvals.for_duplicates(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
+            approvals.settings_for(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
         )
         again = dataclasses.replace(claim_request, duplicates=None, approval=record)
         claim = await self._claim(request, again)

@@ -15,12 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from commitgate.server.core import errors
+from commitgate.server.core import approvals, errors
 from commitgate.server.core.errors import GateError
 from commitgate.server.ledger.base import BudgetCheck, scope_name, scope_of
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.expressions import ExpressionFailed, activation
+from commitgate.server.policy.models import ToolPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +64,12 @@ def _shown(value: Any) -> str:
     return f"{text[:40]}{'...' if len(text) > 40 else ''} ({kind})"
 
 
-def check_for(budget: Budget, amount: float) -> BudgetCheck:
+def check_for(budget: Budget, amount: float, tool: ToolPolicy, now: float) -> BudgetCheck:
+    """The claim's check. With `exceeded = "approval"` it carries the approval record a call that
+    does not fit waits with: the tool's own approval settings, or the defaults."""
     policy = budget.policy
-    return BudgetCheck(budget.name, policy.per, amount, float(policy.limit), policy.window)
+    waits = approvals.record(approvals.settings_for(tool), now) if policy.exceeded == "approval" else None
+    return BudgetCheck(budget.name, policy.per, amount, float(policy.limit), policy.window, waits)
 
 
 def number(value: float) -> int | float:

@@ -132,10 +132,16 @@ def ledger_unavailable() -> GateError:
 
 
 def approval_pending(op: Operation) -> GateError:
+    over = (op.approval or {}).get("over_budget")
+    why = (
+        f" It would take budget {over.get('name')!r} past its limit, so a person decides whether to spend more."
+        if isinstance(over, dict)
+        else ""
+    )
     return GateError(
         ErrorCode.APPROVAL_PENDING,
         f"This action needs a person's approval before it runs; it was recorded (operation {op.operation_id}) "
-        "and nothing was executed yet. Tell the user it is waiting for approval. Do not call again with a new "
+        f"and nothing was executed yet.{why} Tell the user it is waiting for approval. Do not call again with a new "
         f"key: poll get_operation_status with idempotency_key {op.step!r}, and once it is approved call again "
         "with the same idempotency_key and the same arguments to run it (exactly once).",
         op,

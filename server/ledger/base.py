@@ -78,6 +78,15 @@ class BudgetCheck:
     amount: float
     limit: float
     window_seconds: float
+    # `exceeded = "approval"`: the approval record a call that does not fit waits with. The ledger
+    # then records it AWAITING_APPROVAL instead of refusing it, adding `over_budget` (below)
+    # to the record and to the audit, so the person deciding sees what approving overspends.
+    approval: dict[str, Any] | None = None
+
+
+def over_budget(check: BudgetCheck, spent: float) -> dict[str, Any]:
+    """What a person approving an over-budget call reads: the budget, its limit, what is spent, the call's amount."""
+    return {"name": check.name, "limit": check.limit, "spent": spent, "amount": check.amount}
 
 
 class OverBudget(Exception):
@@ -207,7 +216,9 @@ class Ledger(Protocol):
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         """Claim the request's operation; raises OverBudget (recording nothing) when it carries a
-        budget check that it would fail, for a key not seen before or a retryable one taken again."""
+        budget check that it would fail, for a key not seen before or a retryable one taken again,
+        unless the check carries an approval record: then the operation waits for a person
+        (ClaimKind.AWAITING), its approval record holding `over_budget`."""
         ...
 
     async def update(

@@ -407,7 +407,9 @@ MIGRATIONS: list[str] = [
     # concurrent claims of one scope queue on the lock, each sees the rows of those before it, and
     # claims of other scopes or of unbudgeted tools never wait. The index covers the sum. A call that
     # needs approval is checked the same way when it arrives and recorded AWAITING_APPROVAL with its
-    # amount, which counts once a person approves it (PENDING onwards).
+    # amount, which counts once a person approves it (PENDING onwards). With `exceeded = "approval"`
+    # (p_over_approval set) a call that does not fit waits for a person instead of being refused,
+    # its approval record and its audit holding the budget, its limit, what is spent and its amount.
     """
     ALTER TABLE commitgate_operations ADD COLUMN budget text, ADD COLUMN budget_amount double precision;
     CREATE INDEX commitgate_operations_budget
@@ -421,13 +423,15 @@ MIGRATIONS: list[str] = [
         p_lease_lost text, p_duplicates boolean, p_window double precision, p_any_session boolean,
         p_reject boolean, p_confirmed boolean, p_budget text, p_per text, p_amount double precision,
         p_limit double precision, p_budget_window double precision, p_approval text,
-        p_approval_expires_at double precision
+        p_approval_expires_at double precision, p_over_approval text,
+        p_over_approval_expires_at double precision
     ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text, spent double precision)
     LANGUAGE plpgsql AS $$
     DECLARE
         e commitgate_operations;
         v_spent double precision;
         v_may_spend boolean;
+        v_over jsonb;
         c record;
     BEGIN
         SELECT o.* INTO e FROM commitgate_operations o
@@ -452,9 +456,34 @@ MIGRATIONS: list[str] = [
                     AND o.created_at > p_now - p_budget_window
                     AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')
                     AND (o.expires_at IS NULL OR o.expires_at > p_now);
-            IF v_spent + p_amount > p_limit THEN
+            IF v_spent + p_amount > p_limit AND p_over_approval IS NULL THEN
                 RETURN QUERY SELECT 'over_budget'::text, NULL::commitgate_operations, NULL::text, v_spent;
                 RETURN;
+            ELSIF v_spent + p_amount > p_limit THEN  -- exceeded = "approval": a person decides
+                v_over := jsonb_build_object('name', p_budget, 'limit', p_limit, 'spent', v_spent,
+                    'amount', p_amount);
+                p_approval := (p_over_approval::jsonb || jsonb_build_object('over_budget', v_over))::text;
+                p_approval_expires_at := p_over_approval_expires_at;
+                IF e.operation_id IS NOT NULL THEN  -- a retryable operation taken again waits instead
+                    UPDATE commitgate_operations AS o SET state = 'AWAITING_APPROVAL', lease_owner = NULL,
+                            lease_expires_at = NULL, approval = p_approval,
+                            approval_expires_at = p_approval_expires_at, updated_at = p_now,
+                            completed_at = NULL, expires_at = NULL
+                        WHERE o.operation_id = e.operation_id AND o.fence = e.fence
+                            AND o.state = 'FAILED_RETRYABLE'
+                        RETURNING o.* INTO e;
+                    IF FOUND THEN
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
+                        VALUES (e.operation_id, p_now, 'approval_requested', 'FAILED_RETRYABLE',
+                            'AWAITING_APPROVAL', e.fence, p_owner);
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor,
+                            detail)
+                        VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence,
+                            p_owner, v_over::text);
+                        RETURN QUERY SELECT 'awaiting'::text, e, NULL::text, v_spent;
+                        RETURN;
+                    END IF;
+                END IF;
             END IF;
         END IF;
         IF p_approval IS NOT NULL THEN
@@ -475,6 +504,11 @@ MIGRATIONS: list[str] = [
             UPDATE commitgate_operations AS o SET budget = p_budget, budget_amount = p_amount
                 WHERE o.operation_id = (c.op).operation_id
                 RETURNING o.* INTO e;
+            IF c.kind = 'awaiting' AND v_over IS NOT NULL THEN  -- waits because it is past its budget
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+                VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence, p_owner,
+                    v_over::text);
+            END IF;
             RETURN QUERY SELECT c.kind, e, c.duplicate_of, v_spent;
             RETURN;
         END IF;
@@ -506,7 +540,7 @@ _CLAIM_AWAITING = (
 )
 _CLAIM_BUDGETED = (
     "SELECT c.kind, c.duplicate_of, c.spent, (c.op).* FROM commitgate_claim_budgeted($1, $2, $3, $4, $5, $6,"
-    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25) c"
+    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27) c"
 )
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
@@ -764,6 +798,9 @@ class PostgresLedger:
     async def _claim_budgeted(self, request: ClaimRequest, now: float) -> Claim:
         check, budget, approval = request.duplicates, request.budget, request.approval
         assert budget is not None
+        # Past its budget with `exceeded = "approval"`, the call waits with the tool's own approval
+        # record if it needs one anyway, else the budget's; the function adds `over_budget`.
+        over = (approval or budget.approval) if budget.approval is not None else None
         duplicates = (
             (False, 0.0, False, False, False)
             if check is None
@@ -780,6 +817,8 @@ class PostgresLedger:
             budget.window_seconds,
             _dump(approval),
             approval.get("expires_at") if approval is not None else None,
+            _dump(over),
+            over.get("expires_at") if over is not None else None,
         )
         if rows[0]["kind"] == "over_budget":
             raise OverBudget(float(rows[0]["spent"]))

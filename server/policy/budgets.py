@@ -1,7 +1,8 @@
 """`[budgets.NAME]`: a cap on what the calls of some tools may spend within a sliding window.
 
 A budget adds up a CEL `amount` over its recent operations; a call that would take the sum past
-`limit` is refused with `budget_exceeded` before anything runs. Keyed tools name it with
+`limit` is refused with `budget_exceeded` before anything runs, or with `exceeded = "approval"`
+waits for a person to decide. Keyed tools name it with
 `budget = "NAME"` (docs/policy.md#budgets).
 """
 
@@ -54,7 +55,9 @@ class BudgetPolicy(BaseModel):
         "'all': one budget for everyone.",
     )
     exceeded: Literal["reject", "approval"] = Field(
-        "reject", description="'reject': answer budget_exceeded and execute nothing."
+        "reject",
+        description="'reject': answer budget_exceeded and execute nothing; 'approval': record the call "
+        "AWAITING_APPROVAL and let a person decide whether to spend past the limit.",
     )
 
     @field_validator("window", mode="before")
@@ -71,14 +74,4 @@ class BudgetPolicy(BaseModel):
             raise ValueError(f"must be a number, e.g. 100000{shown}")
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
-        return value
-
-    @field_validator("exceeded")
-    @classmethod
-    def _available(cls, value: str) -> str:
-        if value == "approval":
-            raise ValueError(
-                'exceeded = "approval" is not available in this version (approvals are not built yet): '
-                'use "reject"'
-            )
         return value

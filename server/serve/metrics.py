@@ -117,7 +117,7 @@ class Metrics:
             ),
             Event.BUDGET_SPENT: (counter("budget_claims", "Calls that spent from a budget"), None),
             Event.BUDGET_EXCEEDED: (
-                counter("budget_exceeded", "Calls refused: they would pass their budget's limit"),
+                counter("budget_exceeded", "Calls past their budget's limit: refused, or sent to a person"),
                 None,
             ),
         }

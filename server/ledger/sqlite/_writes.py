@@ -27,6 +27,7 @@ from commitgate.server.ledger.base import (
     OverBudget,
     Transition,
     lease_over,
+    over_budget,
     scope_of,
 )
 from commitgate.server.ledger.sqlite._schema import (
@@ -241,24 +242,38 @@ def _claim(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim
     if lease_over(op, now):
         to_unknown(conn, op, now)
     if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
-        if request.budget is not None:  # ... and spends again: it must fit
-            spent = budget_spent(conn, request, now)
-            if spent + request.budget.amount > request.budget.limit:
-                return OverBudget(spent)
-        lease = Lease(request.owner, now + request.lease_seconds)
-        taken = _apply(conn, op.operation_id, _retake(lease), now)
-        if taken is not None:
-            return Claim(ClaimKind.NEW, taken)
+        return _claim_again(conn, op, request, now)
     return Claim(ClaimKind.EXISTING, op)
+
+
+def _claim_again(
+    conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float
+) -> Claim | OverBudget:
+    """A FAILED_RETRYABLE operation taken over by this caller, which spends again: it must fit its
+    budget, or (with `exceeded = "approval"`) it waits for a person."""
+    if request.budget is not None:
+        spent = budget_spent(conn, request, now)
+        if spent + request.budget.amount > request.budget.limit:
+            if request.budget.approval is None:
+                return OverBudget(spent)
+            waiting = _await_over_budget(conn, op, _over_budget_request(request, spent), now)
+            return (
+                Claim(ClaimKind.AWAITING, waiting) if waiting is not None else Claim(ClaimKind.EXISTING, op)
+            )
+    lease = Lease(request.owner, now + request.lease_seconds)
+    taken = _apply(conn, op.operation_id, _retake(lease), now)
+    return Claim(ClaimKind.NEW, taken) if taken is not None else Claim(ClaimKind.EXISTING, op)
 
 
 def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Claim | OverBudget:
     """A key not seen before: claimed, unless the same action is recorded under another key, or
-    its amount does not fit its budget."""
+    its amount does not fit its budget (with `exceeded = "approval"` it then waits for a person)."""
     if request.budget is not None:
         spent = budget_spent(conn, request, now)
         if spent + request.budget.amount > request.budget.limit:
-            return OverBudget(spent)
+            if request.budget.approval is None:
+                return OverBudget(spent)
+            request = _over_budget_request(request, spent)
     check = request.duplicates
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
@@ -278,7 +293,53 @@ def _claim_new(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> C
             request.owner,
             detail,
         )
+    _audit_over_budget(conn, op, request, now)
     return Claim(kind, op, match.operation_id if match is not None else None)
+
+
+def _over_budget_request(request: ClaimRequest, spent: float) -> ClaimRequest:
+    """The request of a call past its budget that waits for a person: the tool's own approval
+    record if this call needs one anyway, else the budget's, with what approving overspends."""
+    check = request.budget
+    assert check is not None and check.approval is not None
+    record = {**(request.approval or check.approval), "over_budget": over_budget(check, spent)}
+    return dataclasses.replace(request, approval=record)
+
+
+def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float) -> None:
+    """An operation recorded to wait because it is past its budget: the budget goes in the audit."""
+    over = (request.approval or {}).get("over_budget")
+    if over is not None:
+        _audit(
+            conn, op.operation_id, now, "budget_exceeded", None, op.state.value, op.fence, request.owner, over
+        )
+
+
+def _await_over_budget(
+    conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float
+) -> Operation | None:
+    """A retryable operation taken again past its budget: it waits for a person now (None: it moved)."""
+    approval = request.approval or {}
+    moved = conn.execute(
+        "UPDATE operations SET state = 'AWAITING_APPROVAL', lease_owner = NULL, lease_expires_at = NULL,"
+        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL"
+        " WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
+        (dump(approval), approval.get("expires_at"), now, op.operation_id, op.fence),
+    ).rowcount
+    if moved != 1:
+        return None
+    waiting = dataclasses.replace(
+        op,
+        state=State.AWAITING_APPROVAL,
+        approval=approval,
+        updated_at=now,
+        completed_at=None,
+        expires_at=None,
+    )
+    _audit(conn, op.operation_id, now, "approval_requested", op.state.value, waiting.state.value, op.fence,
+           request.owner)  # fmt: skip
+    _audit_over_budget(conn, waiting, request, now)
+    return waiting
 
 
 _DUPLICATE_LOOKUP = (
