@@ -19,8 +19,11 @@ def test_demo_quick_runs_and_every_step_holds() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "NO" not in out.split("What happened")[-1]
-    assert out.count("why it matters:") == 8 and out.count("did:") == 8
+    assert out.count("why it matters:") == 9 and out.count("did:") == 9
     assert "large refund, approved from" in out and "commitgate ops approve op_" in out
+    words = " ".join(out.split())  # the console wraps long lines
+    assert "refused with budget_exceeded (spent $6,000 of $10,000 within 1d)" in words
+    assert "nothing was charged: 1 charge on that card" in words and "commitgate ops budgets" in words
     assert "charges, 0 extra" in out  # through commitgate
     assert "the problem" in out  # the direct calls are the baseline, not a passed check
     assert "What to try next" in out and "commitgate claude-config" in out

@@ -494,6 +494,9 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
         conn.execute("DROP INDEX operations_awaiting")
         conn.execute("ALTER TABLE operations DROP COLUMN approval")
         conn.execute("ALTER TABLE operations DROP COLUMN approval_expires_at")
+        conn.execute("DROP INDEX operations_budget")
+        conn.execute("ALTER TABLE operations DROP COLUMN budget_amount")
+        conn.execute("ALTER TABLE operations DROP COLUMN budget")
         conn.execute("DELETE FROM schema_version WHERE version > 1")
     ledger = await SQLiteLedger.open(path)
     try:
@@ -504,6 +507,7 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     with sqlite3.connect(path) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(operations)")]
         assert "downstream_ref" not in columns
+        assert {"approval", "approval_expires_at", "budget", "budget_amount"} <= set(columns)
 
 
 @pytest.mark.anyio

@@ -1,4 +1,4 @@
-"""`commitgate ops list|show|approve|deny|resolve|purge|migrate` and `commitgate stats`: operating the ledger.
+"""`commitgate ops list|show|approve|deny|resolve|purge|budgets|migrate` and `commitgate stats`: operating the ledger.
 
 These commands read and write the ledger directly (no server needs to run):
 the ledger is the system of record of what commitgate did. `resolve` is how a
@@ -28,6 +28,7 @@ from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.boundary import printable as printable_text
+from commitgate.server.core.budgets import number
 from commitgate.server.core.resolutions import (
     Finding,
     Resolution,
@@ -49,7 +50,7 @@ from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
-from commitgate.server.policy.models import PolicyError, default_policy, load_policy
+from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
 
 EXIT_STALE = 2
 STALE_LIST_LIMIT = 1000
@@ -136,6 +137,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     purge = actions.add_parser("purge", parents=[where], help="delete records past their retention")
     purge.set_defaults(func=cmd_purge)
 
+    budgets = actions.add_parser(
+        "budgets",
+        parents=[where],
+        help="what each budget of the policy has spent, per scope, against its limit",
+    )
+    budgets.set_defaults(func=cmd_budgets)
+
     migrate = actions.add_parser(
         "migrate",
         parents=[where],
@@ -171,6 +179,12 @@ def ledger_url(args: argparse.Namespace) -> str:
     url, why = ledger_choice(args.ledger, policy, path)
     say_ledger(url, why)
     return url
+
+
+def policy_of(args: argparse.Namespace) -> Policy:
+    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, or the bundled one."""
+    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    return load_policy(path) if path else default_policy()
 
 
 @asynccontextmanager
@@ -432,6 +446,81 @@ def cmd_purge(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+# --- ops budgets ------------------------------------------------------------------------------------
+
+
+async def budget_report(ledger: Ledger, policy: Policy, now: float) -> list[dict[str, Any]]:
+    """Each budget of the policy: its settings, its tools, and what each scope spent within the window."""
+    report = []
+    for name, budget in policy.budgets.items():
+        spent = await ledger.budget_spent(name, budget.per, now - budget.window, now)
+        report.append(
+            {
+                "name": name,
+                "amount": budget.amount.source,
+                "limit": number(budget.limit),
+                "window": format_duration(budget.window),
+                "per": budget.per,
+                "tools": [tool for tool, p in policy.tools.items() if p.budget == name],
+                "scopes": [
+                    {
+                        "scope": s.scope,
+                        "principal": s.principal,
+                        "session": s.session,
+                        "spent": number(s.spent),
+                        "left": number(max(0.0, budget.limit - s.spent)),
+                        "operations": s.operations,
+                    }
+                    for s in spent
+                ],
+            }
+        )
+    return report
+
+
+def cmd_budgets(args: argparse.Namespace) -> int:
+    async def body() -> int:
+        policy = policy_of(args)
+        now = time.time()
+        if not policy.budgets:
+            raise CommandError("the policy declares no budgets ([budgets.NAME]); nothing to show")
+        async with reading(ledger_url(args)) as ledger:
+            report = await budget_report(ledger, policy, now)
+        if args.json:
+            _print_json({"budgets": report})
+        else:
+            console().print(budgets_table(report))
+        return 0
+
+    return _run(args, body)
+
+
+def budgets_table(report: list[dict[str, Any]]) -> Table:
+    table = Table(title="budgets: spent within the window, per scope", title_justify="left")
+    for column in ("budget", "per", "scope", "spent", "limit", "left", "window", "operations", "tools"):
+        table.add_column(
+            column, overflow="fold", justify="right" if column in ("spent", "limit", "left") else "left"
+        )
+    for budget in report:
+        tools = ", ".join(budget["tools"]) or "(no tool)"
+        rows = budget["scopes"] or [
+            {"scope": "(nothing spent)", "spent": 0, "left": budget["limit"], "operations": 0}
+        ]
+        for row in rows:
+            table.add_row(
+                cell(budget["name"]),
+                budget["per"],
+                cell(row["scope"]),  # principals and sessions come from callers: shown literally
+                str(row["spent"]),
+                str(budget["limit"]),
+                str(row["left"]),
+                budget["window"],
+                str(row["operations"]),
+                cell(tools),
+            )
+    return table
 
 
 # --- ops migrate ----------------------------------------------------------------------------------

@@ -162,6 +162,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         f" {format_duration(server.respond_within)} · lease {format_duration(server.lease)}"
     )
     out.print(tools_table(policy))
+    if policy.budgets:
+        out.print(budgets_table(policy))
     if policy.upstreams:
         out.print(upstreams_table(shown["upstreams"], policy))
     if inventory is not None:
@@ -214,10 +216,36 @@ def tools_table(policy: Policy) -> Table:
             _source(tool),
             _key(tool),
             _retries(tool),
-            format_duration(policy.retention_for(name))
-            + ("" if tool.retention is not None else " (default)"),
+            format_duration(policy.retention_for(name)) + _retention_note(policy, name),
             _compensation(tool),
             "yes" if tool.expose else "no",
+        )
+    return table
+
+
+def _retention_note(policy: Policy, name: str) -> str:
+    tool = policy.tools[name]
+    own = tool.retention if tool.retention is not None else policy.server.retention
+    if policy.retention_for(name) > own:
+        return f" (the window of budget {tool.budget})"
+    return "" if tool.retention is not None else " (default)"
+
+
+def budgets_table(policy: Policy) -> Table:
+    table = Table(title="budgets", title_justify="left")
+    for column in ("budget", "amount", "limit", "window", "per", "when exceeded", "tools"):
+        table.add_column(column, overflow="fold")
+    for name, budget in policy.budgets.items():
+        tools = [t for t, tool in policy.tools.items() if tool.budget == name]
+        limit = int(budget.limit) if budget.limit.is_integer() else budget.limit
+        table.add_row(
+            name,
+            budget.amount.source,
+            str(limit),
+            format_duration(budget.window),
+            budget.per,
+            budget.exceeded,
+            ", ".join(tools) or "none",
         )
     return table
 

@@ -96,8 +96,10 @@ def record(
     return entry
 
 
-def for_duplicates(policy: ToolPolicy) -> ApprovalPolicy:
-    """`duplicates = {action = "approval"}`: the tool's own approval settings, or the defaults."""
+def settings_for(policy: ToolPolicy) -> ApprovalPolicy:
+    """How a call waits that a person must see for another reason than `when` (a duplicate with
+    `duplicates = {action = "approval"}`, a call past its budget with `exceeded = "approval"`):
+    the tool's own approval settings (timeout, via, prompt), or the defaults."""
     return policy.approval or ApprovalPolicy()
 
 
@@ -315,6 +317,9 @@ def question(op: Operation, policy: ToolPolicy | None, earlier: Operation | None
             f"Possible duplicate of {earlier.operation_id} (idempotency_key {earlier.step!r}, "
             f"{earlier.state.value}, created {iso(earlier.created_at)}) with exactly these arguments."
         )
+    over = over_budget(op)
+    if over is not None:
+        lines.append(over_budget_text(over))
     lines.append(f"Operation: {op.operation_id}")
     return Question(op.operation_id, op.tool, op.principal, "\n".join(lines))
 
@@ -337,4 +342,31 @@ def status(op: Operation) -> dict[str, Any] | None:
         view["expires_at"] = iso(expires_at)
     if approval.get("duplicate_of"):
         view["duplicate_of"] = approval["duplicate_of"]
+    over = over_budget(op)
+    if over is not None:
+        view["over_budget"] = over
     return view
+
+
+def over_budget(op: Operation) -> dict[str, Any] | None:
+    """`{name, limit, spent, amount}` of the budget an operation waits past (`exceeded = "approval"`)."""
+    over = (op.approval or {}).get("over_budget")
+    return (
+        {key: _whole(over.get(key)) for key in ("name", "limit", "spent", "amount")}
+        if isinstance(over, dict)
+        else None
+    )
+
+
+def over_budget_text(over: Mapping[str, Any]) -> str:
+    """One line for the person deciding: approving spends past the budget's limit."""
+    left = max(0.0, float(over["limit"]) - float(over["spent"]))
+    return (
+        f"Over budget {over['name']!r}: this call spends {over['amount']}, {over['spent']} of {over['limit']} "
+        f"is already spent in its window, so {_whole(left)} is left; approving spends past the limit."
+    )
+
+
+def _whole(value: Any) -> Any:
+    """Whole amounts as integers, the way a policy writes them (the ledger keeps them as floats)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value

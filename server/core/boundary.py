@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import approvals, duplicates, errors
+from commitgate.server.core import approvals, budgets, duplicates, errors
+from commitgate.server.core.budgets import Budget
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
@@ -36,6 +37,7 @@ from commitgate.server.ledger.base import (
     Lease,
     Ledger,
     LedgerUnavailable,
+    OverBudget,
     Transition,
     lease_over,
     this_owner,
@@ -56,6 +58,7 @@ class GuardedTool:
     name: str
     policy: ToolPolicy
     source: ToolSource
+    budget: Budget | None = None  # the declared budget its calls spend from
 
     @property
     def idempotency_class(self) -> IdempotencyClass:
@@ -172,6 +175,13 @@ class CommitBoundary:
         approval = approvals.requirement(
             tool.policy, request.arguments, request.principal, request.session, tool.name, now
         )
+        budget = tool.budget
+        amount = (
+            budgets.amount_of(budget, request.arguments, request.principal, request.session, tool.name)
+            if budget is not None
+            else 0.0
+        )
+        retention = tool.policy.retention or self.settings.retention
         claim_request = ClaimRequest(
             principal=request.principal,
             session=request.session,
@@ -182,11 +192,13 @@ class CommitBoundary:
             arguments_json=arguments_json,
             owner=self.owner,
             lease_seconds=self.settings.lease,
-            retention_seconds=tool.policy.retention or self.settings.retention,
+            # A budget adds up its window: every record in it must still be there.
+            retention_seconds=max(retention, budget.policy.window) if budget is not None else retention,
             duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
             approval=approval,
+            budget=budgets.check_for(budget, amount, tool.policy, now) if budget is not None else None,
         )
-        claim = await self._claim(claim_request, tool)
+        claim = await self._claim(request, claim_request)
         if claim.kind is ClaimKind.CONFLICT:
             self._emit(
                 Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
@@ -197,38 +209,64 @@ class CommitBoundary:
         if claim.kind is ClaimKind.DUPLICATE:
             raise await self._duplicate(request, claim.operation)
         if claim.kind is ClaimKind.AWAITING:
-            self._emit(
-                Event.APPROVAL_REQUESTED,
-                tool.name,
-                tool.idempotency_class,
-                operation_id=claim.operation.operation_id,
-            )
-            raise errors.approval_pending(claim.operation)
+            raise self._awaiting_approval(request, claim.operation)
         if claim.duplicate_of is not None:
             self._emit(
                 Event.DUPLICATE_ALLOWED, tool.name, tool.idempotency_class, operation_id=claim.duplicate_of
             )
         if claim.kind is ClaimKind.NEW:
+            if tool.budget is not None and claim_request.budget is not None:
+                self._emit(
+                    Event.BUDGET_SPENT,
+                    tool.name,
+                    tool.idempotency_class,
+                    operation_id=claim.operation.operation_id,
+                    budget=tool.budget.name,
+                    scope=budgets.scope_label(tool.budget, request.principal, request.session),
+                    amount=claim_request.budget.amount,
+                )
             return await self._own(request, claim.operation)
         self.final.remember(claim.operation)
-        return await self._on_existing(request, claim.operation, waited=False)
+        return await self._on_existing(request, claim.operation, waited=False, claim_request=claim_request)
 
-    async def _claim(self, claim_request: ClaimRequest, tool: GuardedTool) -> Claim:
+    def _awaiting_approval(self, request: CallRequest, op: Operation) -> GateError:
+        """`approval_pending` for an operation just recorded to wait (past its budget, perhaps)."""
+        tool = request.tool
+        self._emit(Event.APPROVAL_REQUESTED, tool.name, tool.idempotency_class, operation_id=op.operation_id)
+        over = approvals.over_budget(op)
+        if over is not None and tool.budget is not None:
+            scope = budgets.scope_label(tool.budget, request.principal, request.session)
+            self._emit(
+                Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over["name"], scope=scope
+            )
+        return errors.approval_pending(op)
+
+    def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: float) -> GateError:
+        tool, budget, check = request.tool, request.tool.budget, claim_request.budget
+        assert budget is not None and check is not None
+        scope = budgets.scope_label(budget, request.principal, request.session)
+        self._emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
+        return budgets.exceeded(budget, check.amount, spent, request.principal, request.session)
+
+    async def _claim(self, request: CallRequest, claim_request: ClaimRequest) -> Claim:
+        tool = request.tool
         try:
             return await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise _unavailable(exc) from None
+        except OverBudget as over:
+            raise self._over_budget(request, claim_request, over.spent) from None
 
     async def _duplicate_to_approval(
         self, request: CallRequest, claim_request: ClaimRequest, earlier: Operation
     ) -> Answer:
         """`duplicates = {action = "approval"}`: the repeat waits for a person, who sees the earlier one."""
         record = approvals.record(
-            approvals.for_duplicates(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
+            approvals.settings_for(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
         )
         again = dataclasses.replace(claim_request, duplicates=None, approval=record)
-        claim = await self._claim(again, request.tool)
+        claim = await self._claim(request, again)
         if claim.kind is ClaimKind.CONFLICT:
             raise errors.key_reused(claim.operation, request.tool.name)
         if claim.kind is ClaimKind.AWAITING:
@@ -258,9 +296,17 @@ class CommitBoundary:
 
     # --- an operation someone already recorded -----------------------------------------
 
-    async def _on_existing(self, request: CallRequest, op: Operation, *, waited: bool) -> Answer:
+    async def _on_existing(
+        self, request: CallRequest, op: Operation, *, waited: bool, claim_request: ClaimRequest | None = None
+    ) -> Answer:
         tool = request.tool
         action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
+        if action is OnExisting.RERUN and op.state is State.FAILED_RETRYABLE and tool.budget is not None:
+            # Running it again spends again: go through the claim, which checks the budget as it
+            # takes the operation over (unless this very claim just saw it, and lost it to another).
+            if claim_request is None:
+                return await self._guarded(request)
+            return Answer(None, op, True, error_for_state(op))
         if action is OnExisting.REPLAY:
             self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(op.result, op, True)

@@ -132,10 +132,16 @@ def ledger_unavailable() -> GateError:
 
 
 def approval_pending(op: Operation) -> GateError:
+    over = (op.approval or {}).get("over_budget")
+    why = (
+        f" It would take budget {over.get('name')!r} past its limit, so a person decides whether to spend more."
+        if isinstance(over, dict)
+        else ""
+    )
     return GateError(
         ErrorCode.APPROVAL_PENDING,
         f"This action needs a person's approval before it runs; it was recorded (operation {op.operation_id}) "
-        "and nothing was executed yet. Tell the user it is waiting for approval. Do not call again with a new "
+        f"and nothing was executed yet.{why} Tell the user it is waiting for approval. Do not call again with a new "
         f"key: poll get_operation_status with idempotency_key {op.step!r}, and once it is approved call again "
         "with the same idempotency_key and the same arguments to run it (exactly once).",
         op,
@@ -158,3 +164,22 @@ def approval_expired(op: Operation) -> GateError:
         "if it is still wanted, ask the user, then call again with a new idempotency_key to request approval anew.",
         op,
     )
+
+
+def budget_exceeded(budget: dict[str, Any], amount: float, scope: str, left: float) -> GateError:
+    """`budget` is `error.budget`: {name, limit, spent, window}; `scope` says whose spending it is."""
+    return GateError(
+        ErrorCode.BUDGET_EXCEEDED,
+        f"Budget exceeded: nothing was executed or recorded. This call would spend {_number(amount)} from "
+        f"budget {budget['name']!r}, which allows {budget['limit']} {scope} within any {budget['window']}; "
+        f"{budget['spent']} is already spent in that window, so {_number(left)} is left. Calling again, with "
+        "this key or a new one, is refused the same way until earlier spending leaves the window or is "
+        "undone. Do not split the action into smaller calls to get around the limit: tell the user the "
+        "budget is used up, and ask a person to raise the limit if the action is needed.",
+        details={"budget": budget},
+    )
+
+
+def _number(value: float) -> int | float:
+    """Whole amounts as integers, the way a policy writes them."""
+    return int(value) if float(value).is_integer() else value

@@ -20,6 +20,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
+from commitgate.server.ledger.base import OverBudget
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.traces import SWITCH
 
@@ -66,6 +67,9 @@ async def claimed(step: Awaitable[T], tool: Any) -> T:
     with _span("commitgate.claim", {CLASS: tool.idempotency_class.value}) as span:
         try:
             claim = await step
+        except OverBudget:  # an answer, not a failure: nothing was claimed
+            span.set_attribute(CLAIM, "over_budget")
+            raise
         except Exception as exc:
             _failed(span, "ledger_unavailable", exc)
             raise

@@ -4,8 +4,8 @@ Shows, on the bundled demo tools and a throwaway ledger and sandbox: a first
 call, a replay, a conflicting reuse of a key, a lost acknowledgement
 reconciled by a status check, a large refund that waits for a person's approval
 (given with `commitgate ops approve`), a `kill -9` of the server mid-operation and the
-recovery, and the double-charge experiment in small (a naive client vs the
-same agent through commitgate).
+recovery, the double-charge experiment in small (a naive client vs the
+same agent through commitgate), and a charge refused by a spending budget.
 """
 
 from __future__ import annotations
@@ -242,6 +242,36 @@ async def scenario_crash(box: Sandbox, steps: list[Step], quick: bool) -> None:
     )
 
 
+async def scenario_budget(box: Sandbox, steps: list[Step], number: int) -> None:
+    """The bundled policy caps what one caller may charge within a day: a charge past it is refused."""
+    card = "378282246310005"  # a card no earlier step uses: the count is this step's alone
+    first = {"card": card, "amount_cents": 600_000, "idempotency_key": "order-2001-charge"}
+    second = {"card": card, "amount_cents": 500_000, "idempotency_key": "order-2002-charge"}
+    async with connect(box.server(ledger="budget.db")) as client:
+        await client.call_tool("charge_card", first)
+        refused = await client.call_tool("charge_card", second)
+    budget = (refused.structured_content or {}).get("error", {}).get("budget") or {}
+    charges = box.count("charges", card=card)
+    say(
+        number,
+        "A charge past the spending budget",
+        "the agent charges $6,000 for one order, then $5,000 for another; the bundled policy lets one "
+        "caller charge at most $10,000 within any day (budget 'payments').",
+        f"the first went through; the second was refused with {_code(refused)} (spent "
+        f"${budget.get('spent', 0) / 100:,.0f} of ${budget.get('limit', 0) / 100:,.0f} within "
+        f"{budget.get('window')}) and nothing was charged: {times(charges, 'charge')} on that card.",
+        "a cap on spending holds even for concurrent calls; `commitgate ops budgets` shows what was spent.",
+    )
+    steps.append(
+        Step(
+            "charge past the spending budget",
+            f"refused ({_code(refused)})",
+            times(charges, "charge"),
+            _code(refused) == "budget_exceeded" and charges == 1,
+        )
+    )
+
+
 async def double_charge(box: Sandbox, bookings: int, guarded: bool) -> dict[str, int]:
     """Bookings by an agent that retries until it hears back, while half of the answers are lost."""
     faults = "charge_card.lose_ack=50%"
@@ -307,6 +337,7 @@ async def run_demo(quick: bool = False) -> int:
                 guarded["duplicates"] == 0,
             )
         )
+        await scenario_budget(box, steps, 9)
         console.print()
         console.print(summary_table(steps))
         all_good = all(step.ok for step in steps)
@@ -335,6 +366,7 @@ NEXT_STEPS = """
   commitgate claude-config               the entry that adds them to Claude Desktop
   commitgate policy show                 each tool and how it is guarded
   commitgate ops list                    what the server recorded (after you used it)
+  commitgate ops budgets                 what was spent against each budget
   COMMITGATE_SANDBOX_FAULTS="charge_card.lose_ack=50%" commitgate serve
                                          lose half of the charge answers and watch retries stay safe
   commitgate bench                       the full measurements behind the last step

@@ -58,6 +58,74 @@ class DuplicateCheck:
     confirmed: bool = False  # the caller said it means a second action (recorded with the match)
 
 
+# States of an operation whose amount its budget counts: it happened, may have happened, or is
+# about to. Failed and compensated operations give their amount back.
+BUDGET_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCheck:
+    """Spend `amount` of a budget inside the claim, if it fits.
+
+    The ledger adds up the amounts of the budget's operations in scope created within the window
+    (in BUDGET_STATES) and claims only when that sum plus `amount` stays within `limit`; the sum
+    and the insert are one atomic step, so concurrent calls can never jointly overspend.
+    Otherwise `claim` raises `OverBudget` and records nothing.
+    """
+
+    name: str
+    per: str  # "principal" | "session" | "all": which operations share the budget
+    amount: float
+    limit: float
+    window_seconds: float
+    # `exceeded = "approval"`: the approval record a call that does not fit waits with. The ledger
+    # then records it AWAITING_APPROVAL instead of refusing it, adding `over_budget` (below)
+    # to the record and to the audit, so the person deciding sees what approving overspends.
+    approval: dict[str, Any] | None = None
+
+
+def over_budget(check: BudgetCheck, spent: float) -> dict[str, Any]:
+    """What a person approving an over-budget call reads: the budget, its limit, what is spent, the call's amount."""
+    return {"name": check.name, "limit": check.limit, "spent": spent, "amount": check.amount}
+
+
+class OverBudget(Exception):
+    """The claim would take its budget past the limit; nothing was recorded."""
+
+    def __init__(self, spent: float) -> None:
+        super().__init__(f"already spent {spent:g}")
+        self.spent = spent
+
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    """What one scope of a budget has spent within the window: `principal` and `session` are set as
+    far as the budget's `per` separates them (both None for "all")."""
+
+    principal: str | None
+    session: str | None
+    spent: float
+    operations: int
+
+    @property
+    def scope(self) -> str:
+        return scope_name(self.principal, self.session)
+
+
+def scope_name(principal: str | None, session: str | None) -> str:
+    """A scope as people read it: "all", the principal, or "principal/session"."""
+    if principal is None:
+        return "all"
+    return principal if session is None else f"{principal}/{session}"
+
+
+def scope_of(per: str, principal: str, session: str) -> tuple[str | None, str | None]:
+    """The (principal, session) a call's spending counts under."""
+    if per == "all":
+        return None, None
+    return (principal, None) if per == "principal" else (principal, session)
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimRequest:
     principal: str
@@ -74,6 +142,7 @@ class ClaimRequest:
     # Set when this call needs a person's approval: a new key is then recorded AWAITING_APPROVAL
     # (no attempt, no lease) with this record, whose `expires_at` ends the wait.
     approval: dict[str, Any] | None = None
+    budget: BudgetCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +214,12 @@ class AuditEntry:
 class Ledger(Protocol):
     """A durable operation ledger; see docs/contract.md#operation-states and docs/contract.md#guarantees."""
 
-    async def claim(self, request: ClaimRequest, now: float) -> Claim: ...
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        """Claim the request's operation; raises OverBudget (recording nothing) when it carries a
+        budget check that it would fail, for a key not seen before or a retryable one taken again,
+        unless the check carries an approval record: then the operation waits for a person
+        (ClaimKind.AWAITING), its approval record holding `over_budget`."""
+        ...
 
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
@@ -177,6 +251,10 @@ class Ledger(Protocol):
 
     async def counts(self) -> Counts:
         """Operations by state, and audit records by event."""
+        ...
+
+    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
+        """What each scope of `budget` spent since `since` (scopes with nothing spent left out)."""
         ...
 
     async def check_writable(self) -> None: ...

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     LEASE_LOST,
     AuditEntry,
     Claim,
@@ -43,6 +44,8 @@ from commitgate.server.ledger.base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
+    OverBudget,
+    Spent,
     Transition,
     is_outcome,
     owner_known_dead,
@@ -398,6 +401,121 @@ MIGRATIONS: list[str] = [
         RETURN NEXT r;
     END $$;
     """,
+    # 5: budgets. Each operation of a budgeted tool carries its budget's name and the amount it
+    # spends; its scope is its own principal and session. A claim that may execute (a key not seen
+    # before, or a retryable one taken again) takes a transaction-level advisory lock on its budget
+    # scope, adds up what the scope spent within the window and claims only if its amount fits:
+    # concurrent claims of one scope queue on the lock, each sees the rows of those before it, and
+    # claims of other scopes or of unbudgeted tools never wait. The index covers the sum. A call that
+    # needs approval is checked the same way when it arrives and recorded AWAITING_APPROVAL with its
+    # amount, which counts once a person approves it (PENDING onwards). With `exceeded = "approval"`
+    # (p_over_approval set) a call that does not fit waits for a person instead of being refused,
+    # its approval record and its audit holding the budget, its limit, what is spent and its amount.
+    """
+    ALTER TABLE commitgate_operations ADD COLUMN budget text, ADD COLUMN budget_amount double precision;
+    CREATE INDEX commitgate_operations_budget
+        ON commitgate_operations (budget, principal, session, created_at)
+        INCLUDE (state, budget_amount, expires_at) WHERE budget IS NOT NULL;
+
+    CREATE FUNCTION commitgate_claim_budgeted(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text, p_duplicates boolean, p_window double precision, p_any_session boolean,
+        p_reject boolean, p_confirmed boolean, p_budget text, p_per text, p_amount double precision,
+        p_limit double precision, p_budget_window double precision, p_approval text,
+        p_approval_expires_at double precision, p_over_approval text,
+        p_over_approval_expires_at double precision
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text, spent double precision)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        e commitgate_operations;
+        v_spent double precision;
+        v_may_spend boolean;
+        v_over jsonb;
+        c record;
+    BEGIN
+        SELECT o.* INTO e FROM commitgate_operations o
+            WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+        v_may_spend := NOT FOUND OR e.state = 'FAILED_RETRYABLE';  -- this call may execute, and spend
+        IF v_may_spend THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.budget:' || p_budget
+                || chr(31) || CASE WHEN p_per = 'all' THEN '' ELSE p_principal END
+                || chr(31) || CASE WHEN p_per = 'session' THEN p_session ELSE '' END, 0));
+            -- a concurrent call of the same key may have claimed it while this one waited
+            SELECT o.* INTO e FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+            v_may_spend := NOT FOUND OR e.state = 'FAILED_RETRYABLE';
+        END IF;
+        IF v_may_spend THEN
+            SELECT coalesce(sum(o.budget_amount), 0) INTO v_spent FROM commitgate_operations o
+                WHERE o.budget = p_budget
+                    AND (p_per = 'all' OR o.principal = p_principal)
+                    AND (p_per <> 'session' OR o.session = p_session)
+                    AND o.created_at > p_now - p_budget_window
+                    AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+            IF v_spent + p_amount > p_limit AND p_over_approval IS NULL THEN
+                RETURN QUERY SELECT 'over_budget'::text, NULL::commitgate_operations, NULL::text, v_spent;
+                RETURN;
+            ELSIF v_spent + p_amount > p_limit THEN  -- exceeded = "approval": a person decides
+                v_over := jsonb_build_object('name', p_budget, 'limit', p_limit, 'spent', v_spent,
+                    'amount', p_amount);
+                p_approval := (p_over_approval::jsonb || jsonb_build_object('over_budget', v_over))::text;
+                p_approval_expires_at := p_over_approval_expires_at;
+                IF e.operation_id IS NOT NULL THEN  -- a retryable operation taken again waits instead
+                    UPDATE commitgate_operations AS o SET state = 'AWAITING_APPROVAL', lease_owner = NULL,
+                            lease_expires_at = NULL, approval = p_approval,
+                            approval_expires_at = p_approval_expires_at, updated_at = p_now,
+                            completed_at = NULL, expires_at = NULL
+                        WHERE o.operation_id = e.operation_id AND o.fence = e.fence
+                            AND o.state = 'FAILED_RETRYABLE'
+                        RETURNING o.* INTO e;
+                    IF FOUND THEN
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
+                        VALUES (e.operation_id, p_now, 'approval_requested', 'FAILED_RETRYABLE',
+                            'AWAITING_APPROVAL', e.fence, p_owner);
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor,
+                            detail)
+                        VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence,
+                            p_owner, v_over::text);
+                        RETURN QUERY SELECT 'awaiting'::text, e, NULL::text, v_spent;
+                        RETURN;
+                    END IF;
+                END IF;
+            END IF;
+        END IF;
+        IF p_approval IS NOT NULL THEN
+            SELECT * INTO c FROM commitgate_claim_awaiting(p_operation_id, p_principal, p_session, p_step,
+                p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
+                p_lease_lost, p_approval, p_approval_expires_at,
+                CASE WHEN p_duplicates THEN p_window END, p_any_session, p_reject, p_confirmed);
+        ELSIF p_duplicates THEN
+            SELECT * INTO c FROM commitgate_claim_checked(p_operation_id, p_principal, p_session, p_step,
+                p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
+                p_lease_lost, p_window, p_any_session, p_reject, p_confirmed);
+        ELSE
+            SELECT x.kind, x.op, NULL::text AS duplicate_of INTO c FROM commitgate_claim(p_operation_id,
+                p_principal, p_session, p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner,
+                p_lease, p_retention, p_now, p_lease_lost) x;
+        END IF;
+        IF c.kind IN ('new', 'awaiting') THEN
+            UPDATE commitgate_operations AS o SET budget = p_budget, budget_amount = p_amount
+                WHERE o.operation_id = (c.op).operation_id
+                RETURNING o.* INTO e;
+            IF c.kind = 'awaiting' AND v_over IS NOT NULL THEN  -- waits because it is past its budget
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+                VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence, p_owner,
+                    v_over::text);
+            END IF;
+            RETURN QUERY SELECT c.kind, e, c.duplicate_of, v_spent;
+            RETURN;
+        END IF;
+        RETURN QUERY SELECT c.kind, c.op, c.duplicate_of, v_spent;
+    END $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -426,6 +544,10 @@ _CLAIM_AWAITING = (
 # about three times wal_writer_delay (200ms by default). A crash of the database server in that
 # window loses the outcome, never the claim: the operation stays RUNNING, then UNKNOWN.
 _UPDATE_LAZY = _UPDATE.replace("SELECT *", "SELECT *, set_config('synchronous_commit', 'off', true)")
+_CLAIM_BUDGETED = (
+    "SELECT c.kind, c.duplicate_of, c.spent, (c.op).* FROM commitgate_claim_budgeted($1, $2, $3, $4, $5, $6,"
+    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27) c"
+)
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
 _TO_UNKNOWN = """
@@ -561,6 +683,25 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     open transaction is still rolled back by asyncpg itself."""
 
 
+def _claim_arguments(request: ClaimRequest, now: float) -> tuple[Any, ...]:
+    """The parameters every claim function starts with, a fresh operation id first."""
+    return (
+        "op_" + uuid.uuid4().hex,
+        request.principal,
+        request.session,
+        request.step,
+        request.tool,
+        request.idempotency_class.value,
+        request.fingerprint,
+        request.arguments_json,
+        request.owner,
+        request.lease_seconds,
+        request.retention_seconds,
+        now,
+        _dump(LEASE_LOST),
+    )
+
+
 class PostgresLedger:
     """A ledger in PostgreSQL behind an asyncpg pool; see the module docstring."""
 
@@ -634,6 +775,8 @@ class PostgresLedger:
     # --- the hot path ---------------------------------------------------------------------
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        if request.budget is not None:  # the budget function also records a wait for approval
+            return await self._claim_budgeted(request, now)
         if request.approval is not None:
             return await self._claim_awaiting(request, now)
         check = request.duplicates
@@ -641,26 +784,9 @@ class PostgresLedger:
             () if check is None else (check.window_seconds, check.any_session, check.reject, check.confirmed)
         )
         rows = await self._fetch(
-            _CLAIM if check is None else _CLAIM_CHECKED,
-            "op_" + uuid.uuid4().hex,
-            request.principal,
-            request.session,
-            request.step,
-            request.tool,
-            request.idempotency_class.value,
-            request.fingerprint,
-            request.arguments_json,
-            request.owner,
-            request.lease_seconds,
-            request.retention_seconds,
-            now,
-            _dump(LEASE_LOST),
-            *duplicates,
+            _CLAIM if check is None else _CLAIM_CHECKED, *_claim_arguments(request, now), *duplicates
         )
-        kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
-        if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
-            op = await self._expire_dead_owner(op, now)
-        return Claim(kind, op, rows[0]["duplicate_of"] if check is not None else None)
+        return await self._answer(rows, now)
 
     async def _claim_awaiting(self, request: ClaimRequest, now: float) -> Claim:
         approval, check = request.approval or {}, request.duplicates
@@ -671,27 +797,49 @@ class PostgresLedger:
         )
         rows = await self._fetch(
             _CLAIM_AWAITING,
-            "op_" + uuid.uuid4().hex,
-            request.principal,
-            request.session,
-            request.step,
-            request.tool,
-            request.idempotency_class.value,
-            request.fingerprint,
-            request.arguments_json,
-            request.owner,
-            request.lease_seconds,
-            request.retention_seconds,
-            now,
-            _dump(LEASE_LOST),
+            *_claim_arguments(request, now),
             _dump(approval),
             approval.get("expires_at"),
             *duplicates,
         )
-        kind, op = ClaimKind(rows[0]["kind"]), _decode(rows[0])
+        return await self._answer(rows, now)
+
+    async def _claim_budgeted(self, request: ClaimRequest, now: float) -> Claim:
+        check, budget, approval = request.duplicates, request.budget, request.approval
+        assert budget is not None
+        # Past its budget with `exceeded = "approval"`, the call waits with the tool's own approval
+        # record if it needs one anyway, else the budget's; the function adds `over_budget`.
+        over = (approval or budget.approval) if budget.approval is not None else None
+        duplicates = (
+            (False, 0.0, False, False, False)
+            if check is None
+            else (True, check.window_seconds, check.any_session, check.reject, check.confirmed)
+        )
+        rows = await self._fetch(
+            _CLAIM_BUDGETED,
+            *_claim_arguments(request, now),
+            *duplicates,
+            budget.name,
+            budget.per,
+            budget.amount,
+            budget.limit,
+            budget.window_seconds,
+            _dump(approval),
+            approval.get("expires_at") if approval is not None else None,
+            _dump(over),
+            over.get("expires_at") if over is not None else None,
+        )
+        if rows[0]["kind"] == "over_budget":
+            raise OverBudget(float(rows[0]["spent"]))
+        return await self._answer(rows, now)
+
+    async def _answer(self, rows: list[asyncpg.Record], now: float) -> Claim:
+        """The claim a claim function's row says; a key held by a dead owner of this host is expired."""
+        row = rows[0]
+        kind, op = ClaimKind(row["kind"]), _decode(row)
         if kind is ClaimKind.EXISTING and op.state is State.RUNNING and owner_known_dead(op.lease_owner):
             op = await self._expire_dead_owner(op, now)
-        return Claim(kind, op, rows[0]["duplicate_of"])
+        return Claim(kind, op, row.get("duplicate_of"))
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(
@@ -812,6 +960,23 @@ class PostgresLedger:
             states[state] = n
         events = dict(await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"))
         return Counts(states, events)
+
+    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
+        columns = {
+            "all": "NULL::text, NULL::text",
+            "principal": "principal, NULL::text",
+            "session": "principal, session",
+        }[per]
+        rows = await self._fetch(
+            f"SELECT {columns}, sum(budget_amount), count(*) FROM commitgate_operations"
+            " WHERE budget = $1 AND created_at > $2 AND state = ANY ($3::text[])"
+            " AND (expires_at IS NULL OR expires_at > $4) GROUP BY 1, 2 ORDER BY 3 DESC",
+            budget,
+            since,
+            list(BUDGET_STATES),
+            now,
+        )
+        return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows]
 
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.

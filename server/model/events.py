@@ -24,6 +24,10 @@ class Event(StrEnum):
     DUPLICATE_ALLOWED = "duplicate_allowed"  # a fresh-key repeat run anyway (allow, or confirmed)
     APPROVAL_REQUESTED = "approval_requested"  # a call recorded AWAITING_APPROVAL: operation_id
     APPROVAL_EXPIRED = "approval_expired"  # nobody decided in time: FAILED_FINAL, operation_id
+    BUDGET_SPENT = "budget_spent"  # a call claimed an amount of a budget: budget, scope, amount
+    BUDGET_EXCEEDED = (
+        "budget_exceeded"  # a call past its budget's limit, refused or sent to a person: budget, scope
+    )
 
 
 class Observer(Protocol):

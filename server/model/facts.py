@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     APPROVAL_PENDING = "approval_pending"
     APPROVAL_DENIED = "approval_denied"
     APPROVAL_EXPIRED = "approval_expired"
+    BUDGET_EXCEEDED = "budget_exceeded"
 
 
 class ApprovalState(StrEnum):

@@ -48,6 +48,7 @@ from commitgate.server.model.durations import (
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.approvals import ApprovalPolicy
+from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
@@ -81,6 +82,7 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # `{arguments.X}` / `{result.X}` with nested paths, as the saga and http sources fill them.
 _BRACED = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)((?:\.[A-Za-z0-9_\-]*)*)\}")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+BUDGET_NAME = TOOL_NAME
 RESERVED_TOOL_NAMES = frozenset({"get_operation_status", "list_operations", "compensate_session"})
 
 
@@ -221,6 +223,9 @@ class ToolPolicy(_Strict):
         None,
         description="Keyed tools: a person approves matching calls before they run "
         "({when = CEL, timeout = '24h', via = ['client', 'operator'], prompt = '...'}).",
+    )
+    budget: str | None = Field(
+        None, min_length=1, description="Keyed tools: the [budgets.NAME] its calls spend from."
     )
     expose: StrictBool = Field(True, description="Listed to clients; false keeps it for compensations only.")
     destructive: StrictBool = Field(False, description="MCP destructiveHint for keyed tools.")
@@ -386,11 +391,24 @@ class Policy(_Strict):
     ledger: LedgerPolicy = Field(default_factory=lambda: LedgerPolicy(), description="[ledger]")
     auth: AuthPolicy | None = Field(None, description="[auth] for HTTP transports.")
     upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict, description="[upstreams.NAME]")
+    budgets: dict[str, BudgetPolicy] = Field(
+        default_factory=dict, description="[budgets.NAME]: caps on what tools may spend."
+    )
     tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="[tools.NAME]")
 
     def retention_for(self, tool: str) -> float:
+        """How long the tool's completed records are kept: at least its budget's window, so that
+        everything the budget counts is still in the ledger when it adds it up."""
         policy = self.tools.get(tool)
-        return policy.retention if policy and policy.retention is not None else self.server.retention
+        retention = policy.retention if policy and policy.retention is not None else self.server.retention
+        budget = self.budget_of(tool)
+        return max(retention, budget.window) if budget is not None else retention
+
+    def budget_of(self, tool: str) -> BudgetPolicy | None:
+        policy = self.tools.get(tool)
+        if policy is None or policy.budget is None:
+            return None
+        return self.budgets.get(policy.budget)
 
 
 def policy_json_schema() -> dict[str, Any]:
@@ -593,9 +611,40 @@ def _class_of(raw: Mapping[str, Any]) -> IdempotencyClass | None:
 def _cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
     tools = _tables(data.get("tools"))
     upstreams = data.get("upstreams") if isinstance(data.get("upstreams"), dict) else {}
+    budgets = data.get("budgets") if isinstance(data.get("budgets"), dict) else {}
     problems: list[Problem] = []
+    for name in budgets or {}:
+        if not BUDGET_NAME.fullmatch(name):
+            problems.append(
+                Problem(
+                    f"budgets.{toml_key(name)}",
+                    "budget names are 1-128 characters of letters, digits, '_', '-', '.'",
+                )
+            )
     for name, raw in tools.items():
         problems += _tool_problems(name, raw, tools, upstreams or {})
+        problems += _budget_problems(f"tools.{toml_key(name)}", raw, budgets or {})
+    return problems
+
+
+def _budget_problems(where: str, raw: Mapping[str, Any], budgets: Mapping[str, Any]) -> list[Problem]:
+    """`budget = "NAME"` names a declared budget, on a keyed tool (only those are recorded)."""
+    name = raw.get("budget")
+    if not isinstance(name, str) or not name:
+        return []
+    problems = []
+    if name not in budgets:
+        close = difflib.get_close_matches(name, list(budgets), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        declared = f" (declared: {', '.join(map(repr, budgets))})" if budgets and not close else ""
+        problems.append(Problem(f"{where}.budget", f"no [budgets.{name}] is declared{hint}{declared}"))
+    if _class_of(raw) is IdempotencyClass.SAFE_RETRY:
+        problems.append(
+            Problem(
+                f"{where}.budget",
+                "safe-retry tools are not recorded, so nothing could be counted; only keyed tools spend a budget",
+            )
+        )
     return problems
 
 

@@ -250,7 +250,9 @@ def ops_routes(
         refusal = await guard.validate_request(request)
         if refusal is not None:
             return refusal
-        return Response(await metrics.exposition(gateway.ledger), media_type=CONTENT_TYPE)
+        return Response(
+            await metrics.exposition(gateway.ledger, gateway.policy.budgets), media_type=CONTENT_TYPE
+        )
 
     metrics_app = protect(request_response(metrics_text), authenticated)
     return [Route("/healthz", healthz, methods=["GET"]), Route("/metrics", metrics_app, methods=["GET"])]

@@ -33,7 +33,9 @@ CALLS = logging.getLogger("commitgate.calls")
 _OURS = "commitgate"
 _TRUSTED = frozenset({"uvicorn.error", "py.warnings"})  # lifecycle messages and warnings from code
 _FIELD = "commitgate"  # the `extra` attribute carrying structured fields
-_UNSAFE_FIELDS = frozenset({"arguments", "result", "error", "message", "token", "idempotency_key", "key"})
+_UNSAFE_FIELDS = frozenset(
+    {"arguments", "result", "error", "message", "token", "idempotency_key", "key", "amount", "scope"}
+)
 # Every event at INFO but these: a person should look at the first, the second is one per attempt.
 _LEVELS = {
     Event.LEASE_EXPIRED: logging.WARNING,

@@ -7,16 +7,20 @@ prometheus_client's own, no I/O. Operations by state are not counted as they
 happen (several processes may share one ledger): they are read from
 `ledger.counts()` when `/metrics` is scraped.
 
-Label values are bounded: tools come from the policy, classes, codes, states,
-outcomes and verdicts from fixed sets. A call to a tool the policy does not
+Label values are bounded: tools and budgets come from the policy, classes, codes,
+states, outcomes and verdicts from fixed sets, and budget scopes are only those
+this process served recently (at most MAX_BUDGET_SCOPES per budget), dropped once
+their spending has left the window. A call to a tool the policy does not
 serve is counted as `tool="(unknown)"` so clients cannot grow the series.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -37,11 +41,13 @@ from commitgate.server.ledger.base import (
     Lease,
     Ledger,
     OperationFilter,
+    Spent,
     Transition,
 )
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.records import Operation
+from commitgate.server.policy.budgets import BudgetPolicy
 
 if TYPE_CHECKING:
     from commitgate.server.serve.gateway import Gateway
@@ -54,6 +60,7 @@ UNKNOWN_TOOL = "(unknown)"
 CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TC = ("tool", "idempotency_class")
+MAX_BUDGET_SCOPES = 100  # spent series per budget: the scopes served most recently
 
 # `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
 disable_created_metrics()
@@ -108,6 +115,11 @@ class Metrics:
                 counter("approvals_expired", "Waits for approval that ran out before anyone decided"),
                 None,
             ),
+            Event.BUDGET_SPENT: (counter("budget_claims", "Calls that spent from a budget"), None),
+            Event.BUDGET_EXCEEDED: (
+                counter("budget_exceeded", "Calls past their budget's limit: refused, or sent to a person"),
+                None,
+            ),
         }
         self.operation_seconds = Histogram(
             "commitgate_operation_seconds",
@@ -128,6 +140,20 @@ class Metrics:
         self.ledger_up = Gauge(
             "commitgate_ledger_up", "1 when the last scrape could read the ledger", registry=r
         )
+        self.budget_spent = Gauge(
+            "commitgate_budget_spent",
+            "What a budget's scope spent within the window, read from the ledger at scrape time"
+            " (the scopes this process served recently)",
+            ["budget", "scope"],
+            registry=r,
+        )
+        self.budget_limit = Gauge(
+            "commitgate_budget_limit", "A budget's limit, for each of its scopes", ["budget"], registry=r
+        )
+        # budget -> scopes this process served, newest last: the only spent series it exports, so the
+        # series stay few even for per-session budgets.
+        self._scopes: dict[str, OrderedDict[str, None]] = {}
+        self._limits: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _event_counter(self, name: str, doc: str, extra: str | None = None) -> Counter:
@@ -149,6 +175,12 @@ class Metrics:
             if spec is None:
                 return
             counter, extra = spec
+            if (
+                event in (Event.BUDGET_SPENT, Event.BUDGET_EXCEEDED)
+                and "budget" in fields
+                and "scope" in fields
+            ):
+                self._saw_scope(str(fields["budget"]), str(fields["scope"]))
             labels = (tool, cls.value, str(fields.get(extra, ""))) if extra else (tool, cls.value)
             self._child(counter, *labels).inc()
             seconds = fields.get("seconds")
@@ -168,12 +200,13 @@ class Metrics:
 
     # --- exposition --------------------------------------------------------------------------
 
-    async def exposition(self, ledger: Ledger) -> bytes:
-        """The Prometheus text format, with operations by state read from the ledger now."""
+    async def exposition(self, ledger: Ledger, budgets: Mapping[str, BudgetPolicy] | None = None) -> bytes:
+        """The Prometheus text format, with operations by state and what budgets spent read from the ledger now."""
         try:
             counts = await ledger.counts()
+            await self._refresh_budgets(ledger, budgets or {})
         except Exception:
-            log.warning("metrics: could not read operation counts from the ledger")
+            log.warning("metrics: could not read operation counts or budgets from the ledger")
             self.ledger_up.set(0)
         else:
             self.ledger_up.set(1)
@@ -182,6 +215,46 @@ class Metrics:
             for event, value in counts.events.items():
                 self._child(self.ledger_events, event).set(value)
         return generate_latest(self.registry)
+
+    def _saw_scope(self, budget: str, scope: str) -> None:
+        scopes = self._scopes.setdefault(budget, OrderedDict())
+        scopes[scope] = None
+        scopes.move_to_end(scope)
+        while len(scopes) > MAX_BUDGET_SCOPES:
+            self._forget(budget, scopes.popitem(last=False)[0])
+
+    def _forget(self, budget: str, scope: str) -> None:
+        self._children.pop((id(self.budget_spent), budget, scope), None)
+        with contextlib.suppress(KeyError):
+            self.budget_spent.remove(budget, scope)
+
+    async def _refresh_budgets(self, ledger: Ledger, budgets: Mapping[str, BudgetPolicy]) -> None:
+        """Each declared budget's limit, and what each scope served recently spent. A scope whose
+        spending has left the window is dropped, as is a budget no longer declared."""
+        now = time.time()
+        for name in [n for n in self._scopes if n not in budgets]:
+            for scope in self._scopes.pop(name):
+                self._forget(name, scope)
+        for name in list(self._limits - set(budgets)):
+            self._limits.discard(name)
+            self._children.pop((id(self.budget_limit), name), None)
+            self.budget_limit.remove(name)
+        for name, budget in budgets.items():
+            self._child(self.budget_limit, name).set(budget.limit)
+            self._limits.add(name)
+            scopes = self._scopes.get(name)
+            if not scopes:
+                continue
+            spent = {
+                s.scope: s.spent
+                for s in await ledger.budget_spent(name, budget.per, now - budget.window, now)
+            }
+            for scope in list(scopes):
+                if spent.get(scope, 0.0) > 0:
+                    self._child(self.budget_spent, name, scope).set(spent[scope])
+                else:
+                    del scopes[scope]
+                    self._forget(name, scope)
 
     def attach(self, gateway: Gateway) -> None:
         """Observe a gateway that was opened without these metrics, and time its ledger."""
@@ -236,6 +309,9 @@ class TimedLedger:
 
     async def counts(self) -> Counts:
         return await self._timed("counts", self.inner.counts())
+
+    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
+        return await self._timed("budget_spent", self.inner.budget_spent(budget, per, since, now))
 
     async def check_writable(self) -> None:
         await self._timed("check_writable", self.inner.check_writable())

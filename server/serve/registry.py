@@ -20,6 +20,7 @@ from typing import Any
 import mcp.types as types
 
 from commitgate.server.core.boundary import GuardedTool
+from commitgate.server.core.budgets import Budget
 from commitgate.server.core.duplicates import add_confirm_property
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, Problem, ToolPolicy
@@ -163,7 +164,9 @@ def build_tools(
             problems.append(
                 Problem(f"tools.{name}.status_check", "the source could not provide a status check")
             )
-        guard = GuardedTool(name, tool_policy, source)
+        declared = policy.budget_of(name)
+        budget = Budget(tool_policy.budget, declared) if declared and tool_policy.budget else None
+        guard = GuardedTool(name, tool_policy, source, budget)
         served[name] = ServedTool(guard, definition_for(name, tool_policy, source), tool_policy.expose)
     if problems:
         raise ToolBuildError(problems)

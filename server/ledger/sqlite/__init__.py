@@ -37,6 +37,7 @@ from typing import Any, TypeVar, cast
 import aiosqlite
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     AuditEntry,
     Claim,
     ClaimKind,
@@ -45,6 +46,8 @@ from commitgate.server.ledger.base import (
     Lease,
     LedgerUnavailable,
     OperationFilter,
+    OverBudget,
+    Spent,
     Transition,
     is_outcome,
     lease_over,
@@ -213,9 +216,9 @@ class SQLiteLedger:
         alone = not self._open and self.inline_when_alone
         if not self._writer.busy:
             settled = self._settled(request, now)
-        claim: Claim = (
-            settled if settled is not None else await self._write(ClaimWrite(request, now), alone=alone)
-        )
+        claim = settled if settled is not None else await self._write(ClaimWrite(request, now), alone=alone)
+        if isinstance(claim, OverBudget):
+            raise claim
         if claim.kind is ClaimKind.NEW:
             self._open.add(claim.operation.operation_id)
         if alone and settled is None:
@@ -338,6 +341,16 @@ class SQLiteLedger:
             states[state] = n
         events = dict(await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()))
         return Counts(states, events)
+
+    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
+        columns = {"all": "NULL, NULL", "principal": "principal, NULL", "session": "principal, session"}[per]
+        rows = await self._read(
+            f"SELECT {columns}, sum(budget_amount), count(*) FROM operations INDEXED BY operations_budget"
+            f" WHERE budget = ? AND created_at > ? AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            " AND (expires_at IS NULL OR expires_at > ?) GROUP BY 1, 2 ORDER BY 3 DESC",
+            (budget, since, now),
+        )
+        return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows if r[3]]
 
     async def check_writable(self) -> None:
         self.check_identity()

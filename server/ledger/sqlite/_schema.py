@@ -71,6 +71,15 @@ MIGRATIONS: list[str] = [
     ALTER TABLE operations ADD COLUMN approval_expires_at REAL;
     CREATE INDEX operations_awaiting ON operations (approval_expires_at) WHERE state = 'AWAITING_APPROVAL';
     """,
+    # 5: budgets. Each operation of a budgeted tool carries its budget's name and the amount it
+    # spends; its scope is its own principal and session. The sum a claim takes is a range scan of
+    # this index, which holds every column the sum reads.
+    """
+    ALTER TABLE operations ADD COLUMN budget TEXT;
+    ALTER TABLE operations ADD COLUMN budget_amount REAL;
+    CREATE INDEX operations_budget ON operations (budget, principal, session, created_at, state, budget_amount,
+        expires_at) WHERE budget IS NOT NULL;
+    """,
 ]
 
 _COLUMNS = (
@@ -85,13 +94,15 @@ TOOL, FINGERPRINT, STATE, EXPIRES_AT = (
 )
 INSERT_AWAITING = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
-    " state, attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_APPROVAL', 0, 0, ?, ?, ?, ?, ?, ?)"
+    " state, attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at,"
+    " budget, budget_amount)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_APPROVAL', 0, 0, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
-    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?)"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
+    " budget, budget_amount)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 AUDIT = (
     "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"

@@ -17,14 +17,18 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from commitgate.server.ledger.base import (
+    BUDGET_STATES,
     DUPLICATE_STATES,
     LEASE_LOST,
     Claim,
     ClaimKind,
     ClaimRequest,
     Lease,
+    OverBudget,
     Transition,
     lease_over,
+    over_budget,
+    scope_of,
 )
 from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
@@ -80,18 +84,19 @@ class ClaimWrite:
         # and what it need not do in Python shortens every group commit.
         self.new = _new_operation(request, now)
 
-    def __call__(self, conn: sqlite3.Connection) -> Claim:
+    def __call__(self, conn: sqlite3.Connection) -> Claim | OverBudget:
         return _claim(conn, self.request, self.now, self.new)
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> list[Claim] | None:
         """All new, distinct keys: claimed together. Otherwise (a key taken, past retention, or
-        repeated in the batch) nothing of it is kept and None says: run them one by one."""
+        repeated in the batch, or a budget that not all of them fit) nothing of it is kept and None
+        says: run them one by one."""
         if len({(s.request.principal, s.request.session, s.request.step) for s in writes}) != len(writes):
             return None
         if any(s.request.approval is not None for s in writes):
             return None
-        if not _no_duplicates(conn, writes):
+        if not _no_duplicates(conn, writes) or not _budgets_fit(conn, writes):
             return None
         ops = [s.new for s in writes]
         with _savepoint(conn) as undo:
@@ -229,7 +234,7 @@ def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Conn
 
 def _claim(
     conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
-) -> Claim:
+) -> Claim | OverBudget:
     """`new`: the operation a new key creates, when the caller built it already."""
     row = conn.execute(
         f"{SELECT} WHERE principal = ? AND session = ? AND step = ?",
@@ -247,17 +252,40 @@ def _claim(
     if lease_over(op, now):
         to_unknown(conn, op, now)
     if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
-        lease = Lease(request.owner, now + request.lease_seconds)
-        taken = _apply(conn, op.operation_id, _retake(lease), now)
-        if taken is not None:
-            return Claim(ClaimKind.NEW, taken)
+        return _claim_again(conn, op, request, now)
     return Claim(ClaimKind.EXISTING, op)
+
+
+def _claim_again(
+    conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float
+) -> Claim | OverBudget:
+    """A FAILED_RETRYABLE operation taken over by this caller, which spends again: it must fit its
+    budget, or (with `exceeded = "approval"`) it waits for a person."""
+    if request.budget is not None:
+        spent = budget_spent(conn, request, now)
+        if spent + request.budget.amount > request.budget.limit:
+            if request.budget.approval is None:
+                return OverBudget(spent)
+            waiting = _await_over_budget(conn, op, _over_budget_request(request, spent), now)
+            return (
+                Claim(ClaimKind.AWAITING, waiting) if waiting is not None else Claim(ClaimKind.EXISTING, op)
+            )
+    lease = Lease(request.owner, now + request.lease_seconds)
+    taken = _apply(conn, op.operation_id, _retake(lease), now)
+    return Claim(ClaimKind.NEW, taken) if taken is not None else Claim(ClaimKind.EXISTING, op)
 
 
 def _claim_new(
     conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
-) -> Claim:
-    """A key not seen before: claimed, unless the same action is recorded under another key."""
+) -> Claim | OverBudget:
+    """A key not seen before: claimed, unless the same action is recorded under another key, or
+    its amount does not fit its budget (with `exceeded = "approval"` it then waits for a person)."""
+    if request.budget is not None:
+        spent = budget_spent(conn, request, now)
+        if spent + request.budget.amount > request.budget.limit:
+            if request.budget.approval is None:
+                return OverBudget(spent)
+            request = _over_budget_request(request, spent)
     check = request.duplicates
     match = find_duplicate(conn, request, now) if check is not None else None
     if match is not None and check is not None and check.reject and not check.confirmed:
@@ -277,7 +305,53 @@ def _claim_new(
             request.owner,
             detail,
         )
+    _audit_over_budget(conn, op, request, now)
     return Claim(kind, op, match.operation_id if match is not None else None)
+
+
+def _over_budget_request(request: ClaimRequest, spent: float) -> ClaimRequest:
+    """The request of a call past its budget that waits for a person: the tool's own approval
+    record if this call needs one anyway, else the budget's, with what approving overspends."""
+    check = request.budget
+    assert check is not None and check.approval is not None
+    record = {**(request.approval or check.approval), "over_budget": over_budget(check, spent)}
+    return dataclasses.replace(request, approval=record)
+
+
+def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float) -> None:
+    """An operation recorded to wait because it is past its budget: the budget goes in the audit."""
+    over = (request.approval or {}).get("over_budget")
+    if over is not None:
+        _audit(
+            conn, op.operation_id, now, "budget_exceeded", None, op.state.value, op.fence, request.owner, over
+        )
+
+
+def _await_over_budget(
+    conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float
+) -> Operation | None:
+    """A retryable operation taken again past its budget: it waits for a person now (None: it moved)."""
+    approval = request.approval or {}
+    moved = conn.execute(
+        "UPDATE operations SET state = 'AWAITING_APPROVAL', lease_owner = NULL, lease_expires_at = NULL,"
+        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL"
+        " WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
+        (dump(approval), approval.get("expires_at"), now, op.operation_id, op.fence),
+    ).rowcount
+    if moved != 1:
+        return None
+    waiting = dataclasses.replace(
+        op,
+        state=State.AWAITING_APPROVAL,
+        approval=approval,
+        updated_at=now,
+        completed_at=None,
+        expires_at=None,
+    )
+    _audit(conn, op.operation_id, now, "approval_requested", op.state.value, waiting.state.value, op.fence,
+           request.owner)  # fmt: skip
+    _audit_over_budget(conn, waiting, request, now)
+    return waiting
 
 
 _DUPLICATE_LOOKUP = (
@@ -314,6 +388,55 @@ def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bo
     if len({(r.principal, r.fingerprint) for r in checked}) != len(checked):
         return False
     return all(find_duplicate(conn, w.request, w.now) is None for w in writes if w.request.duplicates)
+
+
+_BUDGET_SUM = (
+    # INDEXED BY: the covering index answers the sum without reading a single row.
+    "SELECT coalesce(sum(budget_amount), 0) FROM operations INDEXED BY operations_budget"
+    " WHERE budget = ? {scope} AND created_at > ?"
+    f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+    " AND (expires_at IS NULL OR expires_at > ?)"
+)
+BUDGET_SUMS = {
+    "all": _BUDGET_SUM.format(scope=""),
+    "principal": _BUDGET_SUM.format(scope="AND principal = ?"),
+    "session": _BUDGET_SUM.format(scope="AND principal = ? AND session = ?"),
+}
+
+
+def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> float:
+    """What the request's budget scope spent within the window, as this transaction sees it."""
+    check = request.budget
+    assert check is not None
+    principal, session = scope_of(check.per, request.principal, request.session)
+    scope = tuple(v for v in (principal, session) if v is not None)
+    params = (check.name, *scope, now - check.window_seconds, now)
+    return float(conn.execute(BUDGET_SUMS[check.per], params).fetchone()[0])
+
+
+def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
+    """True when every budgeted claim of the batch fits, counting the claims before it in the batch.
+
+    Claims that see one budget differently (a policy reloaded between them: another `per` or
+    window) cannot share a running sum: False, so they run one by one."""
+    shapes: dict[str, tuple[str, float]] = {}
+    spent: dict[tuple[str | None, ...], float] = {}
+    for write in writes:
+        request, check = write.request, write.request.budget
+        if check is None:
+            continue
+        if shapes.setdefault(check.name, (check.per, check.window_seconds)) != (
+            check.per,
+            check.window_seconds,
+        ):
+            return False
+        key = (check.name, *scope_of(check.per, request.principal, request.session))
+        if key not in spent:
+            spent[key] = budget_spent(conn, request, write.now)
+        if spent[key] + check.amount > check.limit:
+            return False
+        spent[key] += check.amount
+    return True
 
 
 def _retake(lease: Lease) -> Transition:
@@ -371,7 +494,14 @@ def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.retention,
         op.created_at,
         op.updated_at,
+        *_budget_columns(request),
     )
+
+
+def _budget_columns(request: ClaimRequest) -> tuple[str | None, float | None]:
+    """The budget a new operation spends from and its amount (both None for a tool without one)."""
+    check = request.budget
+    return (check.name, check.amount) if check is not None else (None, None)
 
 
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
@@ -402,7 +532,8 @@ def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float
     conn.execute(
         INSERT_AWAITING,
         (op.operation_id, op.principal, op.session, op.step, op.tool, op.idempotency_class.value,
-         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at),
+         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at,
+         *_budget_columns(request)),
     )  # fmt: skip
     _audit(conn, op.operation_id, now, "approval_requested", None, op.state.value, 0, request.owner)
     return op

@@ -1,0 +1,99 @@
+"""Budgets: caps on what the calls of some tools may spend within a sliding window.
+
+A keyed tool with `budget = "NAME"` spends, per call, what the budget's CEL `amount` gives for
+the call's arguments. The ledger adds up the amounts of the budget's recent operations in scope
+and claims the call only when its amount still fits the limit (`BudgetCheck`): the sum and the
+insert are one atomic step, so concurrent calls can never jointly overspend.
+
+Here: the amount of one call (refused when it is not a number), the claim's check, and the
+answer the model reads. The contract: docs/contract.md#budgets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from commitgate.server.core import approvals, errors
+from commitgate.server.core.errors import GateError
+from commitgate.server.ledger.base import BudgetCheck, scope_name, scope_of
+from commitgate.server.model.durations import format_duration
+from commitgate.server.policy.budgets import BudgetPolicy
+from commitgate.server.policy.expressions import ExpressionFailed, activation
+from commitgate.server.policy.models import ToolPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A declared budget with its name, as a tool that spends from it carries it."""
+
+    name: str
+    policy: BudgetPolicy
+
+
+def amount_of(budget: Budget, arguments: dict[str, Any], principal: str, session: str, tool: str) -> float:
+    """What this call spends: the budget's `amount` for it, a finite number >= 0.
+
+    Anything else refuses the call (`invalid_arguments`): counting it as zero would let an
+    unexpected argument spend without limit.
+    """
+    expression = budget.policy.amount
+    try:
+        value = expression.evaluate(activation(arguments, principal, session, tool))
+    except ExpressionFailed as exc:
+        raise errors.invalid_arguments(
+            f"budget {budget.name!r} could not work out what this call spends: {exc}"
+        ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise errors.invalid_arguments(
+            f"budget {budget.name!r} needs a number for what this call spends, but {expression.source!r} "
+            f"gave {_shown(value)}; pass the amount as a number"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise errors.invalid_arguments(
+            f"budget {budget.name!r}: what this call spends ({expression.source!r}) must be a finite number "
+            f">= 0, got {value!r}"
+        )
+    return float(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    kind = type(value).__name__
+    return f"{text[:40]}{'...' if len(text) > 40 else ''} ({kind})"
+
+
+def check_for(budget: Budget, amount: float, tool: ToolPolicy, now: float) -> BudgetCheck:
+    """The claim's check. With `exceeded = "approval"` it carries the approval record a call that
+    does not fit waits with: the tool's own approval settings, or the defaults."""
+    policy = budget.policy
+    waits = approvals.record(approvals.settings_for(tool), now) if policy.exceeded == "approval" else None
+    return BudgetCheck(budget.name, policy.per, amount, float(policy.limit), policy.window, waits)
+
+
+def number(value: float) -> int | float:
+    """Whole amounts as integers, the way a policy writes them."""
+    return int(value) if float(value).is_integer() else value
+
+
+def exceeded(budget: Budget, amount: float, spent: float, principal: str, session: str) -> GateError:
+    """`budget_exceeded`: what the call would have spent, what is spent already, and what to do."""
+    policy = budget.policy
+    scope = {
+        "principal": f"for principal {principal!r}",
+        "session": f"for session {session!r} of principal {principal!r}",
+        "all": "for all callers together",
+    }[policy.per]
+    shown = {
+        "name": budget.name,
+        "limit": number(policy.limit),
+        "spent": number(spent),
+        "window": format_duration(policy.window),
+    }
+    return errors.budget_exceeded(shown, amount, scope, max(0.0, float(policy.limit) - spent))
+
+
+def scope_label(budget: Budget, principal: str, session: str) -> str:
+    """The scope a call spends in, as `ops budgets` and the metrics name it."""
+    return scope_name(*scope_of(budget.policy.per, principal, session))
