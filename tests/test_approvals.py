@@ -34,7 +34,8 @@ from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateCheck, Lease, Ledger
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
 from commitgate.server.model.records import Operation
-from commitgate.server.policy.models import PolicyError, analyse_text, loads_policy
+from commitgate.server.policy.loading import analyse_text, loads_policy
+from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.metrics import Metrics
 from commitgate.server.serve.registry import APPROVAL_SENTENCE, build_tools
 

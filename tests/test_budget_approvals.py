@@ -207,7 +207,7 @@ async def test_the_tools_own_approval_settings_apply_past_the_budget(
 def test_exceeded_approval_loads() -> None:
     from test_budgets import POLICY
 
-    from commitgate.server.policy.models import loads_policy
+    from commitgate.server.policy.loading import loads_policy
 
     policy = loads_policy(POLICY.replace('per = "principal"', 'per = "principal"\nexceeded = "approval"'))
     assert policy.budgets["payments"].exceeded == "approval"

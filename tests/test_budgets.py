@@ -23,7 +23,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import BUDGET_SUMS
 from commitgate.server.model.facts import ErrorCode, State
 from commitgate.server.policy.budgets import BudgetPolicy
-from commitgate.server.policy.models import analyse_text, loads_policy
+from commitgate.server.policy.loading import analyse_text, loads_policy
 
 # --- the policy -------------------------------------------------------------------------------------
 
@@ -594,7 +594,7 @@ async def test_a_refusal_is_an_answer_in_the_claim_span_and_logs_keep_the_amount
 async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from commitgate.server.policy.models import load_policy
+    from commitgate.server.policy.loading import load_policy
     from commitgate.server.serve.gateway import Gateway
     from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
     from commitgate.tools import demo

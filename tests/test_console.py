@@ -36,8 +36,9 @@ from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
+from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_values
-from commitgate.server.policy.models import AuthPolicy, AuthToken, default_policy, load_policy
+from commitgate.server.policy.models import AuthPolicy, AuthToken
 from commitgate.server.policy.tokens import load_tokens
 from commitgate.tools import demo
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from mcp.types import CallToolResult
 
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 

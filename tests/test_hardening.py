@@ -17,7 +17,7 @@ import pytest
 from mcp.types import CallToolResult
 
 from commitgate.server.ledger import LedgerUnavailable, OperationFilter
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 
@@ -208,7 +208,7 @@ def test_a_policy_directory_writable_by_others_is_warned_about(
 def test_policy_check_refuses_a_fifo_without_waiting_for_a_writer(tmp_path: Path) -> None:
     import threading
 
-    from commitgate.server.policy.models import analyse_file
+    from commitgate.server.policy.loading import analyse_file
 
     fifo = tmp_path / "policy.toml"
     os.mkfifo(fifo)

@@ -96,7 +96,7 @@ def test_a_module_beside_the_policy_never_shadows_the_standard_library(tmp_path:
     script = textwrap.dedent(
         f"""
         from pathlib import Path
-        from commitgate.server.policy.models import load_policy
+        from commitgate.server.policy.loading import load_policy
         from commitgate.server.serve.registry import build_tools
         served = build_tools(load_policy({str(policy)!r}), Path({str(tmp_path)!r}))
         assert "hello" in served  # a tool beside the policy still imports

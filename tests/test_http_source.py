@@ -23,7 +23,8 @@ from support.wrapping import call, error_code, operation, serve
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import PolicyError, loads_policy
+from commitgate.server.policy.loading import loads_policy
+from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.registry import build_tools
 from commitgate.tools.base import Collaborators, ToolBuildError
 from commitgate.tools.http import (

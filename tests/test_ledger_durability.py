@@ -24,7 +24,8 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import PolicyError, loads_policy
+from commitgate.server.policy.loading import loads_policy
+from commitgate.server.policy.problems import PolicyError
 
 pytestmark = pytest.mark.anyio
 

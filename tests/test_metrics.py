@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
-from commitgate.server.policy.models import loads_policy
+from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve import logs
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import configure_logging, log_call, log_event

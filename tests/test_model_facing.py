@@ -19,7 +19,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, TextContent
 from support.e2e import Deployment, new_id, operation, serve
 
-from commitgate.server.policy.models import loads_policy
+from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve.registry import definition_for
 from commitgate.tools.base import ToolSource
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from commitgate.server.cli.main import build_parser
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
 

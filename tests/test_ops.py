@@ -26,7 +26,7 @@ from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 

@@ -13,17 +13,9 @@ import pytest
 from support.policy import run
 
 from commitgate.server.cli.policy import schema_text
-from commitgate.server.policy.models import (
-    Policy,
-    PolicyError,
-    Problem,
-    analyse_text,
-    default_policy,
-    key_lines,
-    load_policy,
-    loads_policy,
-    policy_json_schema,
-)
+from commitgate.server.policy.loading import analyse_text, default_policy, load_policy, loads_policy
+from commitgate.server.policy.models import Policy, policy_json_schema
+from commitgate.server.policy.problems import PolicyError, Problem, key_lines
 from commitgate.server.serve.checking import check_policy_file
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ from support.replicas import charge_of, cli, ports, replica, replicas, with_pass
 
 from commitgate.server.ledger import LedgerUnavailable
 from commitgate.server.ledger.postgres import SCHEMA_VERSION, PostgresLedger
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 

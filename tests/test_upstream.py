@@ -36,7 +36,7 @@ from support.wrapping import (
     text,
 )
 
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
 from commitgate.tools.base import ToolBuildError

@@ -11,7 +11,8 @@ import httpx2
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import Policy, Problem, ToolPolicy
+from commitgate.server.policy.models import Policy, ToolPolicy
+from commitgate.server.policy.problems import Problem
 
 
 class InvalidArguments(Exception):

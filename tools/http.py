@@ -53,13 +53,8 @@ from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
-from commitgate.server.policy.models import (
-    HttpRequestSpec,
-    Policy,
-    StatusCheckSpec,
-    ToolPolicy,
-    url_argument_problem,
-)
+from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheckSpec, ToolPolicy
+from commitgate.server.policy.rules import url_argument_problem
 from commitgate.tools.base import Collaborators, DeclarationError, InvalidArguments
 from commitgate.tools.python import load_callable
 

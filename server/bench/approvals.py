@@ -26,7 +26,7 @@ from typing import Any
 
 from commitgate.server.core.boundary import CallRequest, CommitBoundary
 from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.policy.models import loads_policy
+from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve.registry import build_tools
 
 POLICY = """

@@ -13,7 +13,9 @@ from pathlib import Path
 from commitgate.server import __version__
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.errors import UserFacingError
-from commitgate.server.policy.models import Policy, PolicyError, Problem, default_policy, load_policy
+from commitgate.server.policy.loading import default_policy, load_policy
+from commitgate.server.policy.models import Policy
+from commitgate.server.policy.problems import PolicyError, Problem
 from commitgate.tools.base import ToolBuildError
 
 

@@ -50,7 +50,9 @@ from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
-from commitgate.server.policy.models import Policy, PolicyError, default_policy, load_policy
+from commitgate.server.policy.loading import default_policy, load_policy
+from commitgate.server.policy.models import Policy
+from commitgate.server.policy.problems import PolicyError
 
 EXIT_STALE = 2
 STALE_LIST_LIMIT = 1000

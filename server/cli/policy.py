@@ -16,17 +16,15 @@ from rich.console import Console
 from rich.table import Table
 
 from commitgate.server.model.durations import format_duration
-from commitgate.server.policy.masking import mask_secrets
-from commitgate.server.policy.models import (
-    Policy,
-    PolicyError,
-    ToolPolicy,
+from commitgate.server.policy.loading import (
     default_policy,
     default_policy_text,
     load_policy,
-    policy_json_schema,
     read_policy_file,
 )
+from commitgate.server.policy.masking import mask_secrets
+from commitgate.server.policy.models import Policy, ToolPolicy, policy_json_schema
+from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.checking import check_policy_file, format_report, policy_warnings
 
 

@@ -13,8 +13,9 @@ from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.errors import UserFacingError
+from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_url
-from commitgate.server.policy.models import Policy, default_policy, load_policy
+from commitgate.server.policy.models import Policy
 from commitgate.server.policy.tokens import AuthConfigError, load_tokens
 
 DEFAULT_PORT = 8766

@@ -22,18 +22,10 @@ from pydantic import BaseModel, TypeAdapter
 
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.policy.duplicates import window_warning
-from commitgate.server.policy.models import (
-    Policy,
-    PolicyReport,
-    Problem,
-    ToolPolicy,
-    analyse_file,
-    argument_key_problems,
-    missing_path,
-    template_references,
-    toml_key,
-    with_lines,
-)
+from commitgate.server.policy.loading import PolicyReport, analyse_file
+from commitgate.server.policy.models import Policy, ToolPolicy
+from commitgate.server.policy.problems import Problem, toml_key, with_lines
+from commitgate.server.policy.rules import argument_key_problems, missing_path, template_references
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError
 

@@ -23,7 +23,8 @@ from commitgate.server.core.boundary import GuardedTool
 from commitgate.server.core.budgets import Budget
 from commitgate.server.core.duplicates import add_confirm_property
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
-from commitgate.server.policy.models import Policy, Problem, ToolPolicy
+from commitgate.server.policy.models import Policy, ToolPolicy
+from commitgate.server.policy.problems import Problem
 from commitgate.tools.base import Collaborators, ToolBuildError, ToolSource, build_source
 
 log = logging.getLogger("commitgate.registry")

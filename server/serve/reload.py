@@ -31,14 +31,9 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
-from commitgate.server.policy.models import (
-    Policy,
-    PolicyReport,
-    Problem,
-    analyse_text,
-    read_policy_file,
-    with_lines,
-)
+from commitgate.server.policy.loading import PolicyReport, analyse_text, read_policy_file
+from commitgate.server.policy.models import Policy
+from commitgate.server.policy.problems import Problem, with_lines
 from commitgate.server.serve.checking import check_report, format_report, served_schemas, source_problems
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools

@@ -26,7 +26,8 @@ from mcp.types import CallToolResult, RequestParamsMeta
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger import Ledger, OperationFilter, open_ledger
 from commitgate.server.model.facts import SESSION_META, IdempotencyClass, State
-from commitgate.server.policy.models import Policy, default_policy, load_policy
+from commitgate.server.policy.loading import default_policy, load_policy
+from commitgate.server.policy.models import Policy
 from commitgate.server.serve.faults import CONTROL_TOOL, ENV_TOKEN, LOST_ANSWER_CODE
 
 EFFECT_STATES = (State.SUCCEEDED, State.COMPENSATED)  # an execution that succeeded (undone or not)

@@ -31,7 +31,9 @@ from commitgate.server.ledger import OperationFilter
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import OPERATION_META, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
-from commitgate.server.policy.models import Policy, PolicyError, ToolPolicy, default_policy, load_policy
+from commitgate.server.policy.loading import default_policy, load_policy
+from commitgate.server.policy.models import Policy, ToolPolicy
+from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.gateway import local_principal
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.server.verify.effects import (

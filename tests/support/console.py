@@ -26,7 +26,7 @@ from commitgate.server.ledger.base import ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.policy.approvals import ApprovalPolicy
-from commitgate.server.policy.models import load_policy
+from commitgate.server.policy.loading import load_policy
 from commitgate.server.policy.tokens import TokenTable
 from commitgate.server.serve.gateway import Gateway
 
