@@ -18,17 +18,10 @@ from typing import Any
 
 import pytest
 
-from commitgate.server.bench.run import (
-    DiskFloor,
-    _over_floor,
-    _syncs_in_server,
-    _Variant,
-    build_ledger,
-    goals,
-    missed_notes,
-    quantile,
-    spread,
-)
+from commitgate.server.bench.memory import build_ledger
+from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
+from commitgate.server.bench.report import goals, missed_notes
+from commitgate.server.bench.stats import quantile, spread
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State

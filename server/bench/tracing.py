@@ -9,29 +9,19 @@ over OTLP/HTTP with the default batch processor to a sink in this process that a
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from mcp import StdioServerParameters
 
-from commitgate.server.bench.run import (
-    OVERHEAD_POLICY,
-    Bench,
-    BenchError,
-    Row,
-    _paired,
-    _round,
-    _Variant,
-    spread,
-)
-from commitgate.server.demo.sandbox import server_pids
+from commitgate.server.bench.overhead import NO_FSYNC_POLICY, _paired, _round, _Variant, keyed_arguments
+from commitgate.server.bench.stats import spread
+from commitgate.server.bench.workspace import Bench, BenchError, cpu_seconds
 
 # A server whose `import opentelemetry.sdk` fails, as on an install without the `otel` extra.
 _WITHOUT_SDK = (
@@ -83,9 +73,7 @@ async def tracing_cost(bench: Bench) -> dict[str, Any]:
         return {"skipped": "the OpenTelemetry SDK is not installed: pip install 'commitgate[otel]'"}
     tick = bench.task("tracing cost", scale.rounds)
     # No fsync per commit: what tracing adds is CPU work, which a durable commit's sync would hide.
-    policy = bench.policy(
-        "tracing", OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "NORMAL"')
-    )
+    policy = bench.policy("tracing", NO_FSYNC_POLICY)
     with otlp_sink() as sink:
         otel = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink['port']}",
@@ -103,13 +91,13 @@ async def tracing_cost(bench: Bench) -> dict[str, Any]:
             clients = {name: await stack.enter_async_context(bench.connect(p)) for name, p in servers.items()}
             run = uuid.uuid4().hex[:8]
             variants = [
-                _Variant(name, client, "noop_keyed", _keys(f"{run}-{name}"), False)
+                _Variant(name, client, "noop_keyed", keyed_arguments(f"{run}-{name}"), False)
                 for name, client in clients.items()
             ]
             for variant in variants:
                 for i in range(50):
                     await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
-            pids = {name: _pid(bench, ledger) for name, ledger in ledgers.items()}
+            pids = {name: bench.server_pid(bench.ledger(ledger)) for name, ledger in ledgers.items()}
             cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
             for round_no in range(scale.rounds):
                 await _round(variants, round_no, scale.calls_per_round)
@@ -132,45 +120,9 @@ async def tracing_cost(bench: Bench) -> dict[str, Any]:
     }
 
 
-def _pid(bench: Bench, ledger: str) -> int:
-    pids = server_pids(str(bench.ledger(ledger)))
-    if not pids:
-        raise BenchError(f"no server process found for {ledger}")
-    return pids[0]
-
-
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (its threads included: the span exporter's too)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _keys(prefix: str) -> Any:
-    def arguments(r: int, i: int) -> dict[str, Any]:
-        # arguments of their own per call: the same ones under a new key would be a possible duplicate
-        return {"n": (r + 2) * 1_000_000 + i, "idempotency_key": f"{prefix}-{r}-{i}"}
-
-    return arguments
-
-
-def rows(results: dict[str, Any]) -> list[Row]:
-    figures = results["tracing"]
-    if "skipped" in figures:
-        return [("tracing", "cost of tracing", "skipped", figures["skipped"], "—")]
-    per_call, ratios, cpu = figures["per_call_us"], figures["ratios"], figures["server_cpu_us_per_call"]
-
-    def measured(name: str, ratio: str | None) -> str:
-        times = f" (×{ratios[ratio]['median']:.3f})" if ratio else ""
-        return f"{per_call[name]['median']:.0f} µs{times}; server CPU {cpu[name]:.0f} µs"
-
-    return [
-        ("tracing", "guarded call, tracing off", measured("off", None), "—", "—"),
-        (
-            "tracing",
-            "… OTEL_* set, SDK not installed",
-            measured("sdk_not_installed", "sdk_not_installed_over_off"),
-            "≈ off",
-            "—",
-        ),
-        ("tracing", "… tracing on (OTLP/HTTP, batched)", measured("on", "on_over_off"), "—", "—"),
-    ]
+    """User + system CPU time of a server (its threads included: the span exporter's too)."""
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise BenchError(f"server process {pid} is gone: its CPU time cannot be read")
+    return seconds

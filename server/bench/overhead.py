@@ -1,0 +1,340 @@
+"""What a guarded call costs: the overhead suite of `commitgate bench`, and the disk's floor.
+
+The overhead suite runs its variants side by side: calls are interleaved one by
+one (in a fresh random order each time), grouped in rounds; each round gives a median per variant
+and a paired ratio, and the summary is the median ratio with its spread. Beside
+the compared variants (on the default, lean stdio transport of fast_stdio.py) it
+measures the guarded call without fsyncs (what the guard costs in software), the
+same server on the SDK's stdio transport, what duplicate detection adds (the same
+guarded no-op with `duplicates = false`), the guarded call with `[ledger] durability
+= "claim"` (the outcome synced by the next group commit), what one durable SQLite commit
+costs in syncs on this disk, and, timed in the same rounds, the disk floor: a 4 KiB
+overwrite of a preallocated file + fdatasync. The guard's cost is reported in units of
+two such syncs, what a claim and an outcome need at the least.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sqlite3
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcp import Client
+
+from commitgate.server.bench.stats import spread
+from commitgate.server.bench.workspace import Bench, BenchError, operation_of
+
+OVERHEAD_POLICY = """
+# The same no-op twice: unguarded (safe-retry, no ledger) and guarded (key-required, durable ledger).
+[server]
+name = "commitgate-bench"
+[ledger]
+synchronous = "FULL"
+[tools.noop]
+class = "safe-retry"
+python = "commitgate.tools.benchtools:noop"
+retry = { attempts = 1 }
+[tools.noop_keyed]
+class = "key-required"
+python = "commitgate.tools.benchtools:noop"
+retry = { attempts = 1 }
+[tools.noop_keyed_unchecked]
+class = "key-required"
+python = "commitgate.tools.benchtools:noop"
+retry = { attempts = 1 }
+duplicates = false
+"""
+# The same servers with no fsync per commit: what the guard costs in software alone.
+NO_FSYNC_POLICY = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "NORMAL"')
+
+# --- the disk: what durability costs at the least ---------------------------------------------------------
+
+
+def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> float:
+    """What durability adds to one SQLite commit in `directory`: synchronous=FULL minus NORMAL.
+
+    Two WAL databases shaped like the ledger (a row, a unique index, a second index),
+    committed in turn so that both see the same disk; the difference of the median
+    commits is the sync a durable claim or outcome waits for. Two per guarded call
+    bound the guarded call's cost from below whatever the software does. The warm-up commits grow the WAL;
+    later ones reuse it, as a ledger's do.
+    """
+    timings: dict[str, list[float]] = {"FULL": [], "NORMAL": []}
+    conns: dict[str, sqlite3.Connection] = {}
+    try:
+        for mode in timings:
+            path = directory / f".commit-probe-{mode}-{uuid.uuid4().hex}.db"
+            conn = conns[mode] = sqlite3.connect(path, isolation_level=None)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(f"PRAGMA synchronous = {mode}")
+            conn.execute("CREATE TABLE ops (id TEXT PRIMARY KEY, k TEXT NOT NULL UNIQUE, at REAL, body TEXT)")
+            conn.execute("CREATE INDEX ops_at ON ops (at)")
+        for i in range(warm_up + samples):
+            for mode, conn in conns.items():
+                start = time.perf_counter()
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(
+                    "INSERT INTO ops VALUES (?, ?, ?, ?)", (uuid.uuid4().hex, f"k{i}", start, "x" * 300)
+                )
+                conn.execute("COMMIT")
+                if i >= warm_up:
+                    timings[mode].append(time.perf_counter() - start)
+    finally:
+        for conn in conns.values():
+            conn.close()
+        for probe in directory.glob(".commit-probe-*"):
+            probe.unlink(missing_ok=True)
+    full, normal = (statistics.median(timings[mode]) for mode in ("FULL", "NORMAL"))
+    return round(max(0.0, full - normal) * 1e6, 1)
+
+
+class DiskFloor:
+    """The least a durable write can cost on this filesystem: overwrite one 4 KiB frame of a
+    preallocated file and fdatasync it, as a WAL commit at its least does. Timed inside the
+    overhead rounds, beside the calls, so that a busy disk or CPU weighs on both alike."""
+
+    FRAME = 4096
+    FRAMES = 64
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f".disk-floor-{uuid.uuid4().hex}"
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.write(self._fd, os.urandom(self.FRAME * self.FRAMES))  # allocated, so no sync grows the file
+        os.fsync(self._fd)
+        self._frame = os.urandom(self.FRAME)
+        self._next = 0
+        self.samples: list[list[float]] = []  # µs, one list per round
+
+    def sample(self) -> float:
+        start = time.perf_counter_ns()
+        os.pwrite(self._fd, self._frame, (self._next % self.FRAMES) * self.FRAME)
+        getattr(os, "fdatasync", os.fsync)(self._fd)
+        self._next += 1
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def close(self) -> None:
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
+
+
+# --- overhead: guarded, replayed and plain-SDK calls ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    name: str
+    client: Client
+    tool: str
+    arguments: Callable[[int, int], dict[str, Any]]
+    replayed: bool | None  # what _meta must say (None: no operation block expected)
+    samples: list[list[float]] = field(default_factory=list)  # µs, one list per round
+
+
+async def _timed(variant: _Variant, round_no: int, i: int) -> float:
+    arguments = variant.arguments(round_no, i)
+    start = time.perf_counter_ns()
+    result = await variant.client.call_tool(variant.tool, arguments)
+    elapsed = (time.perf_counter_ns() - start) / 1000.0
+    if result.is_error:
+        raise BenchError(f"{variant.name}: {result.content}")
+    if variant.replayed is not None and operation_of(result).get("replayed") is not variant.replayed:
+        raise BenchError(f"{variant.name}: expected replayed={variant.replayed}, got {result.meta}")
+    return elapsed
+
+
+async def overhead(bench: Bench) -> dict[str, Any]:
+    scale = bench.scale
+    tick = bench.task("cost per call", scale.rounds)
+    ledger = bench.ledger("overhead")
+    claim_only = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "FULL"\ndurability = "claim"')
+    servers = {
+        "gate": bench.serve(bench.policy("overhead", OVERHEAD_POLICY), ledger),
+        "plain": bench.plain(),
+        "no_fsync": bench.serve(
+            bench.policy("overhead-normal", NO_FSYNC_POLICY), bench.ledger("overhead-normal")
+        ),
+        "claim_durability": bench.serve(
+            bench.policy("overhead-claim", claim_only), bench.ledger("overhead-claim")
+        ),
+        "sdk_stdio": bench.serve(
+            bench.policy("overhead", OVERHEAD_POLICY), bench.ledger("overhead-sdk-stdio"), stdio="sdk"
+        ),
+    }
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(bench.connect(p)) for name, p in servers.items()}
+        variants = _overhead_variants(clients)
+        for variant in variants:  # warm every path up; the replays' keys are among these
+            for i in range(_REPLAY_KEYS):
+                await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
+        floor = DiskFloor(bench.root)
+        try:
+            for round_no in range(scale.rounds):
+                await _round(variants, round_no, scale.calls_per_round, floor)
+                tick(1)
+        finally:
+            floor.close()
+    by_name = {variant.name: variant for variant in variants}
+    bench.raw["overhead_us"] = {name: [s for r in v.samples for s in r] for name, v in by_name.items()}
+    sync_us = commit_sync_us(bench.root)
+    unguarded = statistics.median(bench.raw["overhead_us"]["unguarded"])
+
+    def ratio(top: str, bottom: str) -> dict[str, float]:
+        return _paired(by_name[top], by_name[bottom])
+
+    return {
+        "rounds": scale.rounds,
+        "calls_per_round": scale.calls_per_round,
+        "interleaving": "one call of each variant in turn, in a fresh random order each time; ratios paired per round",
+        "per_call_us": {
+            name: spread([statistics.median(r) for r in v.samples], 1) for name, v in by_name.items()
+        },
+        "ratios": {
+            "guarded_over_unguarded": ratio("guarded", "unguarded"),
+            "replay_over_unguarded": ratio("replay", "unguarded"),
+            "guarded_over_plain_sdk": ratio("guarded", "plain_sdk"),
+            "sdk_stdio_guarded_over_unguarded": ratio("guarded_sdk_stdio", "unguarded_sdk_stdio"),
+            "sdk_stdio_guarded_over_plain_sdk": ratio("guarded_sdk_stdio", "plain_sdk"),
+            "unguarded_over_plain_sdk": ratio("unguarded", "plain_sdk"),
+            "sdk_stdio_unguarded_over_unguarded": ratio("unguarded_sdk_stdio", "unguarded"),
+            "guarded_no_fsync_over_unguarded": ratio("guarded_no_fsync", "unguarded"),
+            "guarded_over_guarded_no_detection": ratio("guarded", "guarded_no_detection"),
+            "claim_durability_over_unguarded": ratio("guarded_claim_durability", "unguarded"),
+            "claim_durability_over_plain_sdk": ratio("guarded_claim_durability", "plain_sdk"),
+        },
+        "disk_floor_us": spread([statistics.median(r) for r in floor.samples], 1),
+        "overhead_over_floor": {
+            "full": _over_floor(by_name["guarded"], by_name["unguarded"], floor),
+            "claim": _over_floor(by_name["guarded_claim_durability"], by_name["unguarded"], floor),
+        },
+        "variants": {
+            "unguarded, guarded, replay": "commitgate serve as users get it (the lean stdio transport)",
+            "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
+            "guarded_claim_durability": 'the guarded call with [ledger] durability = "claim" (one sync per call)',
+            "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory",
+            "*_sdk_stdio": "the same server on the MCP SDK's stdio transport (commitgate serve --stdio sdk)",
+        },
+        "commit_sync_us": sync_us,
+        "guarded_over_unguarded_floor": round(1 + 2 * sync_us / unguarded, 3),
+        "syncs_in_server": _syncs_in_server(by_name),
+        "duplicate_lookup": _duplicate_lookup(by_name),
+        "ledger_bytes_per_operation": _bytes_per_operation(ledger),
+    }
+
+
+_REPLAY_KEYS = 50
+
+
+def keyed_arguments(prefix: str) -> Callable[[int, int], dict[str, Any]]:
+    """A guarded variant's arguments for call `i` of round `r`: a new key under `prefix` each time."""
+
+    def new_key(r: int, i: int) -> dict[str, Any]:
+        # arguments of their own too: the same ones under a new key would be a possible duplicate
+        return {"n": (r + 2) * 1_000_000 + i, "idempotency_key": f"{prefix}-{r}-{i}"}
+
+    return new_key
+
+
+def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
+    """The same no-op nine ways; only the guarded ones carry a key (a new one, or one already seen)."""
+    run = uuid.uuid4().hex[:8]
+    new_key = keyed_arguments(run)
+
+    def other_new_key(r: int, i: int) -> dict[str, Any]:  # another tool on the same ledger: its own keys
+        return {**new_key(r, i), "idempotency_key": f"{run}-unchecked-{r}-{i}"}
+
+    def seen_key(r: int, i: int) -> dict[str, Any]:
+        return new_key(-1, i % _REPLAY_KEYS)  # a call the warm-up made (the guarded variant warms up first)
+
+    def bare(r: int, i: int) -> dict[str, Any]:
+        return {"n": i}
+
+    gate, sdk_stdio = clients["gate"], clients["sdk_stdio"]
+    return [
+        _Variant("unguarded", gate, "noop", bare, None),
+        _Variant("guarded", gate, "noop_keyed", new_key, False),
+        _Variant("guarded_no_detection", gate, "noop_keyed_unchecked", other_new_key, False),
+        _Variant("replay", gate, "noop_keyed", seen_key, True),
+        _Variant("plain_sdk", clients["plain"], "noop", bare, None),
+        _Variant("guarded_no_fsync", clients["no_fsync"], "noop_keyed", new_key, False),
+        _Variant("guarded_claim_durability", clients["claim_durability"], "noop_keyed", new_key, False),
+        _Variant("unguarded_sdk_stdio", sdk_stdio, "noop", bare, None),
+        _Variant("guarded_sdk_stdio", sdk_stdio, "noop_keyed", new_key, False),
+    ]
+
+
+async def _round(variants: list[_Variant], round_no: int, calls: int, floor: DiskFloor | None = None) -> None:
+    for variant in variants:
+        variant.samples.append([])
+    if floor is not None:
+        floor.samples.append([])
+    order: list[_Variant | None] = [*variants, None] if floor is not None else list(variants)
+    for i in range(calls):
+        # A fresh order each time: a fixed cycle always hands the same server to the same variant
+        # just after another server ran (caches and wake-ups cold), which biased the ratios.
+        random.shuffle(order)
+        for item in order:
+            if item is None:
+                assert floor is not None
+                floor.samples[-1].append(floor.sample())
+            else:
+                item.samples[-1].append(await _timed(item, round_no, i))
+
+
+def _paired(top: _Variant, bottom: _Variant) -> dict[str, float]:
+    ratios = [
+        statistics.median(a) / statistics.median(b) for a, b in zip(top.samples, bottom.samples, strict=True)
+    ]
+    return spread(ratios)
+
+
+def _over_floor(guarded: _Variant, unguarded: _Variant, floor: DiskFloor) -> dict[str, float]:
+    """What the guard adds to a call, in units of what durability needs: (guarded - unguarded) ÷
+    (2 × the disk floor), per round. 1.0 would be a guard whose only cost is its two syncs."""
+    rounds = zip(guarded.samples, unguarded.samples, floor.samples, strict=True)
+    return spread(
+        [(statistics.median(g) - statistics.median(u)) / (2 * statistics.median(f)) for g, u, f in rounds]
+    )
+
+
+def _syncs_in_server(by_name: dict[str, _Variant]) -> dict[str, dict[str, float]]:
+    """What the two durable commits cost a guarded call in a server: guarded minus the same call on a
+    ledger without syncs, per round, in µs and as a share of the unguarded call (what they add to the guarded call's ratio)."""
+    return _added_to_guarded(by_name, without="guarded_no_fsync")
+
+
+def _duplicate_lookup(by_name: dict[str, _Variant]) -> dict[str, dict[str, float]]:
+    """What duplicate detection (one indexed lookup in the claim, one more index entry) adds to a
+    guarded call: guarded minus the same tool with `duplicates = false`, per round."""
+    return _added_to_guarded(by_name, without="guarded_no_detection")
+
+
+def _added_to_guarded(by_name: dict[str, _Variant], *, without: str) -> dict[str, dict[str, float]]:
+    """Guarded minus the variant `without` one part of the guard, per round: in µs, and as a share
+    of the unguarded call (what that part adds to guarded ÷ unguarded)."""
+    rounds = zip(
+        by_name["guarded"].samples,
+        by_name[without].samples,
+        by_name["unguarded"].samples,
+        strict=True,
+    )
+    added = [(statistics.median(g), statistics.median(n), statistics.median(u)) for g, n, u in rounds]
+    return {
+        "us_per_call": spread([g - n for g, n, _ in added], 1),
+        "added_to_guarded_ratio": spread([(g - n) / u for g, n, u in added]),
+    }
+
+
+def _bytes_per_operation(ledger: Path) -> float | None:
+    """File bytes (database + WAL) per operation of a ledger written by real guarded calls."""
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as conn:
+        operations = conn.execute("SELECT count(*) FROM operations").fetchone()[0]
+    size = sum(p.stat().st_size for p in (ledger, Path(f"{ledger}-wal")) if p.exists())
+    return round(size / operations, 1) if operations else None

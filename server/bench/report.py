@@ -1,0 +1,551 @@
+"""What `commitgate bench` tells its user: the targets, the safety checks, the table and the plot.
+
+`goals` and `checks` turn the sections' figures into targets met or missed and correctness claims
+held or not (both go into the JSON document); `results_table` and `missed_notes` say it in words
+on the terminal; `plot` draws the figures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+# --- goals and correctness checks ------------------------------------------------------------------------------
+
+
+def goals(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ratios = results.get("overhead", {}).get("ratios", {})
+    for goal, key, limit in (
+        ("guarded_call_cost", "guarded_over_unguarded", 1.15),
+        ("replay_cost", "replay_over_unguarded", 1.05),
+        ("cost_against_plain_sdk", "guarded_over_plain_sdk", 1.0),
+    ):
+        if key in ratios:
+            figure = ratios[key]
+            out[goal] = {
+                "measure": key,
+                "ratio": figure["median"],
+                "spread": figure,
+                "goal": f"<= {limit}",
+                "met": figure["median"] <= limit,
+            }
+    if "guarded_call_cost" in out:
+        out["guarded_call_cost"]["aim"] = "<= 1.05"
+    if "replay_cost" in out:
+        out["replay_cost"]["aim"] = "<= 1.02"
+    if "cost_against_plain_sdk" in out:
+        sdk_stdio = ratios.get("sdk_stdio_guarded_over_plain_sdk")
+        if sdk_stdio:
+            out["cost_against_plain_sdk"]["with_sdk_stdio"] = sdk_stdio
+    if "guarded_call_cost" in out and "sdk_stdio_guarded_over_unguarded" in ratios:
+        out["guarded_call_cost"]["with_sdk_stdio"] = ratios["sdk_stdio_guarded_over_unguarded"]
+    over_floor = results.get("overhead", {}).get("overhead_over_floor", {}).get("full")
+    if over_floor:
+        out["guard_over_floor"] = {
+            "measure": "(guarded new-key call - unguarded call) / (2 x (overwrite 4 KiB + fdatasync))",
+            "ratio": over_floor["median"],
+            "spread": over_floor,
+            "goal": "<= 2.0",
+            "met": over_floor["median"] <= 2.0,
+        }
+    ledger = results.get("ledger", {}).get("concurrent_claim_complete")
+    if ledger:
+        out["ledger_throughput"] = {
+            "measure": "ledger alone, 64 tasks, durable claim+complete",
+            "ops_per_s": ledger["ops_per_s"],
+            "p99_ms": round(ledger["p99_us"] / 1000, 2),
+            "goal": ">= 15000 ops/s with p99 <= 8 ms",
+            "met": ledger["ops_per_s"] >= 15_000 and ledger["p99_us"] <= 8_000,
+        }
+    return out
+
+
+def checks(results: dict[str, Any]) -> dict[str, bool]:
+    """The correctness claims of the experiments; any False makes the command fail."""
+    out: dict[str, bool] = {}
+    if "double_charge" in results:
+        out["double charge: no duplicate charge through commitgate"] = (
+            results["double_charge"]["guarded"]["duplicate_charges"] == 0
+        )
+    if "saga" in results:
+        saga_figures = results["saga"]
+        out["saga: nobody charged without confirmation after compensation"] = (
+            saga_figures["charged_without_confirmation_after"] == 0
+        )
+        out["saga: no refund issued twice"] = saga_figures["refunds_issued_twice"] == 0
+    if "fresh_keys" in results:
+        out["fresh keys: no duplicate charge with duplicate detection"] = (
+            results["fresh_keys"]["with_detection"]["duplicate_charges"] == 0
+        )
+    if "concurrency" in results:
+        for mode in ("one_process", "several_processes"):
+            figures = results["concurrency"][mode]
+            out[f"concurrency ({mode.replace('_', ' ')}): one effect per key"] = (
+                figures["keys_not_exactly_once"] == 0
+            )
+    return out
+
+
+# --- output: the table and the plot ---------------------------------------------------------------------------------
+
+Row = tuple[str, str, str, str, str]
+
+
+TARGET_ROWS = {
+    "guard_over_floor": "what the guard adds to a call (guarded with a new key minus unguarded), in units of "
+    "the two disk syncs that durability needs (a 4 KiB overwrite + fdatasync, twice)",
+    "guarded_call_cost": "time of a guarded call with a new key ÷ the same tool unguarded",
+    "replay_cost": "time of a replayed answer ÷ the same tool unguarded",
+    "cost_against_plain_sdk": "time of a guarded call ÷ a no-op tool on a plain MCP SDK server",
+    "ledger_throughput": "ledger alone: 64 tasks recording and completing operations",
+}
+
+
+def missed_notes(results: dict[str, Any]) -> list[str]:
+    """Below the table: why each missed target was missed, in words, and any failed safety check."""
+    targets, overhead = results.get("goals", {}), results.get("overhead", {})
+    load = results["meta"].get("load_average_at_start", [0.0])[0]
+    busy = (
+        f" The machine was busy (load average {load:.1f} at the start), which slows every figure."
+        if load >= 1
+        else ""
+    )
+    why = {
+        "guard_over_floor": "besides its two syncs a guarded call runs the claim's and the outcome's "
+        "transactions, its work task and a larger answer in Python, which on this machine cost more than "
+        'the syncs themselves. The rows for durability = "claim" show the call with one sync fewer.',
+        "guarded_call_cost": "a guarded call writes the ledger durably before and after the effect; on this disk "
+        f"those two commits alone put the ratio at {overhead.get('guarded_over_unguarded_floor', 0):.3f} or more. "
+        "The row without disk syncs shows what the guard costs in software.",
+        "replay_cost": "a replay is answered from the ledger without running the tool; its small margin is "
+        "easily eaten by noise, so compare runs on an idle machine.",
+        "cost_against_plain_sdk": "a plain SDK server's tool does nothing and records nothing; the guarded call "
+        "claims, commits twice and runs the tool.",
+        "ledger_throughput": "the ledger alone is bound by CPU and the disk's sync time, shared with whatever "
+        "else runs on the machine.",
+    }
+    lines = [
+        f"[bold]{TARGET_ROWS[name]}[/] missed its target ({target['goal']}): {why[name]}{busy}"
+        for name, target in targets.items()
+        if not target.get("met", True) and name in why
+    ]
+    lines += [
+        f"[red]safety check failed:[/] {claim}" for claim, ok in results.get("checks", {}).items() if not ok
+    ]
+    return lines
+
+
+VARIANT_NAMES = {
+    "plain_sdk": "plain SDK server",
+    "guarded_no_fsync": "guarded without disk syncs",
+    "guarded_claim_durability": 'guarded with durability = "claim"',
+    "unguarded_sdk_stdio": "unguarded on the SDK's stdio",
+    "guarded_sdk_stdio": "guarded on the SDK's stdio",
+}
+
+
+def _verdict(ok: bool | None) -> str:
+    return "—" if ok is None else "[green]met[/]" if ok else "[red]missed (see below)[/]"
+
+
+def _ratio_text(figure: dict[str, float]) -> str:
+    return (
+        f"{figure['median']:.3f}  [dim](IQR {figure['p25']:.3f}–{figure['p75']:.3f}, "
+        f"range {figure['min']:.3f}–{figure['max']:.3f})[/]"
+    )
+
+
+def results_table(results: dict[str, Any]) -> Table:
+    table = Table(title=f"commitgate bench — {results['meta']['command']}", show_lines=False)
+    for column in ("", "what is measured", "result", "target (what good looks like)", ""):
+        table.add_column(column)
+    rows: list[Row] = []
+    for section, build in (
+        ("double_charge", _rows_double_charge),
+        ("saga", _rows_saga),
+        ("backoff", _rows_backoff),
+        ("concurrency", _rows_concurrency),
+        ("fresh_keys", _rows_fresh_keys),
+        ("overhead", _rows_overhead),
+        ("ledger", _rows_ledger),
+        ("memory", _rows_memory),
+        ("tracing", _rows_tracing),
+    ):
+        if section in results:
+            rows += build(results)
+    previous = ""
+    for row in rows:
+        table.add_row(row[0] if row[0] != previous else "", *row[1:], end_section=False)
+        previous = row[0]
+    return table
+
+
+def _rows_double_charge(results: dict[str, Any]) -> list[Row]:
+    naive, guarded = results["double_charge"]["naive"], results["double_charge"]["guarded"]
+    return [
+        (
+            "double charge",
+            "calling the tool directly: extra charges",
+            f"{naive['duplicate_charges']} / {naive['bookings']} bookings ({naive['duplicate_rate']:.0%}), "
+            f"{naive['retries']} retries",
+            "(the problem: about 1 per booking when half the answers are lost)",
+            "—",
+        ),
+        (
+            "double charge",
+            "through commitgate: extra charges",
+            f"{guarded['duplicate_charges']}  ({guarded['retries']} retries; "
+            f"{guarded.get('lost_acks_recovered_by_status_check', 0)} lost answers recovered by asking the"
+            " payments system)",
+            "0",
+            _verdict(guarded["duplicate_charges"] == 0),
+        ),
+    ]
+
+
+def _rows_saga(results: dict[str, Any]) -> list[Row]:
+    figures = results["saga"]
+    return [
+        (
+            "saga",
+            "charged without confirmation, before compensation",
+            f"{figures['charged_without_confirmation_before']} / {figures['orders']} orders",
+            "≈ 30 %",
+            "—",
+        ),
+        (
+            "saga",
+            "… after compensate_session (sent 3× per order)",
+            str(figures["charged_without_confirmation_after"]),
+            "0",
+            _verdict(figures["charged_without_confirmation_after"] == 0),
+        ),
+        (
+            "saga",
+            "refunds issued twice",
+            f"{figures['refunds_issued_twice']}  ({figures['refunds']} refunds, 30 % of their answers lost)",
+            "0",
+            _verdict(figures["refunds_issued_twice"] == 0),
+        ),
+    ]
+
+
+def _rows_backoff(results: dict[str, Any]) -> list[Row]:
+    figures = results["backoff"]
+    rows: list[Row] = []
+    for arm, label in (("immediate", "immediate retries"), ("full_jitter", "exp. backoff, full jitter")):
+        a = figures[arm]
+        rows.append(
+            (
+                "backoff",
+                f"{label}: completion p50 / p99",
+                f"{a['p50_completion_s']:.2f} s / {a['p99_completion_s']:.2f} s",
+                f"{figures['retriers']} retriers, {figures['capacity']} slots",
+                "—",
+            )
+        )
+        rows.append(
+            (
+                "backoff",
+                f"{label}: attempts, peak load",
+                f"{a['attempts']} attempts ({a['attempts_per_job']}/job), peak {a['peak_attempts_per_s']:.0f}/s, "
+                f"server CPU {a['server_cpu_s']} s",
+                "",
+                "—",
+            )
+        )
+    fewer = figures["full_jitter"]["attempts"] < figures["immediate"]["attempts"]
+    rows.append(
+        (
+            "backoff",
+            "jitter: fewer attempts, lower peak",
+            "",
+            "backoff + jitter sheds load",
+            _verdict(fewer),
+        )
+    )
+    return rows
+
+
+def _rows_concurrency(results: dict[str, Any]) -> list[Row]:
+    figures = results["concurrency"]
+    rows: list[Row] = []
+    for mode in ("one_process", "several_processes"):
+        m = figures[mode]
+        rows.append(
+            (
+                "concurrency",
+                f"{m['processes']} process(es): effects per key",
+                f"{m['min_effects_per_key']}–{m['max_effects_per_key']} over {figures['keys']} keys × "
+                f"{figures['duplicates_per_key']} duplicates ("
+                + ", ".join(f"{n} {kind}" for kind, n in sorted(m["answers"].items()))
+                + ")",
+                "1",
+                _verdict(m["keys_not_exactly_once"] == 0),
+            )
+        )
+    return rows
+
+
+def _rows_fresh_keys(results: dict[str, Any]) -> list[Row]:
+    off, on = results["fresh_keys"]["without_detection"], results["fresh_keys"]["with_detection"]
+    return [
+        (
+            "fresh keys",
+            "new key per retry, no duplicate detection: duplicate charges",
+            f"{off['duplicate_charges']} / {off['bookings']} bookings ({off['duplicate_rate']:.0%}), "
+            f"{off['calls']} calls",
+            "≈ 1 per booking at 50 % lost answers",
+            "—",
+        ),
+        (
+            "fresh keys",
+            "new key per retry, duplicate detection (default): duplicate charges",
+            f"{on['duplicate_charges']}  ({on['calls']} calls; "
+            f"{on['answers_read'].get('possible_duplicate', 0)} possible_duplicate answers read)",
+            "0",
+            _verdict(on["duplicate_charges"] == 0),
+        ),
+    ]
+
+
+def _rows_overhead(results: dict[str, Any]) -> list[Row]:
+    figures, goal = results["overhead"], results["goals"]
+    calls = figures["per_call_us"]
+    rows: list[Row] = [
+        (
+            "cost",
+            "time per call (median of round medians)",
+            ", ".join(
+                f"{VARIANT_NAMES.get(name, name)} {value['median']:.0f} µs" for name, value in calls.items()
+            ),
+            "lower is better",
+            "—",
+        )
+    ]
+    for name in ("guard_over_floor", "guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
+        if name not in goal:
+            continue
+        g, text = goal[name], TARGET_ROWS[name]
+        target = g["goal"] + (f" (aim {g['aim']})" if "aim" in g else "")
+        rows.append(("cost", text, _ratio_text(g["spread"]), target, _verdict(g["met"])))
+    floor = figures.get("disk_floor_us")
+    if floor:
+        rows.append(
+            (
+                "cost",
+                "the disk floor, timed in the same rounds: overwrite 4 KiB of a preallocated file + fdatasync",
+                f"{floor['median']:.0f} µs (IQR {floor['p25']:.0f}–{floor['p75']:.0f})",
+                "set by the disk, not by commitgate",
+                "—",
+            )
+        )
+    claim = figures["ratios"].get("claim_durability_over_unguarded")
+    if claim:
+        over = figures["overhead_over_floor"]["claim"]
+        rows += [
+            (
+                "cost",
+                'with \\[ledger] durability = "claim" (outcome synced within 50 ms, not before the answer): '
+                "guarded ÷ unguarded",
+                _ratio_text(claim),
+                "the price of the full guarantee is the difference to the row above",
+                "—",
+            ),
+            (
+                "cost",
+                'with durability = "claim": what the guard adds, in units of two disk syncs',
+                _ratio_text(over),
+                "<= 2.0",
+                _verdict(over["median"] <= 2.0),
+            ),
+            (
+                "cost",
+                'with durability = "claim": guarded ÷ plain MCP SDK server',
+                _ratio_text(figures["ratios"]["claim_durability_over_plain_sdk"]),
+                "<= 1.0",
+                _verdict(figures["ratios"]["claim_durability_over_plain_sdk"]["median"] <= 1.0),
+            ),
+        ]
+    for name, text, limit in (
+        (
+            "guarded_call_cost",
+            "guarded ÷ unguarded, both on the SDK's stdio transport (--stdio sdk)",
+            "<= 1.15",
+        ),
+        (
+            "cost_against_plain_sdk",
+            "guarded on the SDK's stdio transport ÷ plain MCP SDK server",
+            "<= 1.0",
+        ),
+    ):
+        other = goal[name].get("with_sdk_stdio")
+        if other:
+            met = other["median"] <= float(limit.removeprefix("<= "))
+            rows.append(("cost", text, _ratio_text(other), limit, _verdict(met)))
+    rows.append(
+        (
+            "cost",
+            "least a guarded call can cost: 2 durable commits (before and after the effect)",
+            f"{figures['commit_sync_us']:.0f} µs per commit on this disk ⇒ guarded ÷ unguarded ≥ "
+            f"{figures['guarded_over_unguarded_floor']:.3f}",
+            "set by the disk, not by commitgate",
+            "—",
+        )
+    )
+    syncs = figures.get("syncs_in_server")
+    if syncs:
+        rows.append(
+            (
+                "cost",
+                "what the 2 disk syncs add to guarded ÷ unguarded (guarded minus synchronous=NORMAL)",
+                f"+{_ratio_text(syncs['added_to_guarded_ratio'])}; {syncs['us_per_call']['median']:.0f} µs per call",
+                "the whole target allows +0.15",
+                "—",
+            )
+        )
+    lookup = figures.get("duplicate_lookup")
+    if lookup:
+        rows.append(
+            (
+                "overhead",
+                "what duplicate detection adds to a guarded call (guarded minus duplicates = false)",
+                f"+{_ratio_text(lookup['added_to_guarded_ratio'])}; {lookup['us_per_call']['median']:.0f} µs per call",
+                "an indexed lookup in the claim",
+                "—",
+            )
+        )
+    no_fsync = figures["ratios"].get("guarded_no_fsync_over_unguarded")
+    if no_fsync:
+        rows.append(
+            (
+                "cost",
+                "guarded ÷ unguarded without disk syncs (ledger synchronous=NORMAL)",
+                _ratio_text(no_fsync),
+                "the guard's software cost alone",
+                "—",
+            )
+        )
+    return rows
+
+
+def _rows_ledger(results: dict[str, Any]) -> list[Row]:
+    g3 = results["goals"]["ledger_throughput"]
+    conc = results["ledger"]["concurrent_claim_complete"]
+    seq = results["ledger"]["sequential_claim_complete"]
+    batch = f", {conc['mean_batch']} operations per commit on average" if "mean_batch" in conc else ""
+    return [
+        (
+            "ledger alone",
+            TARGET_ROWS["ledger_throughput"].removeprefix("ledger alone: "),
+            f"{conc['ops_per_s']:.0f} ops/s, p99 {g3['p99_ms']:.1f} ms{batch}",
+            g3["goal"],
+            _verdict(g3["met"]),
+        ),
+        (
+            "ledger alone",
+            "one at a time: claim+complete, dedup hit",
+            f"{seq['median_us']:.0f} µs, {results['ledger']['dedup_hit']['median_us']:.0f} µs (medians)",
+            "",
+            "—",
+        ),
+    ]
+
+
+def _rows_memory(results: dict[str, Any]) -> list[Row]:
+    figures = results["memory"]
+    rss = figures["rss_kib"]
+    startup = figures["startup_ms"]
+    served = results.get("overhead", {}).get("ledger_bytes_per_operation")
+    per_op = f"{figures['ledger_bytes_per_operation']:.0f} B (bulk rows, 2 audit events each)"
+    if served:
+        per_op += f"; {served:.0f} B as served"
+    return [
+        (
+            "memory",
+            f"server RSS, ledger of {figures['ledger_rows']:,} rows",
+            f"{(rss['big_ledger']['vm_rss'] or 0) / 1024:.1f} MiB "
+            f"(empty ledger {(rss['empty_ledger']['vm_rss'] or 0) / 1024:.1f} MiB)",
+            "",
+            "—",
+        ),
+        ("memory", "ledger bytes per operation", per_op, "", "—"),
+        (
+            "memory",
+            "start-up: spawn → first tools/list (median)",
+            f"commitgate {startup['commitgate_empty_ledger']['median']:.0f} ms, with the big ledger "
+            f"{startup['commitgate_big_ledger']['median']:.0f} ms, plain SDK {startup['plain_sdk']['median']:.0f} ms",
+            "",
+            "—",
+        ),
+    ]
+
+
+def _rows_tracing(results: dict[str, Any]) -> list[Row]:
+    figures = results["tracing"]
+    if "skipped" in figures:
+        return [("tracing", "cost of tracing", "skipped", figures["skipped"], "—")]
+    per_call, ratios, cpu = figures["per_call_us"], figures["ratios"], figures["server_cpu_us_per_call"]
+
+    def measured(name: str, ratio: str | None) -> str:
+        times = f" (×{ratios[ratio]['median']:.3f})" if ratio else ""
+        return f"{per_call[name]['median']:.0f} µs{times}; server CPU {cpu[name]:.0f} µs"
+
+    return [
+        ("tracing", "guarded call, tracing off", measured("off", None), "—", "—"),
+        (
+            "tracing",
+            "… OTEL_* set, SDK not installed",
+            measured("sdk_not_installed", "sdk_not_installed_over_off"),
+            "≈ off",
+            "—",
+        ),
+        ("tracing", "… tracing on (OTLP/HTTP, batched)", measured("on", "on_over_off"), "—", "—"),
+    ]
+
+
+def plot(results: dict[str, Any], raw: dict[str, Any], path: Path) -> str:
+    """Draw the figures to `path` if matplotlib is importable; say what happened either way."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot skipped: matplotlib is not installed (pip install matplotlib)"
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    if "double_charge" in results:
+        arms = results["double_charge"]
+        axes[0][0].bar(
+            ["naive", "commitgate"],
+            [arms["naive"]["duplicate_charges"], arms["guarded"]["duplicate_charges"]],
+        )
+        axes[0][0].set_title("double charge: duplicate charges")
+    for arm, times in raw.get("backoff_completion_s", {}).items():
+        ordered = sorted(times)
+        axes[0][1].plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=arm)
+        axes[0][1].set_title("backoff: completion time (CDF)")
+        axes[0][1].set_xlabel("seconds")
+        axes[0][1].legend()
+    if "overhead_us" in raw:
+        names = list(raw["overhead_us"])
+        axes[1][0].boxplot([raw["overhead_us"][n] for n in names], showfliers=False)
+        axes[1][0].set_xticks(range(1, len(names) + 1), names)
+        axes[1][0].set_title("overhead: µs per call")
+    goal_figures = results.get("goals", {})
+    ratios = {
+        name: goal_figures[name]["ratio"]
+        for name in ("guarded_call_cost", "replay_cost", "cost_against_plain_sdk")
+        if name in goal_figures
+    }
+    if ratios:
+        axes[1][1].bar(list(ratios), list(ratios.values()))
+        axes[1][1].axhline(1.15, linestyle="--", color="grey")
+        axes[1][1].axhline(1.05, linestyle=":", color="grey")
+        axes[1][1].set_title("time ÷ unguarded or plain SDK (dashed: target 1.15, dotted: 1.05)")
+    figure.tight_layout()
+    figure.savefig(path)
+    return f"plot written to {path}"
