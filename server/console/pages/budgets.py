@@ -178,6 +178,7 @@ async def budgets_page(request: Request) -> Response:
         shown_at_most=SHOWN,
         figure=figure,
         share=share,
+        bar_width=BAR_WIDTH,
         all_principals=viewer is None,
     )
 
