@@ -17,20 +17,26 @@ from typing import Any
 
 import pytest
 from starlette.routing import Route
+from starlette.testclient import TestClient
 from support.browser import require_browser
 from support.console import (
     BASE_URL,
+    BUDGETS,
     EMAIL,
+    MARKUP_SESSION,
     call,
     claim,
     console_client,
     csrf_of,
     error_code,
     loopback_access,
+    spend,
+    spend_in_every_budget,
     write_policy,
 )
 
 from commitgate.server.cli.main import main
+from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.command import prompt_policy
 from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
@@ -82,7 +88,15 @@ def state_of(ledger_url: str, operation_id: str) -> State:
 # --- sign-in ------------------------------------------------------------------------------------
 
 
-PAGES = ["/approvals", "/approvals/rows", "/unknown", "/unknown/rows", "/operations", "/operations/op_x"]
+PAGES = [
+    "/approvals",
+    "/approvals/rows",
+    "/unknown",
+    "/unknown/rows",
+    "/operations",
+    "/operations/op_x",
+    "/budgets",
+]
 
 
 def test_without_the_token_every_page_refuses_and_says_how_to_sign_in(policy: Path, ledger_url: str) -> None:
@@ -980,3 +994,191 @@ def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
 )  # fmt: skip
 def test_waits_are_said_to_the_minute(seconds: float, said: str) -> None:
     assert duration(seconds) == said
+
+
+# --- budgets ----------------------------------------------------------------------------------------
+
+
+def scopes_shown(html: str) -> dict[str, list[dict[str, Any]]]:
+    """Each budget's scope cards as the page shows them, in order: their figures (data attributes),
+    and the sum of their chart's bars."""
+    import html as markup
+    import re
+
+    shown: dict[str, list[dict[str, Any]]] = {}
+    for card in html.split('<li class="card scope"')[1:]:
+        card = card.split("</li>")[0]
+        head = card.split(">", 1)[0]
+        fields = {k: markup.unescape(v) for k, v in re.findall(r'data-(\w+)="([^"]*)"', head)}
+        bars = re.findall(r'<rect class="bar"[^>]*data-spent="([^"]+)"', card)
+        entry: dict[str, Any] = {
+            "scope": fields["scope"],
+            "spent": json.loads(fields["spent"]),
+            "left": json.loads(fields["left"]),
+            "chart_sum": sum(json.loads(b) for b in bars),
+            "bars": len(bars),
+        }
+        for name in ("operations", "own"):
+            if name in fields:
+                entry[name] = json.loads(fields[name])
+        shown.setdefault(fields["budget"], []).append(entry)
+    return shown
+
+
+def ops_budgets_json(capsys: pytest.CaptureFixture[str], policy: Path, ledger: str) -> dict[str, Any]:
+    from support.policy import run
+
+    done = run(capsys, ["ops", "budgets", "--policy", str(policy), "--ledger", ledger, "--json"])
+    assert done.code == 0, done.err
+    return {b["name"]: b for b in json.loads(done.out)["budgets"]}
+
+
+def assert_same_figures(shown: dict[str, list[dict[str, Any]]], report: dict[str, Any]) -> None:
+    for name, budget in report.items():
+        expected = [
+            {k: s[k] for k in ("scope", "spent", "left", "operations")} for s in budget["scopes"]
+        ] or [{"scope": "all", "spent": 0, "left": budget["limit"], "operations": 0}]
+        cards = [{k: c[k] for k in ("scope", "spent", "left", "operations") if k in c} for c in shown[name]]
+        assert cards == expected, name
+        for card in shown[name]:  # the chart's spans add up to what the scope spent
+            assert card["chart_sum"] == pytest.approx(card["spent"]), (name, card)
+
+
+@pytest.fixture
+def budget_policy(tmp_path: Path, sandbox: Path) -> Path:
+    return write_policy(tmp_path, BUDGETS)
+
+
+def test_the_budgets_page_shows_the_figures_ops_budgets_prints_with_charts_that_add_up(
+    budget_policy: Path, ledger_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(write_policy_ledger(budget_policy))
+    asyncio.run(spend_in_every_budget(tmp_path / "ledger.db", time.time()))
+    with console_client(ledger_url, loopback_access(), policy=budget_policy) as client:
+        page = client.get("/budgets")
+        assert page.status_code == 200
+        nav = page.text.split("</nav>")[0]
+        assert nav.rstrip().endswith('<li><a href="/budgets" aria-current="page">Budgets</a></li>\n    </ul>')
+    report = ops_budgets_json(capsys, budget_policy, ledger_url)
+    shown = scopes_shown(page.text)
+    assert_same_figures(shown, report)
+    assert [c["scope"] for c in shown["payments"]] == ["bob", "alice"]
+    assert shown["payments"][0]["spent"] == 2610.5 and shown["payments"][0]["operations"] == 3
+    assert shown["payments"][0]["bars"] == 3  # three days with spending: one bar each
+    assert [c["scope"] for c in shown["travel"]] == ["alice/s1", f"alice/{MARKUP_SESSION}", "bob/s2"]
+    assert shown["shared"] == [
+        {"scope": "all", "spent": 4000, "left": 16000, "operations": 2, "chart_sum": 4000, "bars": 2}
+    ]
+    for words in (
+        "30d (sliding)",
+        "2,610.50</strong> of 1,000,000 spent",
+        "per day",
+        "per hour",
+        "per 5 minutes",
+    ):
+        assert words in page.text, words
+
+
+def test_the_budgets_page_shows_markup_from_clients_escaped(
+    budget_policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(budget_policy))
+    at = time.time()
+    asyncio.run(spend(tmp_path / "ledger.db", "travel", [(f"p{IMG}", f"s{SCRIPT}", 10, at - 60)]))
+    with console_client(ledger_url, loopback_access(), policy=budget_policy) as client:
+        text = client.get("/budgets").text
+    assert "<script>alert" not in text and "<img src=x" not in text
+    assert (
+        "p&#34;&gt;&lt;img src=x onerror=alert(1)&gt;/s&lt;script&gt;alert(&#39;xss&#39;)&lt;/script&gt;"
+        in text
+    )
+
+
+def test_the_budgets_page_bounds_the_scopes_it_shows_and_says_how_many_more(
+    budget_policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    from commitgate.server.console.pages.budgets import SHOWN
+
+    asyncio.run(write_policy_ledger(budget_policy))
+    at = time.time()
+    runs = [("agent", f"run-{i}", 100 + i, at - 60 * i) for i in range(SHOWN + 5)]
+    asyncio.run(spend(tmp_path / "ledger.db", "travel", runs))
+    with console_client(ledger_url, loopback_access(), policy=budget_policy) as client:
+        text = client.get("/budgets").text
+    cards = scopes_shown(text)["travel"]
+    assert [c["spent"] for c in cards] == [100 + i for i in reversed(range(5, SHOWN + 5))]  # the highest
+    assert f"The {SHOWN} scopes that spent the most, of {SHOWN + 5}" in text
+
+
+def test_a_principals_sign_in_sees_its_own_budget_scopes_and_only_the_total_of_a_shared_one(
+    budget_policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(budget_policy))
+    asyncio.run(spend_in_every_budget(tmp_path / "ledger.db", time.time()))
+    app = create_app(ledger_opener(ledger_url), _policy_tokens(), policy=load_policy(budget_policy))
+    with TestClient(app, base_url=BASE_URL) as client:
+        bearer = {"Authorization": "Bearer alice-token-0123456789", "Host": "console.example:8766"}
+        text = client.get("/budgets", headers=bearer).text
+    shown = scopes_shown(text)
+    assert [c["scope"] for c in shown["payments"]] == ["alice"]
+    assert [c["scope"] for c in shown["travel"]] == ["alice/s1", f"alice/{MARKUP_SESSION}"]
+    (shared,) = shown["shared"]
+    # everyone's total against the limit (what alice's agent is told in budget_exceeded), no count of
+    # others' operations, and a chart of her own share only
+    assert shared == {"scope": "all", "spent": 4000, "left": 16000, "own": 1000, "chart_sum": 1000, "bars": 1}
+    assert "bob" not in text and "yours: 1,000" in text and "Your spending per 5 minutes" in text
+
+
+def test_a_console_without_a_policy_or_budgets_says_how_to_see_them(policy: Path, ledger_url: str) -> None:
+    with console_client(ledger_url, loopback_access()) as client:  # `--ledger` alone
+        page = client.get("/budgets")
+    assert page.status_code == 200
+    assert "knows no budget definitions" in page.text and "commitgate console --policy" in page.text
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:  # a policy without budgets
+        assert "The console's policy declares no budgets" in client.get("/budgets").text
+
+
+@pytest.mark.postgres
+def test_the_budgets_page_shows_the_figures_ops_budgets_prints_on_postgresql(
+    budget_policy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from support.postgres import fresh_url
+
+    url = asyncio.run(fresh_url())
+    asyncio.run(spend_in_every_budget(url, time.time()))
+    with console_client(url, loopback_access(), policy=budget_policy) as client:
+        text = client.get("/budgets").text
+    assert_same_figures(scopes_shown(text), ops_budgets_json(capsys, budget_policy, url))
+    assert scopes_shown(text)["payments"][0]["bars"] == 3
+
+
+def test_a_scope_past_its_limit_says_so_in_words_not_colour_alone(
+    budget_policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(budget_policy))
+    # exceeded = "approval": a person let this session spend past the 50,000 limit
+    asyncio.run(spend(tmp_path / "ledger.db", "travel", [("agent", "trip", 60000, time.time() - 60)]))
+    with console_client(ledger_url, loopback_access(), policy=budget_policy) as client:
+        text = client.get("/budgets").text
+    assert scopes_shown(text)["travel"] == [
+        {"scope": "agent/trip", "spent": 60000, "left": 0, "operations": 1, "chart_sum": 60000, "bars": 1}
+    ]
+    assert "<strong>60,000</strong> of 50,000 spent (over 100 %)" in text and "past the limit" in text
+    assert 'class="gauge-fill over"' in text
+
+
+@pytest.mark.parametrize(
+    ("window", "span", "bars"),
+    [
+        (3600.0, 300.0, 12),
+        (86400.0, 3600.0, 24),
+        (30 * 86400.0, 86400.0, 30),
+        (360 * 86400.0, 30 * 86400.0, 12),
+    ],
+)
+def test_a_spending_chart_has_at_most_48_bars_of_whole_minutes_hours_or_days(
+    window: float, span: float, bars: int
+) -> None:
+    from commitgate.server.core.budgets import MAX_SPANS, span_for
+
+    assert span_for(window) == span and window / span <= MAX_SPANS and round(window / span) == bars

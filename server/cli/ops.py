@@ -28,7 +28,7 @@ from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.boundary import printable as printable_text
-from commitgate.server.core.budgets import number
+from commitgate.server.core.budgets import budget_report
 from commitgate.server.core.resolutions import (
     Finding,
     Resolution,
@@ -451,35 +451,6 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 # --- ops budgets ------------------------------------------------------------------------------------
-
-
-async def budget_report(ledger: Ledger, policy: Policy, now: float) -> list[dict[str, Any]]:
-    """Each budget of the policy: its settings, its tools, and what each scope spent within the window."""
-    report = []
-    for name, budget in policy.budgets.items():
-        spent = await ledger.budget_spent(name, budget.per, now - budget.window, now)
-        report.append(
-            {
-                "name": name,
-                "amount": budget.amount.source,
-                "limit": number(budget.limit),
-                "window": format_duration(budget.window),
-                "per": budget.per,
-                "tools": [tool for tool, p in policy.tools.items() if p.budget == name],
-                "scopes": [
-                    {
-                        "scope": s.scope,
-                        "principal": s.principal,
-                        "session": s.session,
-                        "spent": number(s.spent),
-                        "left": number(max(0.0, budget.limit - s.spent)),
-                        "operations": s.operations,
-                    }
-                    for s in spent
-                ],
-            }
-        )
-    return report
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:

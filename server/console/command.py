@@ -24,13 +24,16 @@ DEFAULT_PORT = 8766
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     console = subparsers.add_parser(
         "console",
-        help="a web page for operators: approvals to decide, unknown outcomes to resolve, operations to search",
+        help="a web page for operators: approvals to decide, unknown outcomes to resolve, operations to"
+        " search, budgets to watch",
         description="Serve the operator's console over the ledger, beside any running server."
         " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
         " [[auth.tokens]] in the policy.",
     )
     console.add_argument(
-        "--policy", help="policy whose ledger (and [[auth.tokens]]) to use (default: $COMMITGATE_POLICY)"
+        "--policy",
+        help="policy whose ledger, [[auth.tokens]], approval prompts and budgets to use"
+        " (default: $COMMITGATE_POLICY)",
     )
     console.add_argument(
         "--ledger", help="ledger URL, overriding the policy's, e.g. sqlite:////var/lib/commitgate/ledger.db"

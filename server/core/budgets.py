@@ -17,11 +17,11 @@ from typing import Any
 
 from commitgate.server.core import approvals, errors
 from commitgate.server.core.errors import GateError
-from commitgate.server.ledger.base import BudgetCheck, scope_name, scope_of
+from commitgate.server.ledger.base import BudgetCheck, Ledger, SpentIn, scope_name, scope_of
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.expressions import ExpressionFailed, activation
-from commitgate.server.policy.models import ToolPolicy
+from commitgate.server.policy.models import Policy, ToolPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +97,61 @@ def exceeded(budget: Budget, amount: float, spent: float, principal: str, sessio
 def scope_label(budget: Budget, principal: str, session: str) -> str:
     """The scope a call spends in, as `ops budgets` and the metrics name it."""
     return scope_name(*scope_of(budget.policy.per, principal, session))
+
+
+async def budget_report(ledger: Ledger, policy: Policy, now: float) -> list[dict[str, Any]]:
+    """Each budget of the policy: its settings, its tools, and what each scope spent within the window,
+    highest first (what `commitgate ops budgets` prints and the console's Budgets page shows)."""
+    report = []
+    for name, budget in policy.budgets.items():
+        spent = await ledger.budget_spent(name, budget.per, now - budget.window, now)
+        report.append(
+            {
+                "name": name,
+                "amount": budget.amount.source,
+                "limit": number(budget.limit),
+                "window": format_duration(budget.window),
+                "per": budget.per,
+                "exceeded": budget.exceeded,
+                "tools": [tool for tool, p in policy.tools.items() if p.budget == name],
+                "scopes": [
+                    {
+                        "scope": s.scope,
+                        "principal": s.principal,
+                        "session": s.session,
+                        "spent": number(s.spent),
+                        "left": number(max(0.0, budget.limit - s.spent)),
+                        "operations": s.operations,
+                    }
+                    for s in spent
+                ],
+            }
+        )
+    return report
+
+
+# Span lengths a spending chart may use, shortest first: the shortest giving at most MAX_SPANS spans.
+SPAN_LENGTHS = (60.0, 300.0, 900.0, 3600.0, 3 * 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0, 30 * 86400.0)
+MAX_SPANS = 48
+
+
+def span_for(window: float) -> float:
+    """How long each span of a spending chart over `window` is: whole minutes, hours or days."""
+    for length in SPAN_LENGTHS:
+        if window / length <= MAX_SPANS:
+            return length
+    return math.ceil(window / MAX_SPANS / SPAN_LENGTHS[-1]) * SPAN_LENGTHS[-1]
+
+
+async def spending_over_window(
+    ledger: Ledger, name: str, budget: BudgetPolicy, principal: str | None, session: str | None, now: float
+) -> list[SpentIn]:
+    """What one scope of a budget spent in each span of its window, oldest first, every span listed
+    (nothing spent: 0). The spans add up to what `budget_spent` reports for that scope."""
+    span = span_for(budget.window)
+    since = now - budget.window
+    found = {s.start: s for s in await ledger.budget_spending(name, principal, session, since, now, span)}
+    first, last = math.floor(since / span), math.floor(now / span)
+    if found:  # an operation another process claimed just after `now` counts, so it is drawn too
+        last = max(last, round(max(found) / span))
+    return [found.get(i * span, SpentIn(i * span, 0.0, 0)) for i in range(first, last + 1)]

@@ -112,6 +112,16 @@ class Spent:
         return scope_name(self.principal, self.session)
 
 
+@dataclass(frozen=True, slots=True)
+class SpentIn:
+    """What a budget's operations in one span of time spent: the span starts at `start` (a multiple
+    of the span's length since the epoch, so spans fall on whole hours or UTC days)."""
+
+    start: float
+    spent: float
+    operations: int
+
+
 def scope_name(principal: str | None, session: str | None) -> str:
     """A scope as people read it: "all", the principal, or "principal/session"."""
     if principal is None:
@@ -255,6 +265,20 @@ class Ledger(Protocol):
 
     async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
         """What each scope of `budget` spent since `since` (scopes with nothing spent left out)."""
+        ...
+
+    async def budget_spending(
+        self,
+        budget: str,
+        principal: str | None,
+        session: str | None,
+        since: float,
+        now: float,
+        span_seconds: float,
+    ) -> list[SpentIn]:
+        """What `budget` spent since `since` per span of `span_seconds`, oldest first (spans with nothing
+        spent left out), counting what `budget_spent` counts: only `principal`'s operations when given,
+        and only `session`'s when given too. Read-only."""
         ...
 
     async def check_writable(self) -> None: ...

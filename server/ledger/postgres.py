@@ -46,6 +46,7 @@ from commitgate.server.ledger.base import (
     OperationFilter,
     OverBudget,
     Spent,
+    SpentIn,
     Transition,
     is_outcome,
     owner_known_dead,
@@ -977,6 +978,31 @@ class PostgresLedger:
             now,
         )
         return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows]
+
+    async def budget_spending(
+        self,
+        budget: str,
+        principal: str | None,
+        session: str | None,
+        since: float,
+        now: float,
+        span_seconds: float,
+    ) -> list[SpentIn]:
+        rows = await self._fetch(
+            "SELECT floor(created_at / $1)::bigint, sum(budget_amount), count(*) FROM commitgate_operations"
+            " WHERE budget = $2 AND created_at > $3 AND state = ANY ($4::text[])"
+            " AND (expires_at IS NULL OR expires_at > $5)"
+            " AND ($6::text IS NULL OR principal = $6) AND ($7::text IS NULL OR session = $7)"
+            " GROUP BY 1 ORDER BY 1",
+            span_seconds,
+            budget,
+            since,
+            list(BUDGET_STATES),
+            now,
+            principal,
+            session if principal is not None else None,
+        )
+        return [SpentIn(r[0] * span_seconds, float(r[1]), int(r[2])) for r in rows]
 
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.

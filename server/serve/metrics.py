@@ -42,6 +42,7 @@ from commitgate.server.ledger.base import (
     Ledger,
     OperationFilter,
     Spent,
+    SpentIn,
     Transition,
 )
 from commitgate.server.model.events import Event
@@ -312,6 +313,18 @@ class TimedLedger:
 
     async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
         return await self._timed("budget_spent", self.inner.budget_spent(budget, per, since, now))
+
+    async def budget_spending(
+        self,
+        budget: str,
+        principal: str | None,
+        session: str | None,
+        since: float,
+        now: float,
+        span_seconds: float,
+    ) -> list[SpentIn]:
+        spending = self.inner.budget_spending(budget, principal, session, since, now, span_seconds)
+        return await self._timed("budget_spending", spending)
 
     async def check_writable(self) -> None:
         await self._timed("check_writable", self.inner.check_writable())

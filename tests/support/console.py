@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.security import CSRF_FIELD, Access
 from commitgate.server.core import approvals
 from commitgate.server.ledger import open_ledger
-from commitgate.server.ledger.base import ClaimRequest, Transition
+from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.policy.approvals import ApprovalPolicy
@@ -75,10 +75,73 @@ expose = false
 """
 
 
-def write_policy(root: Path) -> Path:
+# Three budgets, one of each `per`, for the Budgets page; limits far above what the tests spend.
+BUDGETS = """
+[budgets.payments]
+amount = "arguments.amount_cents"
+limit = 1000000
+window = "30d"
+per = "principal"
+
+[budgets.travel]
+amount = "arguments.amount_cents"
+limit = 50000
+window = "24h"
+per = "session"
+exceeded = "approval"
+
+[budgets.shared]
+amount = "arguments.amount_cents"
+limit = 20000
+window = "1h"
+per = "all"
+
+[tools.pay]
+class = "key-required"
+python = "commitgate.tools.demo:charge_card"
+budget = "payments"
+"""
+WINDOWS = {"payments": 30 * 86400.0, "travel": 86400.0, "shared": 3600.0}
+PER = {"payments": "principal", "travel": "session", "shared": "all"}
+
+
+def write_policy(root: Path, extra: str = "") -> Path:
     path = root / "policy.toml"
-    path.write_text(POLICY.format(ledger=root / "ledger.db"), encoding="utf-8")
+    path.write_text(POLICY.format(ledger=root / "ledger.db") + extra, encoding="utf-8")
     return path
+
+
+async def spend(
+    where: Path | str,
+    budget: str,
+    spends: Sequence[tuple[str, str, float, float]],
+    state: State = State.SUCCEEDED,
+) -> None:
+    """Budgeted operations of `budget` (of BUDGETS) written straight into the ledger, each
+    (principal, session, amount, created_at), claimed through the budget check and left in `state`."""
+    ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
+    try:
+        for i, (principal, session, amount, at) in enumerate(spends):
+            step = f"{budget}-{state.value.lower()}-{i}-{at}"
+            request = ClaimRequest(
+                principal=principal,
+                session=session,
+                step=step,
+                tool="pay",
+                idempotency_class=IdempotencyClass.KEY_REQUIRED,
+                fingerprint=f"fp-{step}",
+                arguments_json=json.dumps({"amount_cents": amount}),
+                owner="elsewhere:1:aaaa",
+                lease_seconds=60.0,
+                retention_seconds=WINDOWS[budget],
+                budget=BudgetCheck(budget, PER[budget], amount, 1e12, WINDOWS[budget]),
+            )
+            op = (await ledger.claim(request, at)).operation
+            if state is not State.RUNNING:
+                change = Transition(state, frozenset({State.RUNNING}), "spent", expect_fence=op.fence)
+                assert await ledger.update(op.operation_id, change, at) is not None
+    finally:
+        await ledger.close()
 
 
 async def call(policy: Path, tool: str, key: str, session: str = "s1", **arguments: Any) -> CallToolResult:
@@ -201,3 +264,42 @@ def csrf_of(html: str) -> str:
     found = re.search(rf'name="{CSRF_FIELD}" value="([^"]+)"', html)
     assert found is not None, "no CSRF token in the page"
     return found.group(1)
+
+
+HOUR, DAY = 3600.0, 86400.0
+MARKUP_SESSION = "s<script>alert('xss')</script>"
+
+
+async def spend_in_every_budget(where: Path | str, at: float) -> None:
+    """Spending in each of the three budgets of BUDGETS, some of it outside the window, failed
+    (given back) or UNKNOWN (counted); one session's name is markup."""
+    payments = [
+        ("alice", "s1", 1200, at - 10 * DAY),
+        ("alice", "s2", 300, at - HOUR),
+        ("bob", "s1", 2500, at - 2 * DAY),
+        ("bob", "s1", 40.5, at - 4 * DAY),
+        ("alice", "s1", 999, at - 40 * DAY),  # out of the window
+    ]
+    await spend(where, "payments", payments)
+    await spend(where, "payments", [("alice", "s1", 5000, at - DAY)], State.FAILED_FINAL)
+    await spend(where, "payments", [("bob", "s3", 70, at - 3 * HOUR)], State.UNKNOWN)
+    travel = [
+        ("alice", "s1", 700, at - 3 * HOUR),
+        ("alice", MARKUP_SESSION, 450, at - 1800),
+        ("bob", "s2", 100, at - 20 * HOUR),
+    ]
+    await spend(where, "travel", travel)
+    await spend(where, "shared", [("alice", "s1", 1000, at - 3000), ("bob", "s1", 3000, at - 600)])
+
+
+async def seed_budgets(ledger_path: Path, count: int) -> None:
+    """`count` budgeted operations spread over the three budgets of BUDGETS and over their windows:
+    8 principals, 100 sessions (for timing the Budgets page)."""
+    at = time.time()
+    for name, window in WINDOWS.items():
+        share = count // len(WINDOWS)
+        spends = [
+            (f"agent-{i % 8}", f"run-{i % 100}", float(1 + i % 97), at - window * (i + 0.5) / share)
+            for i in range(share)
+        ]
+        await spend(ledger_path, name, spends)

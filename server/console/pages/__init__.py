@@ -6,9 +6,9 @@ To add a page: write `pages/NAME.py` with `PAGE = Page(...)` and its routes, its
 
 from __future__ import annotations
 
-from commitgate.server.console.pages import approvals, operations, unknown
+from commitgate.server.console.pages import approvals, budgets, operations, unknown
 from commitgate.server.console.pages.base import Page
 
-PAGES: tuple[Page, ...] = (approvals.PAGE, unknown.PAGE, operations.PAGE)
+PAGES: tuple[Page, ...] = (approvals.PAGE, unknown.PAGE, operations.PAGE, budgets.PAGE)
 
 __all__ = ["PAGES", "Page"]

@@ -48,6 +48,7 @@ from commitgate.server.ledger.base import (
     OperationFilter,
     OverBudget,
     Spent,
+    SpentIn,
     Transition,
     is_outcome,
     lease_over,
@@ -351,6 +352,30 @@ class SQLiteLedger:
             (budget, since, now),
         )
         return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows if r[3]]
+
+    async def budget_spending(
+        self,
+        budget: str,
+        principal: str | None,
+        session: str | None,
+        since: float,
+        now: float,
+        span_seconds: float,
+    ) -> list[SpentIn]:
+        scope, params = "", [span_seconds, budget, since, now]
+        if principal is not None:
+            scope, params = " AND principal = ?", [*params, principal]
+            if session is not None:
+                scope, params = scope + " AND session = ?", [*params, session]
+        # created_at > since > 0, so the cast's truncation is the floor: whole spans since the epoch
+        rows = await self._read(
+            "SELECT CAST(created_at / ? AS INTEGER), sum(budget_amount), count(*) FROM operations"
+            " INDEXED BY operations_budget WHERE budget = ? AND created_at > ?"
+            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            f" AND (expires_at IS NULL OR expires_at > ?){scope} GROUP BY 1 ORDER BY 1",
+            params,
+        )
+        return [SpentIn(r[0] * span_seconds, float(r[1]), int(r[2])) for r in rows]
 
     async def check_writable(self) -> None:
         self.check_identity()
