@@ -26,8 +26,10 @@ check: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Everything CI runs: the checks, then every test (end-to-end and PostgreSQL included).
+# Three workers: most tests wait on server processes, disks and a browser, so three keep two cores busy;
+# a module's tests stay on one worker (--dist loadfile), beside its module-scoped fixtures.
 test: check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 # The quick loop while editing: no server processes, no PostgreSQL.
 test-fast: $(STAMP)
