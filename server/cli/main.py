@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from commitgate.server import __version__
+from commitgate.server.cli.arguments import port_number
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.loading import default_policy, load_policy
@@ -80,17 +81,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop_tracing()
     return 0
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0 (any free port) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 0-65535 (0 picks a free one)")
-    return port
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

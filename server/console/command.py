@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import os
-import socket
 import sys
 
+from commitgate.server.cli.arguments import port_number
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
@@ -45,41 +44,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     console.add_argument(
         "--port",
-        type=_port,
+        type=port_number,
         default=DEFAULT_PORT,
         help=f"TCP port, 0 picks a free one (default: {DEFAULT_PORT})",
     )
     console.set_defaults(func=cmd_console)
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 0-65535 (0 picks a free one)")
-    return port
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket, bound before the link is printed; UserFacingError says why it cannot be."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except (OSError, OverflowError) as exc:
-        raise UserFacingError(f"cannot listen on {host!r} port {port}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        hint = "; pick another with --port" if exc.errno == errno.EADDRINUSE else ""
-        raise UserFacingError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
-    return sock
 
 
 def _check_ledger_exists(url: str) -> None:
@@ -101,6 +70,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
     from commitgate.server.console.app import create_app, ledger_opener
     from commitgate.server.console.security import Access
+    from commitgate.server.serve.http import ServeRefused, listen
 
     path = args.policy or os.environ.get("COMMITGATE_POLICY")
     policy = load_policy(path) if path else default_policy()
@@ -111,7 +81,10 @@ def cmd_console(args: argparse.Namespace) -> int:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
         raise UserFacingError(str(exc)) from None
-    sock = _listen(args.host, args.port)
+    try:
+        sock = listen(args.host, args.port)
+    except ServeRefused as refused:  # the same socket and words as `serve`; here a user mistake
+        raise UserFacingError(str(refused.code)) from None
     host, port = sock.getsockname()[:2]
     access = Access.for_bind(args.host, port, tokens, local_operator())
     shown_host = f"[{host}]" if ":" in host else host
