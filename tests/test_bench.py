@@ -20,6 +20,7 @@ import pytest
 
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
+from commitgate.server.bench import report
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.stats import quantile, spread
 from commitgate.server.ledger.base import OperationFilter
@@ -289,3 +290,10 @@ def test_every_missed_target_is_explained() -> None:
     notes = missed_notes(results)
     assert len(notes) == 3 and not any("replayed answer" in n for n in notes)
     assert "1.310 or more" in notes[0] and all("load average 2.5" in n for n in notes)
+
+
+def test_a_difference_is_printed_with_its_own_sign() -> None:
+    spread = {"p25": -0.2, "p75": 0.1, "min": -0.3, "max": 0.2}
+    assert report._ratio_text({"median": -0.161, **spread}, signed=True).startswith("-0.161 ")
+    assert report._ratio_text({"median": 0.001, **spread}, signed=True).startswith("+0.001 ")
+    assert report._ratio_text({"median": 1.5, **spread}).startswith("1.500 ")

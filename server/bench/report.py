@@ -151,15 +151,17 @@ def _verdict(ok: bool | None) -> str:
     return "—" if ok is None else "[green]met[/]" if ok else "[red]missed (see below)[/]"
 
 
-def _ratio_text(figure: dict[str, float]) -> str:
+def _ratio_text(figure: dict[str, float], *, signed: bool = False) -> str:
+    """A median with its spread; `signed` for a difference, which may come out below zero."""
+    median = f"{figure['median']:+.3f}" if signed else f"{figure['median']:.3f}"
     return (
-        f"{figure['median']:.3f}  [dim](IQR {figure['p25']:.3f}–{figure['p75']:.3f}, "
+        f"{median}  [dim](IQR {figure['p25']:.3f}–{figure['p75']:.3f}, "
         f"range {figure['min']:.3f}–{figure['max']:.3f})[/]"
     )
 
 
 def results_table(results: dict[str, Any]) -> Table:
-    table = Table(title=f"commitgate bench — {results['meta']['command']}", show_lines=False)
+    table = Table(title=results["meta"]["command"], show_lines=False)
     for column in ("", "what is measured", "result", "target (what good looks like)", ""):
         table.add_column(column)
     rows: list[Row] = []
@@ -402,7 +404,7 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
             (
                 "cost",
                 "what the 2 disk syncs add to guarded ÷ unguarded (guarded minus synchronous=NORMAL)",
-                f"+{_ratio_text(syncs['added_to_guarded_ratio'])}; {syncs['us_per_call']['median']:.0f} µs per call",
+                f"{_ratio_text(syncs['added_to_guarded_ratio'], signed=True)}; {syncs['us_per_call']['median']:.0f} µs per call",
                 "the whole target allows +0.15",
                 "—",
             )
@@ -413,7 +415,7 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
             (
                 "overhead",
                 "what duplicate detection adds to a guarded call (guarded minus duplicates = false)",
-                f"+{_ratio_text(lookup['added_to_guarded_ratio'])}; {lookup['us_per_call']['median']:.0f} µs per call",
+                f"{_ratio_text(lookup['added_to_guarded_ratio'], signed=True)}; {lookup['us_per_call']['median']:.0f} µs per call",
                 "an indexed lookup in the claim",
                 "—",
             )
