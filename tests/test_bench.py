@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from commitgate.server.bench import report
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
-from commitgate.server.bench import report
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.stats import quantile, spread
 from commitgate.server.ledger.base import OperationFilter
