@@ -304,26 +304,14 @@ async def test_the_sqlite_sum_reads_only_its_index(tmp_path: Path) -> None:
 @pytest.mark.anyio
 @pytest.mark.postgres
 async def test_the_postgres_sum_uses_its_index() -> None:
-    import asyncpg
-    from support.postgres import fresh_url
+    from support.postgres import plan_on_fresh_ledger
 
-    from commitgate.server.ledger.postgres import PostgresLedger
-
-    url = await fresh_url()
-    ledger = await PostgresLedger.open(url)
-    await ledger.close()
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute("SET enable_seqscan = off")  # an empty table would be scanned: ask what it can use
-        rows = await conn.fetch(
-            "EXPLAIN SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o"
-            " WHERE o.budget = 'payments' AND o.principal = 'alice' AND o.created_at > 0"
-            " AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')"
-            " AND (o.expires_at IS NULL OR o.expires_at > 0)"
-        )
-    finally:
-        await conn.close()
-    plan = "\n".join(r[0] for r in rows)
+    plan = await plan_on_fresh_ledger(
+        "SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o"
+        " WHERE o.budget = 'payments' AND o.principal = 'alice' AND o.created_at > 0"
+        " AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')"
+        " AND (o.expires_at IS NULL OR o.expires_at > 0)"
+    )
     assert "commitgate_operations_budget" in plan, plan
 
 

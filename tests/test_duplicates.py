@@ -139,25 +139,13 @@ async def test_the_sqlite_lookup_uses_its_index(tmp_path: Path) -> None:
 @pytest.mark.anyio
 @pytest.mark.postgres
 async def test_the_postgres_lookup_uses_its_index() -> None:
-    import asyncpg
-    from support.postgres import fresh_url
+    from support.postgres import plan_on_fresh_ledger
 
-    from commitgate.server.ledger.postgres import PostgresLedger
-
-    url = await fresh_url()
-    ledger = await PostgresLedger.open(url)
-    await ledger.close()
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute("SET enable_seqscan = off")  # an empty table would be scanned: ask what it can use
-        rows = await conn.fetch(
-            "EXPLAIN SELECT * FROM commitgate_operations o WHERE o.principal = 'a' AND o.fingerprint = 'f'"
-            " AND o.session = 's' AND o.created_at > 0 AND o.state IN ('RUNNING', 'SUCCEEDED')"
-            " ORDER BY o.created_at DESC LIMIT 1"
-        )
-    finally:
-        await conn.close()
-    plan = "\n".join(r[0] for r in rows)
+    plan = await plan_on_fresh_ledger(
+        "SELECT * FROM commitgate_operations o WHERE o.principal = 'a' AND o.fingerprint = 'f'"
+        " AND o.session = 's' AND o.created_at > 0 AND o.state IN ('RUNNING', 'SUCCEEDED')"
+        " ORDER BY o.created_at DESC LIMIT 1"
+    )
     assert "commitgate_operations_duplicates" in plan, plan
 
 

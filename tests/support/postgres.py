@@ -116,3 +116,21 @@ async def fresh_url() -> str:
 async def open_test_ledger(**options: Any) -> PostgresLedger:
     """A fresh, empty PostgreSQL ledger private to one test (its schema dies with the session database)."""
     return await PostgresLedger.open(await fresh_url(), **options)
+
+
+async def plan_on_fresh_ledger(query: str) -> str:
+    """PostgreSQL's plan for `query` on a freshly migrated ledger, sequential scans discouraged.
+
+    An empty table would be scanned whatever its indexes: this asks what the planner *can* use.
+    """
+    from commitgate.server.ledger.postgres import PostgresLedger
+
+    url = await fresh_url()
+    await (await PostgresLedger.open(url)).close()
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("SET enable_seqscan = off")
+        rows = await conn.fetch("EXPLAIN " + query)
+    finally:
+        await conn.close()
+    return "\n".join(r[0] for r in rows)
