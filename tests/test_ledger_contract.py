@@ -524,7 +524,9 @@ async def test_sqlite_a_failing_step_takes_only_itself_down(tmp_path: Path) -> N
     ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
 
     def broken(conn: sqlite3.Connection) -> None:
-        conn.execute("INSERT INTO audit (operation_id, at, event, fence) VALUES ('op_x', 0, 'half-done', 0)")
+        conn.execute(
+            "INSERT INTO audit (operation_id, id, at, event, fence) VALUES ('op_x', 1, 0, 'half-done', 0)"
+        )
         raise ValueError("a step that fails after writing")
 
     try:

@@ -99,8 +99,8 @@ SELECT 'op_' || lower(hex(randomblob(16))), 'bench', 'session-' || (x / 20), 'or
 FROM seq
 """
 _BULK_AUDIT = """
-INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor)
-SELECT operation_id, created_at + :offset, :event, :from_state, :to_state, 1, 'bench-host:4242:0a1b2c3d'
+INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor)
+SELECT operation_id, :id, created_at + :offset, :event, :from_state, :to_state, 1, 'bench-host:4242:0a1b2c3d'
 FROM operations ORDER BY rowid
 """
 
@@ -113,13 +113,18 @@ def _bulk_insert(path: Path, rows: int) -> None:
         conn.execute("PRAGMA cache_size = -200000")
         conn.execute("BEGIN")
         conn.execute(_BULK_OPERATIONS, {"rows": rows, "now": time.time()})
-        for event, from_state, to_state, offset in (
-            ("claimed", None, "RUNNING", 0.0),
-            ("succeeded", "RUNNING", "SUCCEEDED", 0.004),
+        for entry, (event, from_state, to_state, offset) in enumerate(
+            (("claimed", None, "RUNNING", 0.0), ("succeeded", "RUNNING", "SUCCEEDED", 0.004)), start=1
         ):
             conn.execute(
                 _BULK_AUDIT,
-                {"offset": offset, "event": event, "from_state": from_state, "to_state": to_state},
+                {
+                    "id": entry,
+                    "offset": offset,
+                    "event": event,
+                    "from_state": from_state,
+                    "to_state": to_state,
+                },
             )
         conn.execute("COMMIT")
         conn.execute("PRAGMA journal_mode = WAL")  # as the ledger keeps it

@@ -214,10 +214,15 @@ class SQLiteLedger:
         # claims are of new keys and find nothing: then go straight to the writer.
         self.check_identity()
         settled: Claim | None = None
+        absent = False  # the read found no row under this key: the write may skip reading it again
         alone = not self._open and self.inline_when_alone
         if not self._writer.busy:
-            settled = self._settled(request, now)
-        claim = settled if settled is not None else await self._write(ClaimWrite(request, now), alone=alone)
+            settled, absent = self._settled(request, now)
+        claim = (
+            settled
+            if settled is not None
+            else await self._write(ClaimWrite(request, now, absent), alone=alone)
+        )
         if isinstance(claim, OverBudget):
             raise claim
         if claim.kind is ClaimKind.NEW:
@@ -229,8 +234,9 @@ class SQLiteLedger:
             await asyncio.sleep(0)
         return claim
 
-    def _settled(self, request: ClaimRequest, now: float) -> Claim | None:
-        """A replay or a conflict, answered from one indexed read without the writer thread.
+    def _settled(self, request: ClaimRequest, now: float) -> tuple[Claim | None, bool]:
+        """A replay or a conflict, answered from one indexed read without the writer thread; and
+        whether the key had no row at all.
 
         A settled operation changes only by compensation or purge, so a committed WAL snapshot
         answers it as the writer would (the read takes no lock and never waits for writers);
@@ -242,14 +248,16 @@ class SQLiteLedger:
                 (request.principal, request.session, request.step),
             )
         except sqlite3.Error:
-            return None
-        if row is None or (row[EXPIRES_AT] is not None and row[EXPIRES_AT] <= now):  # none, or past retention
-            return None
+            return None, False
+        if row is None:
+            return None, True
+        if row[EXPIRES_AT] is not None and row[EXPIRES_AT] <= now:  # past retention: the write deletes it
+            return None, False
         if row[TOOL] != request.tool or row[FINGERPRINT] != request.fingerprint:
-            return Claim(ClaimKind.CONFLICT, decode(row))
+            return Claim(ClaimKind.CONFLICT, decode(row)), False
         if row[STATE] in SETTLED:
-            return Claim(ClaimKind.EXISTING, decode(row))
-        return None
+            return Claim(ClaimKind.EXISTING, decode(row)), False
+        return None, False
 
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None

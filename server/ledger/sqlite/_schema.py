@@ -80,6 +80,27 @@ MIGRATIONS: list[str] = [
     CREATE INDEX operations_budget ON operations (budget, principal, session, created_at, state, budget_amount,
         expires_at) WHERE budget IS NOT NULL;
     """,
+    # 6: the audit trail clustered by operation: one B-tree instead of a table and an index, so
+    # every claim and every outcome writes (and syncs) one page fewer. `id` now numbers an
+    # operation's entries in order (the old, global ids keep their order).
+    """
+    CREATE TABLE audit_by_operation (
+        operation_id TEXT NOT NULL,
+        id           INTEGER NOT NULL,
+        at           REAL NOT NULL,
+        event        TEXT NOT NULL,
+        from_state   TEXT,
+        to_state     TEXT,
+        fence        INTEGER NOT NULL,
+        actor        TEXT,
+        detail       TEXT,
+        PRIMARY KEY (operation_id, id)
+    ) WITHOUT ROWID;
+    INSERT INTO audit_by_operation SELECT operation_id, id, at, event, from_state, to_state, fence, actor, detail
+        FROM audit;
+    DROP TABLE audit;
+    ALTER TABLE audit_by_operation RENAME TO audit;
+    """,
 ]
 
 _COLUMNS = (
@@ -104,9 +125,15 @@ INSERT = (
     " budget, budget_amount)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# An entry numbered after the operation's last one (a seek on the page the insert writes anyway).
 AUDIT = (
-    "INSERT INTO audit (operation_id, at, event, from_state, to_state, fence, actor, detail)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor, detail)"
+    " VALUES (?1, (SELECT coalesce(max(id), 0) + 1 FROM audit WHERE operation_id = ?1), ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+)
+# The first entry of an operation just created (its id is new: nothing to number after).
+AUDIT_FIRST = (
+    "INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor, detail)"
+    " VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 

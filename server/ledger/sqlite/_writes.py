@@ -32,6 +32,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
+    AUDIT_FIRST,
     EXPIRES_AT,
     INSERT,
     INSERT_AWAITING,
@@ -76,15 +77,20 @@ class ClaimWrite:
     """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
     for the rows and their audit entries (`run_many`); anything unusual runs write by write."""
 
-    __slots__ = ("new", "now", "request")
+    __slots__ = ("absent", "new", "now", "request")
 
-    def __init__(self, request: ClaimRequest, now: float) -> None:
-        self.request, self.now = request, now
+    def __init__(self, request: ClaimRequest, now: float, absent: bool = False) -> None:
+        """`absent`: a read just before found no row under the key, so most likely there is none."""
+        self.request, self.now, self.absent = request, now, absent
         # Built here, on the caller's thread: the writer thread is the ledger's one serial path,
         # and what it need not do in Python shortens every group commit.
         self.new = _new_operation(request, now)
 
     def __call__(self, conn: sqlite3.Connection) -> Claim | OverBudget:
+        if self.absent and self.request.approval is None:
+            claimed = _claim_unseen(conn, self.request, self.now, self.new)
+            if claimed is not None:
+                return claimed
         return _claim(conn, self.request, self.now, self.new)
 
     @staticmethod
@@ -107,7 +113,7 @@ class ClaimWrite:
             if inserted != len(writes):
                 undo()
                 return None
-            conn.executemany(AUDIT, [_claimed_row(op) for op in ops])
+            conn.executemany(AUDIT_FIRST, [_claimed_row(op) for op in ops])
         return [Claim(ClaimKind.NEW, op) for op in ops]
 
 
@@ -254,6 +260,29 @@ def _claim(
     if op.state is State.FAILED_RETRYABLE:  # certainly not applied: this caller runs it again
         return _claim_again(conn, op, request, now)
     return Claim(ClaimKind.EXISTING, op)
+
+
+def _claim_unseen(
+    conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation
+) -> Claim | None:
+    """The common case of `_claim`, a key nobody has used, without reading the key first: the
+    insert's unique index tells whether it is still new. None when anything is unusual (the key
+    was taken meanwhile, a duplicate matched, the budget does not fit): then nothing was written
+    and `_claim` decides, reading the key as always."""
+    check = request.budget
+    if check is not None and budget_spent(conn, request, now) + check.amount > check.limit:
+        return None
+    if request.duplicates is not None and find_duplicate(conn, request, now) is not None:
+        return None
+    if (
+        conn.execute(
+            INSERT + " ON CONFLICT (principal, session, step) DO NOTHING", _insert_row(new, request)
+        ).rowcount
+        != 1
+    ):
+        return None
+    conn.execute(AUDIT_FIRST, _claimed_row(new))
+    return Claim(ClaimKind.NEW, new)
 
 
 def _claim_again(
@@ -513,7 +542,7 @@ def _insert(
 ) -> Operation:
     op = new if new is not None else _new_operation(request, now)
     conn.execute(INSERT, _insert_row(op, request))
-    conn.execute(AUDIT, _claimed_row(op))
+    conn.execute(AUDIT_FIRST, _claimed_row(op))
     return op
 
 
@@ -585,7 +614,7 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now:
 
 def _outcome(current: Operation, change: Transition, now: float) -> Operation:
     """`current` after a plain outcome, as a new object (the caller keeps its own)."""
-    op = dataclasses.replace(current)
+    op = current.copy()
     _transition(op, change, now)
     return op
 
