@@ -263,6 +263,21 @@ async def test_update_records_an_outcome(ledger: Ledger) -> None:
 
 
 @pytest.mark.anyio
+async def test_an_outcome_of_an_operation_the_caller_holds_leaves_the_callers_copy_alone(
+    ledger: Ledger,
+) -> None:
+    """The ledger answers a plain outcome from the caller's operation without reading it back: as a
+    new object, equal to what the ledger then holds, while the caller's still says RUNNING."""
+    op = await new_op(ledger)
+    before = Operation(**{name: getattr(op, name) for name in Operation.__slots__})
+    done = await ledger.update(op.operation_id, finish(op, result=RESULT), T0 + 3, current=op)
+    assert done is not None and done is not op
+    assert op == before and op.state is State.RUNNING
+    assert (done.state, done.result, done.completed_at) == (State.SUCCEEDED, RESULT, T0 + 3)
+    assert await ledger.get("alice", "s1", "k1") == done
+
+
+@pytest.mark.anyio
 async def test_update_keeps_the_error_record(ledger: Ledger) -> None:
     op = await new_op(ledger)
     error = {"outcome": "permanent", "type": "PermanentError", "message": "card declined"}

@@ -512,10 +512,12 @@ class CommitBoundary:
         )
         self._inflight[op.operation_id] = task
         task.add_done_callback(lambda _: self._inflight.pop(op.operation_id, None))
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self.settings.respond_within)
-        except TimeoutError:
-            raise errors.in_progress(op) from None
+        # Waiting never cancels the task (as shield would not): past respond_within, or if this
+        # caller goes away, the work goes on and its outcome lands in the ledger for polling.
+        await asyncio.wait((task,), timeout=self.settings.respond_within)
+        if not task.done():
+            raise errors.in_progress(op)
+        return task.result()
 
     async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
         tool, policy = request.tool, request.tool.policy

@@ -73,6 +73,14 @@ class Operation:
     # A person's decision: {state, via, by, reason, decided_at, expires_at, ...}; None when none was asked.
     approval: dict[str, Any] | None = None
 
+    def copy(self) -> Operation:
+        """A shallow copy: what `dataclasses.replace(op)` makes, without its keyword call per field
+        (a tenth of its time; every outcome makes one)."""
+        twin = object.__new__(Operation)
+        for name in Operation.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
 
 def iso(ts: float | None) -> str | None:
     """Timestamps cross the wire as ISO 8601 UTC with milliseconds."""
