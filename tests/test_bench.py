@@ -22,6 +22,7 @@ from commitgate.server.bench import report
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
 from commitgate.server.bench.report import goals, missed_notes
+from commitgate.server.bench.run import cpu_jiffies, stolen_share
 from commitgate.server.bench.stats import quantile, spread
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
@@ -275,7 +276,7 @@ def test_the_printed_table_speaks_to_a_user(quick_run: dict[str, Any]) -> None:
 
 
 def test_every_missed_target_is_explained() -> None:
-    results = {
+    results: dict[str, Any] = {
         "meta": {"load_average_at_start": [2.5]},
         "overhead": {"guarded_over_unguarded_floor": 1.31},
         "goals": {
@@ -290,6 +291,19 @@ def test_every_missed_target_is_explained() -> None:
     notes = missed_notes(results)
     assert len(notes) == 3 and not any("replayed answer" in n for n in notes)
     assert "1.310 or more" in notes[0] and all("load average 2.5" in n for n in notes)
+    assert not any("steal" in n for n in notes)
+    results["meta"]["cpu_stolen_share"] = 0.31
+    assert all("took 31% of this virtual machine's CPU time" in n for n in missed_notes(results))
+
+
+def test_stolen_cpu_time_is_read_from_the_kernels_counters(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\n")
+    start = cpu_jiffies(stat)
+    assert start == (40, 1000)
+    stat.write_text("cpu  200 0 100 1400 10 0 0 290 0 0\n")
+    assert stolen_share(start, cpu_jiffies(stat)) == 0.25  # 250 of the 1,000 jiffies since
+    assert cpu_jiffies(tmp_path / "absent") is None and stolen_share(None, (1, 2)) is None
 
 
 def test_a_difference_is_printed_with_its_own_sign() -> None:

@@ -113,6 +113,12 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
         if load >= 1
         else ""
     )
+    stolen = results["meta"].get("cpu_stolen_share") or 0.0
+    if stolen >= 0.05:
+        busy += (
+            f" Its host took {stolen:.0%} of this virtual machine's CPU time during the run (steal time),"
+            " which slows every figure and the disk's syncs with them."
+        )
     why = {
         "guard_over_floor": "besides its two syncs a guarded call runs the claim's and the outcome's "
         "transactions, its work task and a larger answer in Python, which on this machine cost more than "

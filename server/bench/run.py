@@ -116,6 +116,9 @@ async def run_bench(options: Options, console: Console | None = None) -> dict[st
         results["goals"] = goals(results)
         results["checks"] = checks(results)
         results["meta"]["seconds"] = round(time.perf_counter() - results["meta"].pop("_started"), 1)
+        results["meta"]["cpu_stolen_share"] = stolen_share(
+            results["meta"].pop("_cpu_at_start"), cpu_jiffies()
+        )
         console.print(results_table(results))
         for line in missed_notes(results):
             console.print(line)
@@ -133,9 +136,33 @@ def _meta(options: Options, scale: Scale) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_start": list(os.getloadavg()),
+        "_cpu_at_start": cpu_jiffies(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "_started": time.perf_counter(),
     }
+
+
+def cpu_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(stolen, total) CPU time since boot in jiffies, from Linux's /proc/stat; None elsewhere.
+
+    "Stolen" is time this virtual machine was ready to run but its host ran something else: on a
+    shared VM it slows every figure of a run, and the load average does not show it.
+    """
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    times = [int(value) for value in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return times[7], sum(times)
+
+
+def stolen_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time its host took between two `cpu_jiffies` readings."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return round((end[0] - start[0]) / (end[1] - start[1]), 3)
 
 
 def _show_log_tail(console: Console, path: Path, lines: int = 30) -> None:
