@@ -416,3 +416,37 @@ async def test_stats_adds_what_only_a_running_server_counts(
         assert refused.code == 1 and "cannot read metrics" in refused.err and "401" in refused.err
     finally:
         httpd.shutdown()
+
+
+async def test_show_masks_secrets_on_screen_and_keeps_them_in_json(
+    tmp_path: Path, ledger_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A terminal is seen over shoulders and pasted into tickets: `ops show` hides credentials and
+    cuts card numbers to their last four digits, as the console does; --json is for scripts."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    try:
+        arguments = {"card": "4242 4242 4242 4242", "api_key": "sk_live_abc", "amount_cents": 500}
+        claim = await ledger.claim(
+            ClaimRequest(
+                principal="agent",
+                session="s1",
+                step="pay-1",
+                tool="charge_card",
+                idempotency_class=IdempotencyClass.KEY_REQUIRED,
+                fingerprint="fp",
+                arguments_json=json.dumps(arguments),
+                owner=this_owner(),
+                lease_seconds=30.0,
+                retention_seconds=3600.0,
+            ),
+            time.time(),
+        )
+    finally:
+        await ledger.close()
+    op_id = claim.operation.operation_id
+    shown = await cli(capsys, ["ops", "show", op_id, "--ledger", ledger_url])
+    assert shown.code == 0, shown.text
+    assert "4242 4242 4242 4242" not in shown.out and "sk_live_abc" not in shown.out
+    assert "•••• 4242" in shown.out and "500" in shown.out
+    raw = await cli(capsys, ["ops", "show", op_id, "--ledger", ledger_url, "--json"])
+    assert json.loads(raw.out)["arguments"] == arguments

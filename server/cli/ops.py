@@ -51,6 +51,7 @@ from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.loading import default_policy, load_policy
+from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import PolicyError
 
@@ -104,7 +105,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     listing.set_defaults(func=cmd_list)
 
-    show = actions.add_parser("show", parents=[where], help="one operation with its audit history")
+    show = actions.add_parser(
+        "show",
+        parents=[where],
+        help="one operation with its audit history (secret-looking values masked; --json shows them as recorded)",
+    )
     show.add_argument("operation_id")
     show.set_defaults(func=cmd_show)
 
@@ -329,18 +334,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(view)
             return 0
+        # On screen, as on the console: credentials hidden, card numbers cut to their last four
+        # digits. --json keeps every value as recorded, for scripts.
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
         for key in (
             "idempotency_class", "arguments", "approval", "result", "error", "reconciliation", "expires_at",
         ):  # fmt: skip
             if view.get(key) is not None:
-                out.print(Text.assemble((key, "bold"), ": ", json_text(view[key], indent=None)))
+                out.print(Text.assemble((key, "bold"), ": ", json_text(mask_values(view[key]), indent=None)))
         table = Table(title="history", title_justify="left")
         for column in ("at", "event", "from", "to", "fence", "actor", "detail"):
             table.add_column(column, overflow="fold")
         for entry in view["history"]:
-            detail = json_text(entry["detail"], indent=None) if entry["detail"] else ""
+            detail = json_text(mask_values(entry["detail"]), indent=None) if entry["detail"] else ""
             table.add_row(
                 entry["at"],
                 cell(entry["event"]),
