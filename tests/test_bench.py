@@ -19,15 +19,18 @@ from typing import Any
 import pytest
 
 from commitgate.server.bench import report
+from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.run import cpu_jiffies, stolen_share
 from commitgate.server.bench.stats import quantile, spread
+from commitgate.server.bench.workspace import FULL
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State
 from commitgate.server.model.outcomes import RetryableError
+from commitgate.server.policy.loading import loads_policy
 from commitgate.tools import benchtools
 
 
@@ -311,3 +314,10 @@ def test_a_difference_is_printed_with_its_own_sign() -> None:
     assert report._ratio_text({"median": -0.161, **spread}, signed=True).startswith("-0.161 ")
     assert report._ratio_text({"median": 0.001, **spread}, signed=True).startswith("+0.001 ")
     assert report._ratio_text({"median": 1.5, **spread}).startswith("1.500 ")
+
+
+def test_the_concurrency_experiment_is_not_cut_short_by_the_per_principal_limit() -> None:
+    """All copies of the keys in flight reach the ledger at full scale: a call refused by the
+    per-principal limit executes nothing, and a key whose every copy was refused has no effect."""
+    limit = loads_policy(CONCURRENCY_POLICY).server.limits.max_concurrent_per_principal
+    assert limit >= FULL.dup_copies * FULL.keys_in_flight

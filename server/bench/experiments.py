@@ -69,11 +69,17 @@ JITTER_RETRY = (
     '{ attempts = 100, initial = "100ms", max = "2s", multiplier = 2.0, jitter = "full", deadline = "300s" }'
 )
 
+# Up to 128 identical calls run at once from one principal (64 copies of 2 keys): above the default
+# limit of 64 per principal, which would refuse the surplus before it reaches the ledger (nothing
+# executed, `retries_exhausted`) and leave some keys with no effect at all. The experiment is about
+# the ledger deciding between concurrent duplicates, so every call must reach it.
 CONCURRENCY_POLICY = """
 [server]
 name = "commitgate-bench-concurrency"
 in_progress_wait = "60s"
 respond_within = "60s"
+[server.limits]
+max_concurrent_per_principal = 1000
 [ledger]
 synchronous = "FULL"
 [tools.create_ticket]
