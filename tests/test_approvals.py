@@ -301,8 +301,8 @@ def test_the_question_masks_secret_arguments_and_fills_the_prompt() -> None:
         'approval = { prompt = "Pay {arguments.amount_cents} cents with {arguments.card_number}?" }\n'
     ).tools["pay"]
     text = approvals.question(op, policy).text
-    assert "Pay 25000 cents with ***?" in text and "alice" in text and "pay" in text
-    assert "4242" not in text and "sekrit" not in text and "refund" in text
+    assert "Pay 25000 cents with •••• 4242?" in text and "alice" in text and "pay" in text
+    assert "4242424242424242" not in text and "sekrit" not in text and "refund" in text
 
 
 # --- the policy ---------------------------------------------------------------------------------

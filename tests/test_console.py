@@ -635,7 +635,11 @@ def test_a_compensable_operation_asks_for_the_result_its_compensation_needs(
     [
         ({"card": CARD}, {"card": "•••• 4242"}),
         ({"card_number": 4242424242424242}, {"card_number": "•••• 4242"}),
-        ({"cvv": "123", "pin": "0000"}, {"cvv": "***", "pin": "***"}),
+        (
+            {"cvv": "123", "pin": "0000", "user_pin": "1111", "spin": 3},
+            {"cvv": "***", "pin": "***", "user_pin": "***", "spin": 3},
+        ),
+        ({"iban": "DE89370400440532013000", "account_number": "1"}, {"iban": "***", "account_number": "***"}),
         ({"headers": {"Authorization": "Bearer abc"}}, {"headers": {"Authorization": "***"}}),
         (
             {"apiKey": "k", "db_password": "p", "refresh_token": "t"},

@@ -26,18 +26,13 @@ from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, S
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.expressions import ExpressionFailed, activation
-from commitgate.server.policy.masking import MASK
+from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import ToolPolicy
 
 log = logging.getLogger("commitgate.approvals")
 
 Decision = Literal["approve", "deny"]
 
-# Argument names whose values a person deciding never needs to see, and a screen must not show.
-_SECRET_ARGUMENT = re.compile(
-    r"card|pan$|cvv|cvc|token|secret|passw|pwd|pin$|api[-_]?key|apikey|private|credential|ssn|iban|account_number",
-    re.IGNORECASE,
-)
 _SWEEP_BATCH = 500
 
 
@@ -271,18 +266,10 @@ def _refusal(op: Operation, via: str) -> str | None:
 
 
 def masked(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The arguments with values of secret-looking fields (card numbers, tokens, passwords) masked."""
-
-    def mask(name: str, value: Any) -> Any:
-        if _SECRET_ARGUMENT.search(name):
-            return MASK
-        if isinstance(value, Mapping):
-            return {k: mask(str(k), v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [mask(name, v) for v in value]
-        return value
-
-    return {name: mask(name, value) for name, value in arguments.items()}
+    """The arguments as a person may see them, by the same rules as every screen: credentials
+    hidden, card numbers cut to their last four digits."""
+    shown: dict[str, Any] = mask_values(dict(arguments))
+    return shown
 
 
 def render_prompt(template: str, arguments: Mapping[str, Any]) -> str:

@@ -95,7 +95,7 @@ def mask_secrets(document: Any) -> Any:
 # Field names whose value is a credential: hidden whole.
 _SECRET_FIELD = re.compile(
     r"passw|pwd|secret|token|api[-_]?key|apikey|access[-_]?key|private[-_]?key|credential|cookie"
-    r"|authori[sz]ation|^auth$|signature|^cvv|^cvc|security[-_]?code|^pin$|ssn",
+    r"|authori[sz]ation|^auth$|signature|^cvv|^cvc|security[-_]?code|(^|[-_])pin$|ssn|iban|account[-_]?number",
     re.IGNORECASE,
 )
 # Field names whose value is a payment card number: only its last four digits are shown.
