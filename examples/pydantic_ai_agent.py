@@ -160,7 +160,9 @@ class Sandbox:
 
 async def run_agent(transport: StdioTransport, hook: Callable[..., Any]) -> Transcript:
     transcript = Transcript()
-    toolset = MCPToolset(transport, process_tool_call=hook, tool_error_behavior="failed")
+    # A server process may take a few seconds to start on a busy machine: more than the 5 s that
+    # pydantic-ai waits for the handshake by default.
+    toolset = MCPToolset(transport, process_tool_call=hook, tool_error_behavior="failed", init_timeout=30)
     agent = Agent(scripted_model(transcript), toolsets=[toolset])
     await agent.run("Charge order 42 for $12.99")
     return transcript
