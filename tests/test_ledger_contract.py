@@ -563,6 +563,28 @@ async def test_sqlite_a_failing_step_takes_only_itself_down(tmp_path: Path) -> N
 
 
 @pytest.mark.anyio
+async def test_sqlite_a_step_sqlite_refuses_in_a_group_commit_is_a_ledger_failure(tmp_path: Path) -> None:
+    """A write SQLite refuses (here a constraint; a full disk or a schema the write does not fit
+    alike) means the ledger could not record: LedgerUnavailable, so the caller answers
+    ledger_unavailable and runs nothing, whether its write ran alone or with company."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+
+    def refused(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO audit (operation_id, at, event, fence) VALUES ('op_x', 0, 'no id', 0)")
+
+    try:
+        claims = [ledger.claim(request(f"k{i}"), T0) for i in range(10)]
+        results = await asyncio.gather(
+            *claims[:5], ledger._write(refused), *claims[5:], return_exceptions=True
+        )
+        failure = results.pop(5)
+        assert isinstance(failure, LedgerUnavailable) and "NOT NULL" in str(failure)
+        assert all(isinstance(r, Claim) and r.kind is ClaimKind.NEW for r in results)
+    finally:
+        await ledger.close()
+
+
+@pytest.mark.anyio
 async def test_micro_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> None:
     figures = await run_ledger_bench(tmp_path / "bench.db", ops=40, tasks=4)
     assert figures["synchronous"] == "FULL"

@@ -237,7 +237,7 @@ class Writer(threading.Thread):
                 outcomes.append((True, write(conn)))
             except Exception as exc:
                 conn.execute("ROLLBACK TO step")
-                outcomes.append((False, exc))
+                outcomes.append((False, _as_ledger_failure(exc)))
             conn.execute("RELEASE step")
         conn.execute("COMMIT")
         self._committed(lazy, changes, conn)
@@ -347,6 +347,13 @@ class _Syncer(threading.Thread):
 
 
 _datasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _as_ledger_failure(exc: Exception) -> Exception:
+    """A write SQLite refused (a constraint, a full disk, a schema it does not fit) is a ledger that
+    could not record: its caller answers `ledger_unavailable` and runs nothing, as for a failed
+    batch. Anything else is the write's own answer and reaches its caller as raised."""
+    return LedgerUnavailable(f"ledger write failed: {exc}") if isinstance(exc, sqlite3.Error) else exc
 
 
 def _settle_all(items: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
