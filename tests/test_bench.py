@@ -21,7 +21,7 @@ import pytest
 from commitgate.server.bench import report
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
-from commitgate.server.bench.overhead import DiskFloor, _over_floor, _syncs_in_server, _Variant
+from commitgate.server.bench.overhead import CLAIM_PAGES, DiskFloor, _over_floor, _syncs_in_server, _Variant
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.run import cpu_jiffies, stolen_share
 from commitgate.server.bench.stats import quantile, spread
@@ -170,6 +170,31 @@ def test_goals_are_judged_on_the_median_ratio() -> None:
     floor = {"median": 1.9, "p25": 1.8, "p75": 2.1, "min": 1.5, "max": 2.5}
     with_floor = {**results, "overhead": {**results["overhead"], "overhead_over_floor": {"full": floor}}}
     assert goals(with_floor)["guard_over_floor"]["met"] is True
+
+
+def test_the_claims_floor_writes_as_many_frames_as_a_claim_before_each_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    floor = DiskFloor(tmp_path, pages=CLAIM_PAGES)
+    calls: list[str] = []
+    real_pwrite, real_sync = os.pwrite, getattr(os, "fdatasync", os.fsync)
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        calls.append("write")
+        return real_pwrite(fd, data, offset)
+
+    def fdatasync(fd: int) -> None:
+        calls.append("sync")
+        real_sync(fd)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    try:
+        floor.sample()
+        floor.sample()
+    finally:
+        floor.close()
+    assert calls == (["write"] * CLAIM_PAGES + ["sync"]) * 2
 
 
 def test_the_guard_is_measured_in_units_of_the_disk_floor(tmp_path: Path) -> None:

@@ -57,6 +57,10 @@ NO_FSYNC_POLICY = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous =
 
 # --- the disk: what durability costs at the least ---------------------------------------------------------
 
+# The frames a claim of a new key writes to the ledger's WAL when no page splits: the row, its five
+# indexes and the audit entry (tests/test_sqlite_write_path.py counts them).
+CLAIM_PAGES = 7
+
 
 def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> float:
     """What durability adds to one SQLite commit in `directory`: synchronous=FULL minus NORMAL.
@@ -99,12 +103,16 @@ def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> f
 class DiskFloor:
     """The least a durable write can cost on this filesystem: overwrite one 4 KiB frame of a
     preallocated file and fdatasync it, as a WAL commit at its least does. Timed inside the
-    overhead rounds, beside the calls, so that a busy disk or CPU weighs on both alike."""
+    overhead rounds, beside the calls, so that a busy disk or CPU weighs on both alike.
+
+    With `pages`, each sample overwrites that many consecutive frames before its sync, as a
+    commit that touched that many B-tree pages does: a sync costs more the more it carries."""
 
     FRAME = 4096
     FRAMES = 64
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, pages: int = 1) -> None:
+        self.pages = pages
         self.path = directory / f".disk-floor-{uuid.uuid4().hex}"
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         os.write(self._fd, os.urandom(self.FRAME * self.FRAMES))  # allocated, so no sync grows the file
@@ -115,9 +123,10 @@ class DiskFloor:
 
     def sample(self) -> float:
         start = time.perf_counter_ns()
-        os.pwrite(self._fd, self._frame, (self._next % self.FRAMES) * self.FRAME)
+        for _ in range(self.pages):
+            os.pwrite(self._fd, self._frame, (self._next % self.FRAMES) * self.FRAME)
+            self._next += 1
         getattr(os, "fdatasync", os.fsync)(self._fd)
-        self._next += 1
         return (time.perf_counter_ns() - start) / 1000.0
 
     def close(self) -> None:
@@ -174,13 +183,14 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         for variant in variants:  # warm every path up; the replays' keys are among these
             for i in range(_REPLAY_KEYS):
                 await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
-        floor = DiskFloor(bench.root)
+        floor, claim_floor = DiskFloor(bench.root), DiskFloor(bench.root, pages=CLAIM_PAGES)
         try:
             for round_no in range(scale.rounds):
-                await _round(variants, round_no, scale.calls_per_round, floor)
+                await _round(variants, round_no, scale.calls_per_round, [floor, claim_floor])
                 tick(1)
         finally:
             floor.close()
+            claim_floor.close()
     by_name = {variant.name: variant for variant in variants}
     bench.raw["overhead_us"] = {name: [s for r in v.samples for s in r] for name, v in by_name.items()}
     sync_us = commit_sync_us(bench.root)
@@ -210,6 +220,8 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "claim_durability_over_plain_sdk": ratio("guarded_claim_durability", "plain_sdk"),
         },
         "disk_floor_us": spread([statistics.median(r) for r in floor.samples], 1),
+        "disk_floor_claim_pages": CLAIM_PAGES,
+        "disk_floor_claim_us": spread([statistics.median(r) for r in claim_floor.samples], 1),
         "overhead_over_floor": {
             "full": _over_floor(by_name["guarded"], by_name["unguarded"], floor),
             "claim": _over_floor(by_name["guarded_claim_durability"], by_name["unguarded"], floor),
@@ -219,6 +231,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
             "guarded_claim_durability": 'the guarded call with [ledger] durability = "claim" (one sync per call)',
             "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory",
+            "disk_floor_claim": f"the same with {CLAIM_PAGES} frames before the sync: the pages a new key's claim writes",
             "*_sdk_stdio": "the same server on the MCP SDK's stdio transport (commitgate serve --stdio sdk)",
         },
         "commit_sync_us": sync_us,
@@ -270,20 +283,19 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
     ]
 
 
-async def _round(variants: list[_Variant], round_no: int, calls: int, floor: DiskFloor | None = None) -> None:
-    for variant in variants:
-        variant.samples.append([])
-    if floor is not None:
-        floor.samples.append([])
-    order: list[_Variant | None] = [*variants, None] if floor is not None else list(variants)
+async def _round(
+    variants: list[_Variant], round_no: int, calls: int, floors: list[DiskFloor] | None = None
+) -> None:
+    order: list[_Variant | DiskFloor] = [*variants, *(floors or [])]
+    for item in order:
+        item.samples.append([])
     for i in range(calls):
         # A fresh order each time: a fixed cycle always hands the same server to the same variant
         # just after another server ran (caches and wake-ups cold), which biased the ratios.
         random.shuffle(order)
         for item in order:
-            if item is None:
-                assert floor is not None
-                floor.samples[-1].append(floor.sample())
+            if isinstance(item, DiskFloor):
+                item.samples[-1].append(item.sample())
             else:
                 item.samples[-1].append(await _timed(item, round_no, i))
 
