@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from pydantic import BaseModel, ValidationError
 
@@ -47,3 +50,31 @@ def test_a_run_time_failure_names_the_expression_and_the_cause() -> None:
         when.evaluate(activation({}, "p", "s", "t"))
     with pytest.raises(ExpressionFailed, match=r"arguments\.amount_cents"):
         when.evaluate(activation({"amount_cents": 2.5}, "p", "s", "t"))
+
+
+def test_the_server_starts_without_the_cel_packages_interactive_shell() -> None:
+    """`import cel` also imports its shell (prompt_toolkit and more), about 230 ms of every start of
+    `commitgate serve`; the compiled engine alone compiles and runs expressions."""
+    code = (
+        "import sys\n"
+        "import commitgate.server.cli.main\n"
+        "from commitgate.server.policy.expressions import compile_expression\n"
+        "assert compile_expression('arguments.n > 1').evaluate({'arguments': {'n': 2}}) is True\n"
+        "print(sorted(m for m in ('prompt_toolkit', 'cel.cli') if m in sys.modules))\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert shown.stdout.strip() == "[]", shown.stdout + shown.stderr
+
+
+def test_an_unknown_layout_of_the_cel_package_falls_back_to_the_package() -> None:
+    code = (
+        "import importlib.machinery\n"
+        "importlib.machinery.EXTENSION_SUFFIXES = ['.no-such-suffix']  # the compiled module is not found\n"
+        "from commitgate.server.policy import expressions\n"
+        "assert expressions.cel.__name__ == 'cel', expressions.cel\n"
+        "print(expressions.compile_expression('arguments.n > 1').evaluate({'arguments': {'n': 2}}))\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.strip() == "True", shown.stdout + shown.stderr

@@ -14,14 +14,50 @@ than a failure on the first call.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any
 
-import cel
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
 NAMES = ("arguments", "principal", "session", "tool")
+
+
+def _engine() -> ModuleType:
+    """The package's compiled CEL module, loaded without the package itself.
+
+    `import cel` also imports the package's interactive shell (`cel.cli`, with prompt_toolkit and
+    more): about 230 ms of every start-up of `commitgate serve`, for nothing a server uses. The
+    compiled module is what the package re-exports, so it is loaded alone, under the name the
+    package gives it; a layout this does not know falls back to the package as shipped.
+    """
+    loaded = sys.modules.get("cel.cel")
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("cel")  # finds it without running its __init__
+    for directory in (package.submodule_search_locations or []) if package is not None else []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(directory) / f"cel{suffix}"
+            if path.is_file():
+                loader = importlib.machinery.ExtensionFileLoader("cel.cel", str(path))
+                spec = importlib.util.spec_from_file_location("cel.cel", path, loader=loader)
+                if spec is None:
+                    continue
+                module = importlib.util.module_from_spec(spec)
+                loader.exec_module(module)
+                sys.modules["cel.cel"] = module
+                return module
+    import cel
+
+    return cel
+
+
+cel = _engine()
 
 
 class ExpressionFailed(Exception):
