@@ -22,7 +22,7 @@ from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.security import CSRF_FIELD, Access
 from commitgate.server.core import approvals
 from commitgate.server.ledger import open_ledger
-from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Transition
+from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.policy.approvals import ApprovalPolicy
@@ -111,6 +111,16 @@ def write_policy(root: Path, extra: str = "") -> Path:
     return path
 
 
+async def _seeding(where: Path | str) -> Ledger:
+    """A ledger to fill with fixtures: a SQLite file without a sync per commit (thousands of
+    commits that no crash will test; the pages' figures do not depend on it)."""
+    return (
+        await SQLiteLedger.open(where, synchronous="OFF")
+        if isinstance(where, Path)
+        else await open_ledger(where)
+    )
+
+
 async def spend(
     where: Path | str,
     budget: str,
@@ -119,7 +129,7 @@ async def spend(
 ) -> None:
     """Budgeted operations of `budget` (of BUDGETS) written straight into the ledger, each
     (principal, session, amount, created_at), claimed through the budget check and left in `state`."""
-    ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
+    ledger = await _seeding(where)
     try:
         for i, (principal, session, amount, at) in enumerate(spends):
             step = f"{budget}-{state.value.lower()}-{i}-{at}"
@@ -174,7 +184,7 @@ async def claim(
     """An operation written straight into the ledger (a SQLite file or a URL; any strings at all); its id.
 
     AWAITING_APPROVAL: recorded as a call that needs approval is, waiting `timeout` seconds."""
-    ledger = await SQLiteLedger.open(where) if isinstance(where, Path) else await open_ledger(where)
+    ledger = await _seeding(where)
     now = time.time() if at is None else at
     try:
         request = ClaimRequest(
@@ -212,7 +222,7 @@ def waits(now: float, timeout: float = 3600.0) -> dict[str, Any]:
 async def seed(ledger_path: Path, count: int, unknown_every: int = 5, awaiting_every: int = 0) -> None:
     """`count` operations in one go (for timing pages): every `unknown_every`-th one UNKNOWN, and
     every `awaiting_every`-th of the others (when set) AWAITING_APPROVAL."""
-    ledger = await SQLiteLedger.open(ledger_path)
+    ledger = await _seeding(ledger_path)
     now = time.time()
     try:
         for i in range(count):
