@@ -294,3 +294,46 @@ async def test_a_steady_stream_of_commits_still_starts_the_wal_over(tmp_path: Pa
             )
     finally:
         await ledger.close()
+
+
+@pytest.mark.anyio
+async def test_a_batch_runs_a_few_statements_however_many_writes_it_holds(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer thread must win the GIL back after every statement it runs, and under load the
+    event loop holds it for most of its turn: a batch pays per statement, not per row. 300 claims
+    and 300 outcomes (more than one statement's share of rows each) still decide as one by one."""
+    batched, reference = ledgers
+    count = 300
+    with no_single_writes(monkeypatch, ClaimWrite):
+        claims = in_one_batch(batched, [ClaimWrite(claim(f"k{i:03}"), T0) for i in range(count)])
+    reference_claims = one_by_one(reference, [ClaimWrite(claim(f"k{i:03}"), T0) for i in range(count)])
+    statements: list[str] = []
+    batched._writer._conn.set_trace_callback(statements.append)
+    try:
+        with no_single_writes(monkeypatch, OutcomeWrite):
+            done = in_one_batch(
+                batched, [OutcomeWrite(c.operation.operation_id, outcome(), T0 + 1) for c in claims]
+            )
+    finally:
+        batched._writer._conn.set_trace_callback(None)
+    one_by_one(
+        reference, [OutcomeWrite(c.operation.operation_id, outcome(), T0 + 1) for c in reference_claims]
+    )
+    assert all(op is not None and op.state is State.SUCCEEDED for op in done)
+    assert rows(batched) == rows(reference)  # each audit entry numbered after its operation's claim
+    # BEGIN, a savepoint, 3 chunks of updates, 3 of audit entries, the outcomes read back, RELEASE, COMMIT
+    assert len(statements) <= 12, statements
+
+
+@pytest.mark.anyio
+async def test_statement_journals_of_a_batch_stay_in_memory(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger],
+) -> None:
+    """A statement inside a transaction keeps the pages it changes in a statement journal, which
+    SQLite spills to a new temporary file past 64 KiB: a group commit of tens of writes did so,
+    opening, writing and deleting a file per batch. In memory it is a copy of a few pages."""
+    ledger, _ = ledgers
+    writer = ledger._writer
+    for conn in (writer._conn, writer._inline):
+        assert conn.execute("PRAGMA temp_store").fetchone()[0] == 2  # MEMORY

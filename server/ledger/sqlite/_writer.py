@@ -60,7 +60,10 @@ class Writer(threading.Thread):
         self._modes: dict[sqlite3.Connection, bool] = {}  # connection -> its commits are lazy
         self._syncer = _Syncer(path, lazy_within or 0.05)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # Batched statements differ by their row count (`rows_statement`): room for all of them.
+        self._conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, cached_statements=512
+        )
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         _enable_wal(self._conn, busy_timeout_ms)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
@@ -71,6 +74,9 @@ class Writer(threading.Thread):
         self._inline.execute(f"PRAGMA synchronous = {synchronous}")
         for conn in (self._conn, self._inline):  # checkpoints belong to _Checkpointer; this is a backstop
             conn.execute(f"PRAGMA wal_autocheckpoint = {_BACKSTOP_CHECKPOINT_PAGES}")
+            # What a statement may have to undo goes to a statement journal; past 64 KiB (a group
+            # commit's pages) SQLite spilled it to a new temporary file, one per batch.
+            conn.execute("PRAGMA temp_store = MEMORY")
         self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline write
         self._checkpointer = _Checkpointer(path, synchronous, self._lock)
         self.batches = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sqlite3
@@ -73,6 +74,9 @@ def to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
 SETTLED = frozenset({State.SUCCEEDED.value, State.FAILED_FINAL.value, State.COMPENSATED.value})
 
 
+_UNLESS_TAKEN = " ON CONFLICT (principal, session, step) DO NOTHING"
+
+
 class ClaimWrite:
     """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
     for the rows and their audit entries (`run_many`); anything unusual runs write by write."""
@@ -106,14 +110,11 @@ class ClaimWrite:
             return None
         ops = [s.new for s in writes]
         with _savepoint(conn) as undo:
-            inserted = conn.executemany(
-                INSERT + " ON CONFLICT (principal, session, step) DO NOTHING",
-                [_insert_row(op, s.request) for op, s in zip(ops, writes, strict=True)],
-            ).rowcount
-            if inserted != len(writes):
+            rows = [_insert_row(op, s.request) for op, s in zip(ops, writes, strict=True)]
+            if insert_rows(conn, INSERT, rows, _UNLESS_TAKEN) != len(rows):
                 undo()
                 return None
-            conn.executemany(AUDIT_FIRST, [_claimed_row(op) for op in ops])
+            insert_rows(conn, AUDIT_FIRST, [_claimed_row(op) for op in ops])
         return [Claim(ClaimKind.NEW, op) for op in ops]
 
 
@@ -124,6 +125,22 @@ _PLAIN_OUTCOME = (
     "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
     " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
     " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'"
+)
+
+
+# The same for many operations in one statement (see `rows_statement`): v.column1..8 are a row's
+# values in `_PLAIN_OUTCOME`'s order; the primary key finds each operation.
+_PLAIN_OUTCOMES = (
+    "UPDATE operations SET state = v.column1, result = COALESCE(v.column2, result), error = v.column3,"
+    " lease_owner = NULL, lease_expires_at = NULL, updated_at = v.column4, completed_at = v.column5,"
+    " expires_at = v.column6 + retention FROM ({values}) AS v"
+    " WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = 'RUNNING'"
+)
+# AUDIT for many operations, each distinct: every entry numbered after its operation's last one.
+_AUDITS = (
+    "INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor, detail)"
+    " SELECT v.column1, (SELECT coalesce(max(id), 0) + 1 FROM audit WHERE operation_id = v.column1),"
+    " v.column2, v.column3, v.column4, v.column5, v.column6, v.column7, v.column8 FROM ({values}) AS v"
 )
 
 
@@ -195,11 +212,10 @@ class OutcomeWrite:
         if len(set(ids)) != len(ids) or not all(s.plain_outcome for s in writes):
             return None
         with _savepoint(conn) as undo:
-            updated = conn.executemany(_PLAIN_OUTCOME, [s.row for s in writes]).rowcount
-            if updated != len(writes):  # one was fenced out or moved on: decide each on its own
-                undo()
+            if rows_statement(conn, _PLAIN_OUTCOMES, [s.row for s in writes]) != len(writes):
+                undo()  # one was fenced out or moved on: decide each on its own
                 return None
-            conn.executemany(AUDIT, [s.audit_row for s in writes])
+            rows_statement(conn, _AUDITS, [s.audit_row for s in writes])
             if all(s.after is not None for s in writes):
                 return [s.after for s in writes if s.after is not None]
             marks = ",".join("?" * len(ids))
@@ -219,6 +235,46 @@ def _savepoint(conn: sqlite3.Connection) -> Iterator[Callable[[], None]]:
         yield undo
     finally:
         conn.execute("RELEASE batched")
+
+
+# Rows per statement: their parameters stay far below SQLite's limit (32,766) at any row width.
+_ROWS_PER_STATEMENT = 128
+
+
+def rows_statement(conn: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]) -> int:
+    """Run `template` for many rows at once, its `{values}` a VALUES list of them; the rows it changed.
+
+    One statement per 128 rows, not executemany's one step per row: the writer thread gives up the
+    GIL while SQLite works and must win it back after every step, and under load the event loop
+    holds it for most of its turn, so each step waited for the loop. (The rows have one width.)"""
+    return _chunked(conn, rows, lambda count: _values_sql(template, count, len(rows[0])))
+
+
+def insert_rows(
+    conn: sqlite3.Connection, insert: str, rows: Sequence[tuple[Any, ...]], tail: str = ""
+) -> int:
+    """`insert`, an INSERT of one row (`... VALUES (...)`), for many rows as `rows_statement` runs them."""
+    return _chunked(conn, rows, lambda count: _repeated_sql(insert, count, tail))
+
+
+def _chunked(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]], sql_for: Callable[[int], str]) -> int:
+    changed = 0
+    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
+        chunk = rows[start : start + _ROWS_PER_STATEMENT]
+        changed += conn.execute(sql_for(len(chunk)), [value for row in chunk for value in row]).rowcount
+    return changed
+
+
+@functools.lru_cache(maxsize=256)
+def _values_sql(template: str, count: int, width: int) -> str:
+    row = "(" + ", ".join(["?"] * width) + ")"
+    return template.format(values="VALUES " + ", ".join([row] * count))
+
+
+@functools.lru_cache(maxsize=256)
+def _repeated_sql(insert: str, count: int, tail: str) -> str:
+    head, one_row = insert.split(" VALUES ", 1)
+    return f"{head} VALUES {', '.join([one_row] * count)}{tail}"
 
 
 def run_writes(conn: sqlite3.Connection, writes: Sequence[Callable[[sqlite3.Connection], Any]]) -> list[Any]:
