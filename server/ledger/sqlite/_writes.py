@@ -330,12 +330,7 @@ def _claim_unseen(
         return None
     if request.duplicates is not None and find_duplicate(conn, request, now) is not None:
         return None
-    if (
-        conn.execute(
-            INSERT + " ON CONFLICT (principal, session, step) DO NOTHING", _insert_row(new, request)
-        ).rowcount
-        != 1
-    ):
+    if conn.execute(INSERT + _UNLESS_TAKEN, _insert_row(new, request)).rowcount != 1:
         return None
     conn.execute(AUDIT_FIRST, _claimed_row(new))
     return Claim(ClaimKind.NEW, new)
