@@ -171,3 +171,20 @@ def test_the_memory_keeps_the_most_recently_used_and_only_small_final_outcomes()
     )
     assert final.get("alice", "s1", "c", now=100.0) is None  # past retention, as in the ledger
     assert len(final) == 1
+
+
+def test_timestamps_are_formatted_once_and_exactly_as_before() -> None:
+    """A replay shows the same timestamps of its operation each time: they are formatted once."""
+    from datetime import UTC, datetime
+
+    from commitgate.server.model.records import iso
+
+    for ts in (0.0, 1_700_000_000.0005, 1_700_000_000.9999996, 1_764_604_800.123456):
+        expected = datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        assert iso(ts) == expected
+    assert iso(None) is None
+    ts = time.time()
+    iso(ts)
+    hits = iso.cache_info().hits
+    assert iso(ts) == iso(ts)
+    assert iso.cache_info().hits == hits + 2
