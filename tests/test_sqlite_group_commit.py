@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
-from commitgate.server.ledger.base import Claim, ClaimKind, ClaimRequest, Lease, Transition
+from commitgate.server.ledger.base import Claim, ClaimKind, ClaimRequest, DuplicateCheck, Lease, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite, run_writes
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -337,3 +337,53 @@ async def test_statement_journals_of_a_batch_stay_in_memory(
     writer = ledger._writer
     for conn in (writer._conn, writer._inline):
         assert conn.execute("PRAGMA temp_store").fetchone()[0] == 2  # MEMORY
+
+
+def detecting(step: str, fingerprint: str, session: str = "s1", any_session: bool = False) -> ClaimRequest:
+    return dataclasses.replace(
+        claim(step, fingerprint),
+        session=session,
+        duplicates=DuplicateCheck(window_seconds=60.0, any_session=any_session, reject=True),
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("case", "shortcut"),
+    [
+        ("no earlier action", True),
+        ("the same action earlier in the session", False),
+        ("the same action in another session, principal scope", False),
+        ("the same action in another session, session scope", True),
+        ("the same action before the window", True),
+        ("the same action, failed for good", True),
+    ],
+)
+async def test_a_batch_of_detecting_claims_looks_for_duplicates_in_one_statement(
+    ledgers: tuple[SQLiteLedger, SQLiteLedger], monkeypatch: pytest.MonkeyPatch, case: str, shortcut: bool
+) -> None:
+    """The batch asks once whether any of its claims repeats an action; when one does, every claim
+    is decided on its own, exactly as one by one (the repeated one answers DUPLICATE)."""
+    batched, reference = ledgers
+    any_session = "principal scope" in case
+    earlier_session = "s2" if "another session" in case else "s1"
+    earlier_at = T0 - 120 if "before the window" in case else T0 - 5
+    final = State.FAILED_FINAL if "failed for good" in case else State.SUCCEEDED
+    for ledger in (batched, reference):
+        if case != "no earlier action":
+            first = one_by_one(ledger, [ClaimWrite(detecting("old", "fp-2", earlier_session), earlier_at)])[0]
+            one_by_one(ledger, [OutcomeWrite(first.operation.operation_id, outcome(state=final), earlier_at)])
+    writes = [detecting(f"k{i}", f"fp-{i}", any_session=any_session) for i in range(5)]
+    statements: list[str] = []
+    batched._writer._conn.set_trace_callback(statements.append)
+    try:
+        with contextlib.nullcontext() if not shortcut else no_single_writes(monkeypatch, ClaimWrite):
+            together = in_one_batch(batched, [ClaimWrite(r, T0) for r in writes])
+    finally:
+        batched._writer._conn.set_trace_callback(None)
+    alone = one_by_one(reference, [ClaimWrite(r, T0) for r in writes])
+    assert kinds(together) == kinds(alone)
+    assert (ClaimKind.DUPLICATE in kinds(together)) is not shortcut
+    if shortcut:  # BEGIN, a savepoint, the lookup, the rows, their audit entries, RELEASE, COMMIT
+        assert len(statements) == 7, statements
+    assert rows(batched) == rows(reference)

@@ -258,11 +258,16 @@ def insert_rows(
 
 
 def _chunked(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]], sql_for: Callable[[int], str]) -> int:
-    changed = 0
+    return sum(conn.execute(sql_for(len(chunk)), _flat(chunk)).rowcount for chunk in _chunks(rows))
+
+
+def _chunks(rows: Sequence[tuple[Any, ...]]) -> Iterator[Sequence[tuple[Any, ...]]]:
     for start in range(0, len(rows), _ROWS_PER_STATEMENT):
-        chunk = rows[start : start + _ROWS_PER_STATEMENT]
-        changed += conn.execute(sql_for(len(chunk)), [value for row in chunk for value in row]).rowcount
-    return changed
+        yield rows[start : start + _ROWS_PER_STATEMENT]
+
+
+def _flat(rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    return [value for row in rows for value in row]
 
 
 @functools.lru_cache(maxsize=256)
@@ -462,12 +467,42 @@ def find_duplicate(conn: sqlite3.Connection, request: ClaimRequest, now: float) 
     return decode(row) if row is not None else None
 
 
+# Whether any of many claims (v: principal, fingerprint, session, step, since, now, any session)
+# has a duplicate: `_DUPLICATE_LOOKUP`'s conditions, one statement for a whole batch.
+_ANY_DUPLICATE = (
+    "SELECT 1 FROM ({values}) AS v WHERE EXISTS (SELECT 1 FROM operations INDEXED BY operations_duplicates"
+    " WHERE principal = v.column1 AND fingerprint = v.column2 AND (v.column7 OR session = v.column3)"
+    f" AND created_at > v.column5 AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
+    " AND (expires_at IS NULL OR expires_at > v.column6) AND NOT (session = v.column3 AND step = v.column4))"
+    " LIMIT 1"
+)
+
+
 def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
     """True when no claim of the batch may be a duplicate, of the ledger or of another in the batch."""
-    checked = [w.request for w in writes if w.request.duplicates is not None]
-    if len({(r.principal, r.fingerprint) for r in checked}) != len(checked):
+    checked = [w for w in writes if w.request.duplicates is not None]
+    if len({(w.request.principal, w.request.fingerprint) for w in checked}) != len(checked):
         return False
-    return all(find_duplicate(conn, w.request, w.now) is None for w in writes if w.request.duplicates)
+    rows = [_lookup_row(w.request, w.now) for w in checked]
+    return not rows or all(
+        conn.execute(_values_sql(_ANY_DUPLICATE, len(chunk), 7), _flat(chunk)).fetchone() is None
+        for chunk in _chunks(rows)
+    )
+
+
+def _lookup_row(request: ClaimRequest, now: float) -> tuple[Any, ...]:
+    check = request.duplicates
+    assert check is not None
+    since = now - check.window_seconds
+    return (
+        request.principal,
+        request.fingerprint,
+        request.session,
+        request.step,
+        since,
+        now,
+        check.any_session,
+    )
 
 
 _BUDGET_SUM = (
