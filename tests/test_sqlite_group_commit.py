@@ -322,7 +322,7 @@ async def test_a_batch_runs_a_few_statements_however_many_writes_it_holds(
     )
     assert all(op is not None and op.state is State.SUCCEEDED for op in done)
     assert rows(batched) == rows(reference)  # each audit entry numbered after its operation's claim
-    # BEGIN, a savepoint, 3 chunks of updates, 3 of audit entries, the outcomes read back, RELEASE, COMMIT
+    # BEGIN, a savepoint, 3 chunks each of updates and of audit entries, the read back, RELEASE, COMMIT
     assert len(statements) <= 12, statements
 
 

@@ -237,14 +237,14 @@ def _savepoint(conn: sqlite3.Connection) -> Iterator[Callable[[], None]]:
         conn.execute("RELEASE batched")
 
 
-# Rows per statement: their parameters stay far below SQLite's limit (32,766) at any row width.
-_ROWS_PER_STATEMENT = 128
+# Parameters per statement: SQLite before 3.32 allows 999 (later ones 32,766).
+_MAX_PARAMETERS = 999
 
 
 def rows_statement(conn: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]) -> int:
     """Run `template` for many rows at once, its `{values}` a VALUES list of them; the rows it changed.
 
-    One statement per 128 rows, not executemany's one step per row: the writer thread gives up the
+    One statement per chunk of rows, not executemany's one step per row: the writer thread gives up the
     GIL while SQLite works and must win it back after every step, and under load the event loop
     holds it for most of its turn, so each step waited for the loop. (The rows have one width.)"""
     return _chunked(conn, rows, lambda count: _values_sql(template, count, len(rows[0])))
@@ -262,8 +262,10 @@ def _chunked(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]], sql_for:
 
 
 def _chunks(rows: Sequence[tuple[Any, ...]]) -> Iterator[Sequence[tuple[Any, ...]]]:
-    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
-        yield rows[start : start + _ROWS_PER_STATEMENT]
+    """As many rows per chunk as fit in one statement's parameters (the rows have one width)."""
+    size = max(1, _MAX_PARAMETERS // len(rows[0])) if rows else 1
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
 
 
 def _flat(rows: Sequence[tuple[Any, ...]]) -> list[Any]:
