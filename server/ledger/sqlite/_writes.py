@@ -441,14 +441,24 @@ def _await_over_budget(
     return waiting
 
 
+def _duplicate_of(
+    principal: str, fingerprint: str, scope: str, since: str, now: str, session: str, step: str
+) -> str:
+    """The conditions an earlier operation meets to be a duplicate of a claim (docs/contract.md#duplicates), over
+    SQL expressions for the claim's values; `scope` narrows it to the claim's session, or not."""
+    return (
+        f"principal = {principal} AND fingerprint = {fingerprint} {scope} AND created_at > {since}"
+        f" AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
+        f" AND (expires_at IS NULL OR expires_at > {now}) AND NOT (session = {session} AND step = {step})"
+    )
+
+
 _DUPLICATE_LOOKUP = (
     # INDEXED BY: without statistics SQLite may prefer (principal, created_at), all of a busy
     # principal's recent operations, over the few rows of one fingerprint.
-    f"{SELECT} INDEXED BY operations_duplicates WHERE principal = ? AND fingerprint = ? {{session}}"
-    " AND created_at > ?"
-    f" AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
-    " AND (expires_at IS NULL OR expires_at > ?) AND NOT (session = ? AND step = ?)"
-    " ORDER BY created_at DESC LIMIT 1"
+    f"{SELECT} INDEXED BY operations_duplicates WHERE "
+    + _duplicate_of("?", "?", "{session}", "?", "?", "?", "?")
+    + " ORDER BY created_at DESC LIMIT 1"
 )
 DUPLICATE_IN_SESSION = _DUPLICATE_LOOKUP.format(session="AND session = ?")
 DUPLICATE_IN_PRINCIPAL = _DUPLICATE_LOOKUP.format(session="")
@@ -470,13 +480,19 @@ def find_duplicate(conn: sqlite3.Connection, request: ClaimRequest, now: float) 
 
 
 # Whether any of many claims (v: principal, fingerprint, session, step, since, now, any session)
-# has a duplicate: `_DUPLICATE_LOOKUP`'s conditions, one statement for a whole batch.
+# has a duplicate: one statement for a whole batch.
 _ANY_DUPLICATE = (
-    "SELECT 1 FROM ({values}) AS v WHERE EXISTS (SELECT 1 FROM operations INDEXED BY operations_duplicates"
-    " WHERE principal = v.column1 AND fingerprint = v.column2 AND (v.column7 OR session = v.column3)"
-    f" AND created_at > v.column5 AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
-    " AND (expires_at IS NULL OR expires_at > v.column6) AND NOT (session = v.column3 AND step = v.column4))"
-    " LIMIT 1"
+    "SELECT 1 FROM ({values}) AS v WHERE EXISTS (SELECT 1 FROM operations INDEXED BY operations_duplicates WHERE "
+    + _duplicate_of(
+        "v.column1",
+        "v.column2",
+        "AND (v.column7 OR session = v.column3)",
+        "v.column5",
+        "v.column6",
+        "v.column3",
+        "v.column4",
+    )
+    + ") LIMIT 1"
 )
 
 
@@ -487,7 +503,7 @@ def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bo
         return False
     rows = [_lookup_row(w.request, w.now) for w in checked]
     return not rows or all(
-        conn.execute(_values_sql(_ANY_DUPLICATE, len(chunk), 7), _flat(chunk)).fetchone() is None
+        conn.execute(_values_sql(_ANY_DUPLICATE, len(chunk), len(chunk[0])), _flat(chunk)).fetchone() is None
         for chunk in _chunks(rows)
     )
 
