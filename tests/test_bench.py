@@ -8,6 +8,7 @@ counted in the sandbox store by the bench itself).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -21,7 +22,14 @@ import pytest
 from commitgate.server.bench import report
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
-from commitgate.server.bench.overhead import CLAIM_PAGES, DiskFloor, _over_floor, _syncs_in_server, _Variant
+from commitgate.server.bench.overhead import (
+    CLAIM_PAGES,
+    DiskFloor,
+    _over_floor,
+    _syncs_in_server,
+    _Variant,
+    shuffle_apart,
+)
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.run import cpu_jiffies, stolen_share
 from commitgate.server.bench.stats import quantile, spread
@@ -346,3 +354,19 @@ def test_the_concurrency_experiment_is_not_cut_short_by_the_per_principal_limit(
     per-principal limit executes nothing, and a key whose every copy was refused has no effect."""
     limit = loads_policy(CONCURRENCY_POLICY).server.limits.max_concurrent_per_principal
     assert limit >= FULL.dup_copies * FULL.keys_in_flight
+
+
+def test_no_call_of_the_overhead_rounds_follows_one_to_the_same_server() -> None:
+    """A server called twice in a row answers the second call warm: the server behind four
+    variants would be measured warmer than the plain SDK server or the durability variants."""
+    random.seed(3)
+    gate, sdk, plain, no_fsync, claim = (object() for _ in range(5))
+    servers = [gate] * 4 + [plain, no_fsync, claim, sdk, sdk]
+    order: list[Any] = [_Variant(f"v{i}", s, "noop", lambda r, i: {}, None) for i, s in enumerate(servers)]  # type: ignore[arg-type]
+    seen: list[Any] = []
+    last = None
+    for _ in range(500):
+        last = shuffle_apart(order, last)
+        seen += [variant.client for variant in order]
+        assert sorted(map(id, (v.client for v in order))) == sorted(map(id, servers))  # every variant, once
+    assert all(a is not b for a, b in itertools.pairwise(seen))
