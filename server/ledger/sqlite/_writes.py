@@ -218,8 +218,7 @@ class OutcomeWrite:
             rows_statement(conn, _AUDITS, [s.audit_row for s in writes])
             if all(s.after is not None for s in writes):
                 return [s.after for s in writes if s.after is not None]
-            marks = ",".join("?" * len(ids))
-            rows = {row[0]: row for row in conn.execute(f"{SELECT} WHERE operation_id IN ({marks})", ids)}
+            rows = {row[0]: row for chunk in _chunks([(i,) for i in ids]) for row in _read_ids(conn, chunk)}
         return [decode(rows[operation_id]) for operation_id in ids]
 
 
@@ -266,6 +265,11 @@ def _chunks(rows: Sequence[tuple[Any, ...]]) -> Iterator[Sequence[tuple[Any, ...
     size = max(1, _MAX_PARAMETERS // len(rows[0])) if rows else 1
     for start in range(0, len(rows), size):
         yield rows[start : start + size]
+
+
+def _read_ids(conn: sqlite3.Connection, ids: Sequence[tuple[str]]) -> list[Any]:
+    marks = ",".join("?" * len(ids))
+    return conn.execute(f"{SELECT} WHERE operation_id IN ({marks})", _flat(ids)).fetchall()
 
 
 def _flat(rows: Sequence[tuple[Any, ...]]) -> list[Any]:
