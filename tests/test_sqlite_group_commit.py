@@ -104,6 +104,17 @@ def no_single_writes(monkeypatch: pytest.MonkeyPatch, kind: type) -> Iterator[No
         yield
 
 
+@contextlib.contextmanager
+def statements_run(ledger: SQLiteLedger) -> Iterator[list[str]]:
+    """Within: every statement the writer thread's connection runs, as SQLite reports it."""
+    statements: list[str] = []
+    ledger._writer._conn.set_trace_callback(statements.append)
+    try:
+        yield statements
+    finally:
+        ledger._writer._conn.set_trace_callback(None)
+
+
 def kinds(claims: Sequence[Claim]) -> list[ClaimKind]:
     return [c.kind for c in claims]
 
@@ -308,15 +319,10 @@ async def test_a_batch_runs_a_few_statements_however_many_writes_it_holds(
     with no_single_writes(monkeypatch, ClaimWrite):
         claims = in_one_batch(batched, [ClaimWrite(claim(f"k{i:03}"), T0) for i in range(count)])
     reference_claims = one_by_one(reference, [ClaimWrite(claim(f"k{i:03}"), T0) for i in range(count)])
-    statements: list[str] = []
-    batched._writer._conn.set_trace_callback(statements.append)
-    try:
-        with no_single_writes(monkeypatch, OutcomeWrite):
-            done = in_one_batch(
-                batched, [OutcomeWrite(c.operation.operation_id, outcome(), T0 + 1) for c in claims]
-            )
-    finally:
-        batched._writer._conn.set_trace_callback(None)
+    with statements_run(batched) as statements, no_single_writes(monkeypatch, OutcomeWrite):
+        done = in_one_batch(
+            batched, [OutcomeWrite(c.operation.operation_id, outcome(), T0 + 1) for c in claims]
+        )
     one_by_one(
         reference, [OutcomeWrite(c.operation.operation_id, outcome(), T0 + 1) for c in reference_claims]
     )
@@ -374,13 +380,9 @@ async def test_a_batch_of_detecting_claims_looks_for_duplicates_in_one_statement
             first = one_by_one(ledger, [ClaimWrite(detecting("old", "fp-2", earlier_session), earlier_at)])[0]
             one_by_one(ledger, [OutcomeWrite(first.operation.operation_id, outcome(state=final), earlier_at)])
     writes = [detecting(f"k{i}", f"fp-{i}", any_session=any_session) for i in range(5)]
-    statements: list[str] = []
-    batched._writer._conn.set_trace_callback(statements.append)
-    try:
-        with contextlib.nullcontext() if not shortcut else no_single_writes(monkeypatch, ClaimWrite):
-            together = in_one_batch(batched, [ClaimWrite(r, T0) for r in writes])
-    finally:
-        batched._writer._conn.set_trace_callback(None)
+    single_writes = contextlib.nullcontext() if not shortcut else no_single_writes(monkeypatch, ClaimWrite)
+    with statements_run(batched) as statements, single_writes:
+        together = in_one_batch(batched, [ClaimWrite(r, T0) for r in writes])
     alone = one_by_one(reference, [ClaimWrite(r, T0) for r in writes])
     assert kinds(together) == kinds(alone)
     assert (ClaimKind.DUPLICATE in kinds(together)) is not shortcut
