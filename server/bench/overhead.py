@@ -1,9 +1,10 @@
 """What a guarded call costs: the overhead suite of `commitgate bench`, and the disk's floor.
 
 The overhead suite runs its variants side by side: calls are interleaved one by
-one (in a fresh random order each time), grouped in rounds; each round gives a median per variant
-and a paired ratio, and the summary is the median ratio with its spread. Beside
-the compared variants (on the default, lean stdio transport of fast_stdio.py) it
+one (in a fresh random order each time), each variant by a server process of its own, grouped
+in rounds; each round gives a median per variant and a paired ratio, and the summary is the
+median ratio with its spread. Beside the compared variants (on the default, lean stdio
+transport of serve/stdio.py) it
 measures the guarded call without fsyncs (what the guard costs in software), the
 same server on the SDK's stdio transport, what duplicate detection adds (the same
 guarded no-op with `duplicates = false`), the guarded call with `[ledger] durability
@@ -165,18 +166,24 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     tick = bench.task("cost per call", scale.rounds)
     ledger = bench.ledger("overhead")
     claim_only = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "FULL"\ndurability = "claim"')
+    policy, claim_policy = (
+        bench.policy("overhead", OVERHEAD_POLICY),
+        bench.policy("overhead-claim", claim_only),
+    )
+    no_fsync_policy = bench.policy("overhead-normal", NO_FSYNC_POLICY)
+    # A server of its own for each variant: every process then waits as long between its calls (its
+    # caches as cold) as every other. A server answering four variants was called four times as often
+    # as one answering one, and measured several hundred µs faster per call for that alone.
     servers = {
-        "gate": bench.serve(bench.policy("overhead", OVERHEAD_POLICY), ledger),
-        "plain": bench.plain(),
-        "no_fsync": bench.serve(
-            bench.policy("overhead-normal", NO_FSYNC_POLICY), bench.ledger("overhead-normal")
-        ),
-        "claim_durability": bench.serve(
-            bench.policy("overhead-claim", claim_only), bench.ledger("overhead-claim")
-        ),
-        "sdk_stdio": bench.serve(
-            bench.policy("overhead", OVERHEAD_POLICY), bench.ledger("overhead-sdk-stdio"), stdio="sdk"
-        ),
+        "unguarded": bench.serve(policy, bench.ledger("overhead-unguarded")),
+        "guarded": bench.serve(policy, ledger),
+        "guarded_no_detection": bench.serve(policy, bench.ledger("overhead-no-detection")),
+        "replay": bench.serve(policy, bench.ledger("overhead-replay")),
+        "plain_sdk": bench.plain(),
+        "guarded_no_fsync": bench.serve(no_fsync_policy, bench.ledger("overhead-normal")),
+        "guarded_claim_durability": bench.serve(claim_policy, bench.ledger("overhead-claim")),
+        "unguarded_sdk_stdio": bench.serve(policy, bench.ledger("overhead-sdk-stdio-unguarded"), stdio="sdk"),
+        "guarded_sdk_stdio": bench.serve(policy, bench.ledger("overhead-sdk-stdio"), stdio="sdk"),
     }
     async with contextlib.AsyncExitStack() as stack:
         clients = {name: await stack.enter_async_context(bench.connect(p)) for name, p in servers.items()}
@@ -261,26 +268,33 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
     run = uuid.uuid4().hex[:8]
     new_key = keyed_arguments(run)
 
-    def other_new_key(r: int, i: int) -> dict[str, Any]:  # another tool on the same ledger: its own keys
+    def other_new_key(r: int, i: int) -> dict[str, Any]:  # another tool: keys of its own
         return {**new_key(r, i), "idempotency_key": f"{run}-unchecked-{r}-{i}"}
 
     def seen_key(r: int, i: int) -> dict[str, Any]:
-        return new_key(-1, i % _REPLAY_KEYS)  # a call the warm-up made (the guarded variant warms up first)
+        return new_key(-1, i % _REPLAY_KEYS)  # a call its server's warm-up made
 
     def bare(r: int, i: int) -> dict[str, Any]:
         return {"n": i}
 
-    gate, sdk_stdio = clients["gate"], clients["sdk_stdio"]
     return [
-        _Variant("unguarded", gate, "noop", bare, None),
-        _Variant("guarded", gate, "noop_keyed", new_key, False),
-        _Variant("guarded_no_detection", gate, "noop_keyed_unchecked", other_new_key, False),
-        _Variant("replay", gate, "noop_keyed", seen_key, True),
-        _Variant("plain_sdk", clients["plain"], "noop", bare, None),
-        _Variant("guarded_no_fsync", clients["no_fsync"], "noop_keyed", new_key, False),
-        _Variant("guarded_claim_durability", clients["claim_durability"], "noop_keyed", new_key, False),
-        _Variant("unguarded_sdk_stdio", sdk_stdio, "noop", bare, None),
-        _Variant("guarded_sdk_stdio", sdk_stdio, "noop_keyed", new_key, False),
+        _Variant("unguarded", clients["unguarded"], "noop", bare, None),
+        _Variant("guarded", clients["guarded"], "noop_keyed", new_key, False),
+        _Variant(
+            "guarded_no_detection",
+            clients["guarded_no_detection"],
+            "noop_keyed_unchecked",
+            other_new_key,
+            False,
+        ),
+        _Variant("replay", clients["replay"], "noop_keyed", seen_key, True),
+        _Variant("plain_sdk", clients["plain_sdk"], "noop", bare, None),
+        _Variant("guarded_no_fsync", clients["guarded_no_fsync"], "noop_keyed", new_key, False),
+        _Variant(
+            "guarded_claim_durability", clients["guarded_claim_durability"], "noop_keyed", new_key, False
+        ),
+        _Variant("unguarded_sdk_stdio", clients["unguarded_sdk_stdio"], "noop", bare, None),
+        _Variant("guarded_sdk_stdio", clients["guarded_sdk_stdio"], "noop_keyed", new_key, False),
     ]
 
 
@@ -292,8 +306,8 @@ async def _round(
         item.samples.append([])
     last: Client | None = None
     for i in range(calls):
-        # A fresh order each time: a fixed cycle always hands the same server to the same variant
-        # just after another server ran (caches and wake-ups cold), which biased the ratios.
+        # A fresh order each time: a fixed cycle always hands the same variant's call to the server
+        # just after the same other one ran (caches and wake-ups cold in the same way), which biased the ratios.
         last = shuffle_apart(order, last)
         for item in order:
             if isinstance(item, DiskFloor):
@@ -307,9 +321,8 @@ def shuffle_apart(order: list[_Variant | DiskFloor], last: Client | None, tries:
     the previous order); return the server of its last call.
 
     A call right after one to the same server finds that process awake and its caches warm: about
-    40 µs faster on this project's 2-core VM. The server that answers four variants (unguarded,
-    guarded, no detection, replay) would otherwise have that advantage over the plain SDK server
-    and the durability variants, which answer one each. Disk floors touch no server."""
+    40 µs faster on this project's 2-core VM. Each variant has a server of its own, so only the
+    turn from one order to the next could do that. Disk floors touch no server."""
     for _ in range(tries):
         random.shuffle(order)
         servers = [last, *(item.client for item in order if isinstance(item, _Variant))]
