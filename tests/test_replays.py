@@ -5,6 +5,7 @@ Every test counts the effects in the system of record and the claims that reache
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -188,3 +189,31 @@ def test_timestamps_are_formatted_once_and_exactly_as_before() -> None:
     hits = iso.cache_info().hits
     assert iso(ts) == iso(ts)
     assert iso.cache_info().hits == hits + 2
+
+
+def test_the_memory_measures_arguments_on_their_stored_encoding() -> None:
+    """An operation from the ledger carries its arguments as stored: the size bound reads that text
+    instead of encoding the arguments again on every call."""
+    final = FinalOutcomes(capacity=4, max_chars=200)
+    final.remember(operation("stored-small", arguments_json='{"amount":5}'))
+    # The same small arguments, stored as a long text: the stored text is what is measured.
+    final.remember(operation("stored-long", arguments_json='{"amount":5,"note":"' + "x" * 300 + '"}'))
+    final.remember(operation("not-stored"))  # made elsewhere: encoded once to measure it
+    kept = [
+        final.get("alice", "s1", s, now=50.0) is not None
+        for s in ("stored-small", "stored-long", "not-stored")
+    ]
+    assert kept == [True, False, True]
+
+
+@pytest.mark.anyio
+async def test_a_claimed_operation_carries_its_arguments_as_stored(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    boundary, _ = boundary_on(ledger, ScriptedTool(record), "key-required")
+    answer = await charge(boundary, key="k-stored", amount=700)
+    assert answer.operation is not None and answer.operation.arguments_json == '{"amount":700}'
+    read = await ledger.get(answer.operation.principal, answer.operation.session, "k-stored")
+    assert read is not None and read.arguments_json is not None
+    assert json.loads(read.arguments_json) == read.arguments == {"amount": 700}
+    assert record.count() == 1

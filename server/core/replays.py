@@ -52,7 +52,10 @@ class FinalOutcomes:
     def _keeps(self, op: Operation) -> bool:
         if op.state not in _FINAL or op.idempotency_class is IdempotencyClass.COMPENSABLE:
             return False
-        size = len(json.dumps(op.arguments, separators=(",", ":"), default=str))
+        encoded = op.arguments_json  # as claimed or read: no second encoding per call
+        size = len(
+            encoded if encoded is not None else json.dumps(op.arguments, separators=(",", ":"), default=str)
+        )
         if op.result is not None:
             size += len(op.result.to_json())
         return size <= self._max_chars

@@ -620,6 +620,7 @@ def _decode(row: asyncpg.Record) -> Operation:
         expires_at=row["expires_at"],
         retention=row["retention"],
         approval=json.loads(row["approval"]) if row["approval"] else None,
+        arguments_json=row["arguments"],
     )
 
 

@@ -73,6 +73,8 @@ class Operation:
     retention: float = 0.0
     # A person's decision: {state, via, by, reason, decided_at, expires_at, ...}; None when none was asked.
     approval: dict[str, Any] | None = None
+    # `arguments` as the ledger stores them (JSON), when at hand: a size is measured on it, not re-encoded.
+    arguments_json: str | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Operation:
         """A shallow copy: what `dataclasses.replace(op)` makes, without its keyword call per field

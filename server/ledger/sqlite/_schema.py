@@ -161,6 +161,7 @@ def decode(row: Sequence[Any]) -> Operation:
         expires_at=row[19],
         retention=row[20],
         approval=json.loads(row[21]) if row[21] else None,
+        arguments_json=row[10],
     )
 
 

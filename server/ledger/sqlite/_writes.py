@@ -613,6 +613,7 @@ def _new_operation(request: ClaimRequest, now: float) -> Operation:
         lease_owner=request.owner,
         lease_expires_at=now + request.lease_seconds,
         retention=request.retention_seconds,
+        arguments_json=request.arguments_json,
     )
 
 
