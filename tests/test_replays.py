@@ -196,7 +196,7 @@ def test_the_memory_measures_arguments_on_their_stored_encoding() -> None:
     instead of encoding the arguments again on every call."""
     final = FinalOutcomes(capacity=4, max_chars=200)
     final.remember(operation("stored-small", arguments_json='{"amount":5}'))
-    # The same small arguments, stored as a long text: the stored text is what is measured.
+    # Small arguments whose stored text is long: the stored text is what is measured.
     final.remember(operation("stored-long", arguments_json='{"amount":5,"note":"' + "x" * 300 + '"}'))
     final.remember(operation("not-stored"))  # made elsewhere: encoded once to measure it
     kept = [

@@ -1,17 +1,17 @@
 """What a guarded call costs: the overhead suite of `commitgate bench`, and the disk's floor.
 
-The overhead suite runs its variants side by side: calls are interleaved one by
-one (in a fresh random order each time), each variant by a server process of its own, grouped
-in rounds; each round gives a median per variant and a paired ratio, and the summary is the
-median ratio with its spread. Beside the compared variants (on the default, lean stdio
-transport of serve/stdio.py) it
-measures the guarded call without fsyncs (what the guard costs in software), the
-same server on the SDK's stdio transport, what duplicate detection adds (the same
-guarded no-op with `duplicates = false`), the guarded call with `[ledger] durability
-= "claim"` (the outcome synced by the next group commit), what one durable SQLite commit
-costs in syncs on this disk, and, timed in the same rounds, the disk floor: a 4 KiB
-overwrite of a preallocated file + fdatasync. The guard's cost is reported in units of
-two such syncs, what a claim and an outcome need at the least.
+The overhead suite runs its variants side by side: calls are interleaved one by one
+(in a fresh random order each time), each variant answered by a server process of its
+own, grouped in rounds; each round gives a median per variant and a paired ratio, and the
+summary is the median ratio with its spread. Beside the compared variants (on the
+default, lean stdio transport of serve/stdio.py) it measures the guarded call without
+fsyncs (what the guard costs in software), the same calls on the SDK's stdio transport,
+what duplicate detection adds (the same guarded no-op with `duplicates = false`), the
+guarded call with `[ledger] durability = "claim"` (the outcome synced by the next group
+commit), what one durable SQLite commit costs in syncs on this disk, and, timed in the
+same rounds, the disk floor: a 4 KiB overwrite of a preallocated file + fdatasync. The
+guard's cost is reported in units of two such syncs, what a claim and an outcome need at
+the least.
 """
 
 from __future__ import annotations
