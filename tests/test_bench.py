@@ -357,8 +357,9 @@ def test_the_concurrency_experiment_is_not_cut_short_by_the_per_principal_limit(
 
 
 def test_no_call_of_the_overhead_rounds_follows_one_to_the_same_server() -> None:
-    """A server called twice in a row answers the second call warm: the server behind four
-    variants would be measured warmer than the plain SDK server or the durability variants."""
+    """A server called twice in a row answers the second call warm. Each variant of the bench has a
+    server of its own, so only the turn from one order to the next could do that; the order is
+    checked here with servers shared too, the harder case."""
     random.seed(3)
     gate, sdk, plain, no_fsync, claim = (object() for _ in range(5))
     servers = [gate] * 4 + [plain, no_fsync, claim, sdk, sdk]

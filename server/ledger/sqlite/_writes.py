@@ -506,7 +506,7 @@ def _no_duplicates(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bo
     if len({(w.request.principal, w.request.fingerprint) for w in checked}) != len(checked):
         return False
     rows = [_lookup_row(w.request, w.now) for w in checked]
-    return not rows or all(
+    return all(  # no chunks (no checked claims): nothing to look up
         conn.execute(_values_sql(_ANY_DUPLICATE, len(chunk), len(chunk[0])), _flat(chunk)).fetchone() is None
         for chunk in _chunks(rows)
     )
