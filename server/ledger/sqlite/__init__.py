@@ -20,7 +20,8 @@ claim exactly-once.
 
 Here: the Ledger interface. `_writer.py`: the writer and checkpointer threads.
 `_writes.py`: what a claim or an outcome does to the database. `_schema.py`: the
-tables, their migrations and how a row becomes an Operation.
+tables, their migrations and how a row becomes an Operation. `_ids.py`: new
+operation ids.
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ class SQLiteLedger:
 
         A ledger deleted, renamed or replaced under a running server would otherwise take claims
         into an unlinked inode that nobody reads again: after a restart the same key runs twice.
-        One stat of the path per claim suffices: our open connections keep the file's inode
-        allocated, so a file at the path with its (device, inode) is that very file, and an
-        unlinked one has no path to match. (A few microseconds per claim.)
+        One stat of the path before a claim is written suffices: our open connections keep the
+        file's inode allocated, so a file at the path with its (device, inode) is that very file,
+        and an unlinked one has no path to match. A claim made while the writer is idle checks on
+        the caller's thread; under load the writer checks once per batch, before writing it. (A
+        stat gives up the GIL, and a busy writer takes it then: on the event loop, one stat per
+        claim cost a wait for the writer's Python turn each.)
         """
         try:
             same = _identity(self._where) == self._identity
@@ -189,6 +193,7 @@ class SQLiteLedger:
             raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
         writer.start()
         ledger = cls(path, writer, await aiosqlite.connect(path))
+        writer.precheck = ledger.check_identity
         try:
             await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             await ledger._write(migrate)
@@ -212,16 +217,17 @@ class SQLiteLedger:
         # transaction a claim write takes even inline. Under load the writer hop is shared with a whole batch anyway,
         # and a read beside a busy writer contends with it (WAL read locks, the GIL) while most
         # claims are of new keys and find nothing: then go straight to the writer.
-        self.check_identity()
         settled: Claim | None = None
         absent = False  # the read found no row under this key: the write may skip reading it again
         alone = not self._open and self.inline_when_alone
-        if not self._writer.busy:
+        idle = not self._writer.busy
+        if idle:
+            self.check_identity()  # busy: the writer checks once for its whole batch (`Writer.precheck`)
             settled, absent = self._settled(request, now)
         claim = (
             settled
             if settled is not None
-            else await self._write(ClaimWrite(request, now, absent), alone=alone)
+            else await self._write(ClaimWrite(request, now, absent, checked=idle), alone=alone)
         )
         if isinstance(claim, OverBudget):
             raise claim

@@ -19,6 +19,8 @@ from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.ledger.sqlite._writes import run_writes
 
 T = TypeVar("T")
+# A queued write: the write, the future that answers it, and that future's event loop.
+_Queued = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 
 log = logging.getLogger("commitgate.ledger")
 
@@ -82,6 +84,9 @@ class Writer(threading.Thread):
         self.batches = 0
         self._in_batch = False
         self.writes = 0
+        # Run before a batch holding writes marked `needs_precheck`; raising LedgerUnavailable fails
+        # exactly those writes. (The ledger's check that its file is still the one at its path.)
+        self.precheck: Callable[[], None] | None = None
 
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -194,7 +199,10 @@ class Writer(threading.Thread):
         self._checkpointer.stop()
         self._checkpointer.join(timeout=10)
 
-    def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Any, Any]]) -> None:
+    def _run_batch(self, batch: list[_Queued]) -> None:
+        batch = self._prechecked(batch)
+        if not batch:
+            return
         writes = [write for write, _, _ in batch]
         try:
             # Optimistically without a savepoint per write (two statements fewer each); if a write
@@ -210,12 +218,19 @@ class Writer(threading.Thread):
             outcomes = [(False, failure)] * len(batch)
         self.batches += 1
         self.writes += len(batch)
-        # One wake-up per event loop and batch, not one per write: each costs a self-pipe write.
-        settled: dict[Any, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
-        for (_, future, loop), (ok, value) in zip(batch, outcomes, strict=True):
-            settled.setdefault(loop, []).append((future, ok, value))
-        for loop, items in settled.items():
-            loop.call_soon_threadsafe(_settle_all, items)
+        _answer(batch, outcomes)
+
+    def _prechecked(self, batch: list[_Queued]) -> list[_Queued]:
+        """The batch without the writes its precheck refuses (those are answered here)."""
+        if self.precheck is None or not any(getattr(write, "needs_precheck", False) for write, _, _ in batch):
+            return batch
+        try:
+            self.precheck()
+        except LedgerUnavailable as exc:
+            refused = [item for item in batch if getattr(item[0], "needs_precheck", False)]
+            _answer(refused, [(False, exc)] * len(refused))
+            return [item for item in batch if not getattr(item[0], "needs_precheck", False)]
+        return batch
 
     def _together(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]] | None:
         """All writes in one transaction; None (everything rolled back) as soon as one fails."""
@@ -360,6 +375,16 @@ def _as_ledger_failure(exc: Exception) -> Exception:
     could not record: its caller answers `ledger_unavailable` and runs nothing, as for a failed
     batch. Anything else is the write's own answer and reaches its caller as raised."""
     return LedgerUnavailable(f"ledger write failed: {exc}") if isinstance(exc, sqlite3.Error) else exc
+
+
+def _answer(batch: Sequence[_Queued], outcomes: Sequence[tuple[bool, Any]]) -> None:
+    """Hand each write's outcome to its caller's event loop: one wake-up per loop and batch, not one
+    per write (each costs a self-pipe write)."""
+    settled: dict[Any, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+    for (_, future, loop), (ok, value) in zip(batch, outcomes, strict=True):
+        settled.setdefault(loop, []).append((future, ok, value))
+    for loop, items in settled.items():
+        loop.call_soon_threadsafe(_settle_all, items)
 
 
 def _settle_all(items: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:

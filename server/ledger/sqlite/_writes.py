@@ -11,9 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import sqlite3
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +29,7 @@ from commitgate.server.ledger.base import (
     over_budget,
     scope_of,
 )
+from commitgate.server.ledger.sqlite._ids import new_operation_id
 from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
     AUDIT_FIRST,
@@ -81,11 +80,14 @@ class ClaimWrite:
     """Claim one key. In a group commit, consecutive claims of new keys run as one statement each
     for the rows and their audit entries (`run_many`); anything unusual runs write by write."""
 
-    __slots__ = ("absent", "new", "now", "request")
+    __slots__ = ("absent", "needs_precheck", "new", "now", "request")
 
-    def __init__(self, request: ClaimRequest, now: float, absent: bool = False) -> None:
-        """`absent`: a read just before found no row under the key, so most likely there is none."""
+    def __init__(self, request: ClaimRequest, now: float, absent: bool = False, checked: bool = True) -> None:
+        """`absent`: a read just before found no row under the key, so most likely there is none.
+        `checked`: the caller made sure the ledger file is still the one at its path; if not, the
+        writer does before the batch that writes this claim (`Writer.precheck`)."""
         self.request, self.now, self.absent = request, now, absent
+        self.needs_precheck = not checked
         # Built here, on the caller's thread: the writer thread is the ledger's one serial path,
         # and what it need not do in Python shortens every group commit.
         self.new = _new_operation(request, now)
@@ -585,19 +587,10 @@ def _retake(lease: Lease) -> Transition:
     )
 
 
-def _new_operation_id() -> str:
-    """`op_` + 32 hex digits like a UUID, but time-ordered (microseconds, then 72 random bits).
-
-    New ids land at the right edge of the primary-key and audit indexes instead of on a
-    random page each, so a group commit writes (and fsyncs) far fewer pages.
-    """
-    return f"op_{time.time_ns() // 1000:014x}{os.urandom(9).hex()}"
-
-
 def _new_operation(request: ClaimRequest, now: float) -> Operation:
     """The RUNNING operation a claim of a new key creates (not yet written)."""
     return Operation(
-        operation_id=_new_operation_id(),
+        operation_id=new_operation_id(),
         principal=request.principal,
         session=request.session,
         step=request.step,
