@@ -314,7 +314,11 @@ def test_the_printed_table_speaks_to_a_user(quick_run: dict[str, Any]) -> None:
 def test_every_missed_target_is_explained() -> None:
     results: dict[str, Any] = {
         "meta": {"load_average_at_start": [2.5]},
-        "overhead": {"guarded_over_unguarded_floor": 1.31},
+        "overhead": {
+            "guarded_over_unguarded_floor": 1.31,
+            "per_call_us": {"unguarded": {"median": 1268.0}, "plain_sdk": {"median": 1457.0}},
+            "syncs_in_server": {"us_per_call": {"median": 691.0}},
+        },
         "goals": {
             "guard_over_floor": {"goal": "<= 2.0", "met": True},
             "guarded_call_cost": {"goal": "<= 1.15", "met": False},
@@ -327,6 +331,9 @@ def test_every_missed_target_is_explained() -> None:
     notes = missed_notes(results)
     assert len(notes) == 3 and not any("replayed answer" in n for n in notes)
     assert "1.310 or more" in notes[0] and all("load average 2.5" in n for n in notes)
+    assert "the two syncs alone take 1.34 × the plain no-op" in notes[1]  # (1268 + 691) / 1457
+    del results["overhead"]["syncs_in_server"]  # a run without that variant: the sentence is left out
+    assert "syncs alone" not in missed_notes(results)[1]
     assert not any("steal" in n for n in notes)
     results["meta"]["cpu_stolen_share"] = 0.31
     assert all("took 31% of this virtual machine's CPU time" in n for n in missed_notes(results))
