@@ -227,9 +227,12 @@ class Writer(threading.Thread):
         try:
             self.precheck()
         except LedgerUnavailable as exc:
-            refused = [item for item in batch if getattr(item[0], "needs_precheck", False)]
+            kept: list[_Queued] = []
+            refused: list[_Queued] = []
+            for item in batch:
+                (refused if getattr(item[0], "needs_precheck", False) else kept).append(item)
             _answer(refused, [(False, exc)] * len(refused))
-            return [item for item in batch if not getattr(item[0], "needs_precheck", False)]
+            return kept
         return batch
 
     def _together(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]] | None:
