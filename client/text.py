@@ -39,3 +39,12 @@ def readable(value: Any) -> str:
     """commitgate's refusal text when `value` holds its error (even JSON-encoded); else `value` as text."""
     error = error_of(value)
     return refusal_text(error) if error is not None else str(value)
+
+
+def lost_answer_text(detail: str) -> str:
+    """For a call whose answer never came back (a timeout, a dropped connection): it may have run."""
+    return (
+        f"No answer came back from the tool ({detail}). The call may have run: do not assume it failed. "
+        "To learn its outcome, call the tool again with the same arguments and the same idempotency_key "
+        "(commitgate never runs one key twice), or poll get_operation_status with that idempotency_key."
+    )
