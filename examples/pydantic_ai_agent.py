@@ -36,7 +36,6 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fastmcp.client.transports import StdioTransport
 from pydantic_ai import Agent

@@ -44,7 +44,7 @@ def assert_readable(text: str) -> None:
     pydantic-ai wraps a failed result in its own `{"error": "<text>"}` for providers without a native
     error channel; the text inside is commitgate's message (which quotes the earlier result once).
     """
-    assert '{\\"error' not in text and '\\\\' not in text, text
+    assert '{\\"error' not in text and "\\\\" not in text, text
 
 
 @pytest.mark.anyio

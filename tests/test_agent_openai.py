@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import Agent, RunConfig, Runner
+from agents import Agent, RunConfig, RunContextWrapper, Runner
 from agents.items import ModelResponse
-from agents.mcp import MCPServerStdio
+from agents.mcp import MCPServerStdio, MCPServerStdioParams
 from agents.models.interface import Model
 from agents.usage import Usage
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
@@ -32,7 +32,9 @@ class ScriptedModel(Model):
         self.calls = calls
         self.read: list[str] = []
 
-    async def get_response(self, system_instructions: Any, input: Any, *args: Any, **kwargs: Any) -> ModelResponse:
+    async def get_response(
+        self, system_instructions: Any, input: Any, *args: Any, **kwargs: Any
+    ) -> ModelResponse:
         items = [item for item in input if isinstance(item, dict)] if isinstance(input, list) else []
         made = [item for item in items if item.get("type") == "function_call"]
         self.read = [_text(item["output"]) for item in items if item.get("type") == "function_call_output"]
@@ -40,11 +42,17 @@ class ScriptedModel(Model):
             n = len(made) + 1
             arguments = json.dumps({**CHARGE, "idempotency_key": f"order-42-{uuid.uuid4().hex[:8]}"})
             call = ResponseFunctionToolCall(
-                type="function_call", call_id=f"call_{n}", name="charge_card", arguments=arguments, id=f"fc_{n}"
+                type="function_call",
+                call_id=f"call_{n}",
+                name="charge_card",
+                arguments=arguments,
+                id=f"fc_{n}",
             )
             return ModelResponse(output=[call], usage=Usage(), response_id=None)
         text = ResponseOutputText(type="output_text", text="Done.", annotations=[])
-        message = ResponseOutputMessage(id="msg", type="message", role="assistant", status="completed", content=[text])
+        message = ResponseOutputMessage(
+            id="msg", type="message", role="assistant", status="completed", content=[text]
+        )
         return ModelResponse(output=[message], usage=Usage(), response_id=None)
 
     def stream_response(self, *args: Any, **kwargs: Any) -> Any:
@@ -59,7 +67,7 @@ def _text(output: Any) -> str:
 
 async def run_agent(command: list[str], env: dict[str, str], calls: int, **options: Any) -> ScriptedModel:
     model = ScriptedModel(calls)
-    params = {"command": command[0], "args": command[1:], "env": env}
+    params: MCPServerStdioParams = {"command": command[0], "args": command[1:], "env": env}
     # A server process may take a few seconds to start on a busy machine.
     async with MCPServerStdio(params, client_session_timeout_seconds=30, **options) as server:
         agent = Agent(name="payments", model=model, mcp_servers=[server])
@@ -95,8 +103,10 @@ def test_a_lost_answer_is_told_as_maybe_done_not_as_try_again() -> None:
 
     from commitgate.client.openai_agents import failure_error_function
 
+    context: RunContextWrapper[None] = RunContextWrapper(context=None)
     timeout = TimeoutError("Timed out while waiting for response to ClientRequest. Waited 30.0 seconds.")
-    assert default_tool_error_function(None, timeout) == "An error occurred while running the tool. Please try again."  # type: ignore[arg-type]
-    said = failure_error_function(None, timeout)  # type: ignore[arg-type]
+    default = default_tool_error_function(context, timeout)
+    assert default == "An error occurred while running the tool. Please try again."
+    said = failure_error_function(context, timeout)
     assert said.startswith("No answer came back from the tool (Timed out while waiting")
     assert "The call may have run" in said and "the same idempotency_key" in said

@@ -51,7 +51,16 @@ class AgentSandbox:
         """The command line of a commitgate server over stdio for this sandbox."""
         ledger = f"sqlite:///{self.root / 'ledger.db'}"
         policy = str(self.root / "policy.toml")
-        return [sys.executable, "-m", "commitgate.server.cli", "serve", "--policy", policy, "--ledger", ledger]
+        return [
+            sys.executable,
+            "-m",
+            "commitgate.server.cli",
+            "serve",
+            "--policy",
+            policy,
+            "--ledger",
+            ledger,
+        ]
 
     @property
     def plain(self) -> list[str]:
