@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from commitgate.server.cli import policy_init
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.loading import (
     default_policy,
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     schema = actions.add_parser("schema", help="write the JSON Schema of policy files (editor completion)")
     schema.add_argument("-o", "--output", help="file to write (default: stdout)")
     schema.set_defaults(func=cmd_schema)
+    policy_init.register(actions)
 
 
 def console() -> Console:
