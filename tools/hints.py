@@ -21,3 +21,18 @@ def proposed_class(annotations: types.ToolAnnotations | None) -> str:
     if declared_read_only(annotations):
         return IdempotencyClass.SAFE_RETRY.value
     return IdempotencyClass.KEY_REQUIRED.value
+
+
+def class_warnings(cls: str, declared: types.Tool | None) -> list[str]:
+    """What is risky in serving the upstream tool `declared` with class `cls` (None: not listed yet)."""
+    if (
+        declared is None
+        or cls != IdempotencyClass.SAFE_RETRY.value
+        or declared_read_only(declared.annotations)
+    ):
+        return []
+    return [
+        f"{declared.name} is served as safe-retry, but its server does not declare it read-only "
+        "(readOnlyHint: true): safe-retry calls are retried blindly and may repeat its effect; "
+        'give it class = "key-required" unless it changes nothing'
+    ]
