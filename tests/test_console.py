@@ -129,6 +129,17 @@ def test_the_url_token_sets_a_strict_cookie_and_leaves_the_address(policy: Path,
         assert client.get("/operations", headers=bearer).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["//evil.example/x", "/\\evil.example/x", "/%2F%2Fevil.example/x"])
+def test_signing_in_redirects_only_to_a_path_of_the_console(policy: Path, ledger_url: str, path: str) -> None:
+    access = loopback_access()
+    with console_client(ledger_url, access, sign_in=False) as client:
+        answer = client.get(f"{BASE_URL}{path}?a=1&token={access.console_token}")
+        assert answer.status_code == 303
+        location = answer.headers["location"]
+        assert location[0] == "/" and location[1] not in "/\\", location  # a path here, not another host
+        assert location.endswith("evil.example/x?a=1")
+
+
 def test_a_forged_or_foreign_cookie_is_refused(policy: Path, ledger_url: str) -> None:
     other = loopback_access()
     with console_client(ledger_url, other) as client:
