@@ -530,6 +530,36 @@ def test_markup_from_clients_is_shown_escaped_on_every_page(
         assert "&lt;script&gt;alert(" in shown and "&lt;img src=x onerror=alert(1)&gt;" in shown
 
 
+BIDI = "\u202etxt.exe\u202c"  # reads "exe.txt" backwards when shown raw
+ZERO_WIDTH = "ann\u200b@example.com"
+
+
+def test_invisible_and_bidirectional_characters_are_shown_escaped_on_every_page(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    op_id = asyncio.run(
+        claim(
+            tmp_path / "ledger.db",
+            session=f"s{BIDI}",
+            step=f"k\u2066{BIDI}",
+            arguments={"file": BIDI, "to": ZERO_WIDTH, "\u200fkey": "v"},
+        )
+    )
+    with console_client(ledger_url, loopback_access()) as client:
+        for path in ("/unknown", "/unknown/rows", "/operations", f"/operations/{op_id}"):
+            page = client.get(path).text
+            raw = [
+                ch
+                for ch in page
+                if "\u200b" <= ch <= "\u200f" or "\u202a" <= ch <= "\u202e" or "\u2066" <= ch <= "\u2069"
+            ]
+            assert raw == [], path
+        page = client.get(f"/operations/{op_id}").text
+        for escaped in ("\\u202etxt.exe\\u202c", "ann\\u200b@example.com", "\\u200fkey", "k\\u2066"):
+            assert escaped in page, escaped
+
+
 def test_secret_looking_arguments_are_masked(policy: Path, ledger_url: str, tmp_path: Path) -> None:
     asyncio.run(write_policy_ledger(policy))
     secrets = {
