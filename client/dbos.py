@@ -19,7 +19,7 @@ so the step's second run gets the first outcome back from commitgate instead of 
 
 The MCP session lives on the portal's event loop, so steps can call it from any thread (sync
 workflows run in DBOS's thread pool) or any event loop (recovered async workflows run on DBOS's
-own loop, not on the one that started them). See docs/engines.md#dbos.
+own loop, not on the one that started them). See docs/frameworks.md#dbos.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the tool node again from its start, with the same message: the same thread id an
 so commitgate answers the second run with the first outcome instead of acting again. This holds
 when the model's checkpoint is written before the tools run: compile or invoke the graph with
 `durability="sync"` (the default, "async", may still be writing it when the tool acts, and a
-crash then re-asks the model, whose new tool call ids are new actions). See docs/engines.md#langgraph.
+crash then re-asks the model, whose new tool call ids are new actions). See docs/frameworks.md#langgraph.
 """
 
 from __future__ import annotations

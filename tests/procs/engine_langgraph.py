@@ -1,7 +1,7 @@
 """LangGraph in the engine worker: a scripted model asks for one tool call, ToolNode runs it.
 
 See engine_worker.py. The graph checkpoints into SQLite with `durability="sync"`: the model's
-tool call is durable before the tool runs (docs/engines.md says why that matters).
+tool call is durable before the tool runs (docs/frameworks.md#langgraph says why that matters).
 """
 
 from __future__ import annotations
