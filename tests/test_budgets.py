@@ -20,7 +20,14 @@ from test_ledger_contract import RESULT, T0, finish, request
 
 from commitgate.server.core.boundary import CallRequest, GuardedTool
 from commitgate.server.core.budgets import Budget
-from commitgate.server.ledger.base import BudgetCheck, ClaimKind, ClaimRequest, Ledger, OverBudget
+from commitgate.server.ledger.base import (
+    BudgetCheck,
+    ClaimKind,
+    ClaimRequest,
+    DuplicateCheck,
+    Ledger,
+    OverBudget,
+)
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import BUDGET_SUMS
 from commitgate.server.model.amounts import amount as exact
@@ -291,6 +298,26 @@ async def test_concurrent_claims_of_other_scopes_and_other_budgets_all_go_throug
 
 
 @pytest.mark.anyio
+async def test_a_repeat_of_an_action_that_spent_is_a_duplicate_not_a_budget_refusal(ledger: Ledger) -> None:
+    checked = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
+    first = dataclasses.replace(spending("k1", 1000.0), fingerprint="fp-same", duplicates=checked)
+    await ledger.claim(first, T0)
+    again = await ledger.claim(dataclasses.replace(first, step="k2"), T0 + 1)  # a fresh key, the budget full
+    assert again.kind is ClaimKind.DUPLICATE and again.operation.step == "k1"
+    assert await ledger.get("alice", "s1", "k2") is None
+
+
+@pytest.mark.anyio
+async def test_amounts_add_up_exactly(ledger: Ledger) -> None:
+    tenths = dataclasses.replace(LIMIT, limit=exact(0.3))
+    for step in ("d1", "d2", "d3"):  # in binary floats the third would pass 0.3
+        await spend(ledger, step, 0.1, check=tenths)
+    assert await refused(ledger, "d4", 0.000000001, check=tenths) == Decimal("0.3")
+    (spent,) = await ledger.budget_spent("payments", "principal", T0 - 3600, T0)
+    assert spent.spent == Decimal("0.3") and isinstance(spent.spent, Decimal)
+
+
+@pytest.mark.anyio
 async def test_the_sqlite_sum_reads_only_its_index(tmp_path: Path) -> None:
     ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
     await spend(ledger, "k1")
@@ -321,7 +348,9 @@ async def test_the_postgres_sum_uses_its_index() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_ledger_of_the_previous_schema_is_migrated_and_its_spending_keeps_counting(tmp_path: Path) -> None:
+async def test_a_ledger_of_the_previous_schema_is_migrated_and_its_spending_keeps_counting(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "ledger.db"
     ledger = await SQLiteLedger.open(path)
     await spend(ledger, "old", 700.5)
