@@ -243,7 +243,7 @@ class CommitBoundary:
             )
         return errors.approval_pending(op)
 
-    def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: float) -> GateError:
+    def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: Decimal) -> GateError:
         tool, budget, check = request.tool, request.tool.budget, claim_request.budget
         assert budget is not None and check is not None
         scope = budgets.scope_label(budget, request.principal, request.session)

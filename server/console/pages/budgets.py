@@ -20,9 +20,9 @@ from starlette.routing import Route
 
 from commitgate.server.console.pages.base import Page, ledger_of, now, policy_of, scope_of
 from commitgate.server.console.rendering import render
-from commitgate.server.core.budgets import budget_report, number, span_for, spending_over_window
+from commitgate.server.core.budgets import budget_report, span_for, spending_over_window
 from commitgate.server.ledger.base import Ledger, SpentIn
-from commitgate.server.model.amounts import ZERO, amount, grouped
+from commitgate.server.model.amounts import ZERO, amount, grouped, number
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.budgets import BudgetPolicy
 
