@@ -522,7 +522,8 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     with sqlite3.connect(path) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(operations)")]
         assert "downstream_ref" not in columns
-        assert {"approval", "approval_expires_at", "budget", "budget_units", "budget_spent_at"} <= set(columns)
+        added = {"approval", "approval_expires_at", "budget", "budget_units", "budget_spent_at"}
+        assert added <= set(columns)
 
 
 @pytest.mark.anyio
