@@ -125,7 +125,7 @@ async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) ->
 
 def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted_policy: Path) -> None:
     command = [str(CONSOLE_SCRIPT), "policy", "show", "--upstreams", str(hinted_policy)]
-    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True) for c in (command + ["--json"], command)]
+    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True) for c in ([*command, "--json"], command)]
     (as_json, _), (as_text, _) = (run.communicate(timeout=90) for run in runs)
     assert [run.returncode for run in runs] == [0, 0]
     inventory = {item["name"]: item for item in json.loads(as_json)["upstream_inventory"]}
@@ -224,7 +224,7 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
             pytest.fail(reason)
         pytest.skip(reason)
     policy = tmp_path / "policy.toml"
-    server = TESTS_DIR / "support" / "sdk1_server.py"
+    server = TESTS_DIR / "sdk1" / "ping_server.py"
     policy.write_text(
         SERVER.format(ledger=tmp_path / "ledger.db")
         + f'\n[upstreams.old]\ncommand = "{SDK1_PYTHON}"\nargs = ["{server}"]\n'
