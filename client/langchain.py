@@ -3,14 +3,14 @@
     from langchain_mcp_adapters.client import MultiServerMCPClient
     from commitgate.client.langchain import load_commitgate_tools
 
-    client = MultiServerMCPClient({"commitgate": {"transport": "stdio", "command": "commitgate", "args": ["serve"]}})
+    client = MultiServerMCPClient({"commitgate": {"transport": "stdio", "command": COMMITGATE, "args": ["serve"]}})
     async with client.session("commitgate") as session:     # one server process for the run
         tools = await load_commitgate_tools(session, run_id=thread_id)
         ...  # build and run the agent or graph inside this block
 
 `client.get_tools()` would instead give tools that start a new session, hence a new commitgate
 process and its upstreams, for every call. The adapters' interceptors can change headers but not
-`_meta`, so the session itself is wrapped: its `call_tool` adds session and step. Why: docs/frameworks.md.
+`_meta`, so the session itself is wrapped: its `call_tool` adds session and step. Why: docs/frameworks.md#langchain-and-langgraph.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
     from agents.mcp import MCPServerStdio
     from commitgate.client.openai_agents import commitgate_options
 
-    server = MCPServerStdio({"command": "commitgate", "args": ["serve"]}, **commitgate_options(run_id))
+    server = MCPServerStdio({"command": COMMITGATE, "args": ["serve"]}, **commitgate_options(run_id))
 
 The model keeps sending `idempotency_key` as an argument: the SDK gives the model the tool's
 schema, in which the key is required, and a `_meta` resolver sees only a copy of the arguments, so
 it cannot take the key out; a step sent beside a different key would be refused. Duplicate
-detection catches a re-issue under a new key. Why each option is set: docs/frameworks.md.
+detection catches a re-issue under a new key. Why each option is set: docs/frameworks.md#openai-agents-sdk.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
     from commitgate.client.pydantic_ai import commitgate_toolset
 
-    toolset = commitgate_toolset(StdioTransport("commitgate", ["serve"]), run_id=run_id)
+    toolset = commitgate_toolset(StdioTransport(COMMITGATE, ["serve"])  # the server's `commitgate` command, run_id=run_id)
     agent = Agent(model, toolsets=[toolset])
 
-What pydantic-ai does by itself and why this changes it: docs/frameworks.md.
+What pydantic-ai does by itself and why this changes it: docs/frameworks.md#pydantic-ai.
 """
 
 from __future__ import annotations

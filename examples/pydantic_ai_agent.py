@@ -16,8 +16,7 @@ Three runs show the difference (charges are counted in the demo tools' sandbox d
   session and a step named after the action as the key, so the re-issue and a whole restarted run
   replay the first charge instead of running again.
 
-Run it (from a checkout, after `pip install ./client '.[test]'`, or with `pip install commitgate
-'commitgate-client[pydantic-ai]'`):
+Run it from a checkout, after `pip install ./client '.[test]'` (or `make .venv/.installed`):
 
     python examples/pydantic_ai_agent.py
 

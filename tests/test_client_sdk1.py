@@ -38,13 +38,14 @@ def sdk1() -> Path:
     return SDK1_PYTHON
 
 
-def run_config(box: AgentSandbox, command: list[str], run_id: str | None) -> dict[str, Any]:
+def run_config(box: AgentSandbox, command: list[str], run_id: str | None, step: bool) -> dict[str, Any]:
     starts = str(box.root / "starts")
     return {
         "server": ["/bin/sh", "-c", COUNT_STARTS, starts, *command],
         "env": box.env,
         "run_id": run_id,
         "calls": 3,
+        "step": step,
     }
 
 
@@ -54,13 +55,17 @@ def runs(
 ) -> dict[str, tuple[AgentSandbox, dict[str, Any]]]:
     """One agent run through a plain MCP server and one through commitgate, side by side."""
     root = tmp_path_factory.mktemp("sdk1")
-    plain, guarded = AgentSandbox.create(root / "plain"), AgentSandbox.create(root / "guarded")
-    configs = {"plain": (plain, plain.plain, None), "guarded": (guarded, guarded.commitgate, "run-1")}
+    plain, guarded, stepped = (AgentSandbox.create(root / name) for name in ("plain", "guarded", "stepped"))
+    configs = {
+        "plain": (plain, plain.plain, None, False),
+        "guarded": (guarded, guarded.commitgate, "run-1", False),
+        "stepped": (stepped, stepped.commitgate, "run-1", True),
+    }
     results: dict[str, tuple[AgentSandbox, dict[str, Any]]] = {}
 
     async def one(name: str) -> None:
-        box, command, run_id = configs[name]
-        argv = [str(sdk1), str(AGENT), json.dumps(run_config(box, command, run_id))]
+        box, command, run_id, step = configs[name]
+        argv = [str(sdk1), str(AGENT), json.dumps(run_config(box, command, run_id, step))]
         done = await anyio.run_process(argv, check=False)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         results[name] = (box, json.loads(done.stdout.decode().strip().splitlines()[-1]))
@@ -105,6 +110,15 @@ def test_through_commitgate_one_charge_one_process_and_a_readable_refusal(runs: 
         assert '{"error' not in text and '{\\"error' not in text
     # The agent's order once, and the Gate's own order (below) once.
     assert box.charges() == 2
+
+
+def test_with_a_step_in_meta_the_re_issues_get_the_first_answer_back(runs: dict[str, Any]) -> None:
+    box, seen = runs["stepped"]
+    assert seen["status"] == ["success"] * 3
+    first, *replays = seen["read"]
+    for text in replays:  # the same charge, and commitgate's note that it was not run again
+        assert text.startswith(first) and "this is the recorded outcome; nothing was executed again." in text
+    assert box.charges() == 1
 
 
 def test_gate_on_the_sdk_1_line_replays_a_step_and_names_a_duplicate(runs: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ Run by tests/test_client_sdk1.py with that venv's Python (the Makefile builds `.
 prints one JSON object. The scripted model charges order 42, "loses" the answer and charges again
 under a new key and tool-call id; all calls go through one MCP session over stdio, so one server
 process serves the whole run. With a run id it goes through `commitgate.client.langchain` and
-then drives `Gate` on the same session: the client's own calls on the SDK's 1.x line.
+then (without a step) drives `Gate` on the same session: the client's own calls on the SDK's 1.x line.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from commitgate.client import Gate, PossibleDuplicate
+from commitgate.client.keys import by_arguments
 from commitgate.client.langchain import load_commitgate_tools
 
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
@@ -82,7 +83,10 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         run_id = config.get("run_id")
-        tools = await (load_commitgate_tools(session, run_id=run_id) if run_id else load_mcp_tools(session))
+        step = by_arguments if config.get("step") else None
+        tools = await (
+            load_commitgate_tools(session, run_id=run_id, step=step) if run_id else load_mcp_tools(session)
+        )
         state = await agent(tools, config["calls"]).ainvoke({"messages": [("user", "Charge order 42")]})
         seen = [m for m in state["messages"] if isinstance(m, ToolMessage)]
         out: dict[str, Any] = {
@@ -90,7 +94,7 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
             "read": [text_of(m) for m in seen],
             "status": [m.status for m in seen],
         }
-        if run_id:
+        if run_id and not step:
             out["gate"] = await gate_calls(session)
     return out
 
