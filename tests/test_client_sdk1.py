@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from support.agents import AgentSandbox
 
@@ -53,7 +52,7 @@ def run_config(box: AgentSandbox, command: list[str], run_id: str | None, step: 
 def runs(
     sdk1: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[AgentSandbox, dict[str, Any]]]:
-    """One agent run through a plain MCP server and one through commitgate, side by side."""
+    """Agent runs through a plain MCP server and through commitgate, side by side in one process."""
     root = tmp_path_factory.mktemp("sdk1")
     plain, guarded, stepped = (AgentSandbox.create(root / name) for name in ("plain", "guarded", "stepped"))
     configs = {
@@ -61,22 +60,12 @@ def runs(
         "guarded": (guarded, guarded.commitgate, "run-1", False),
         "stepped": (stepped, stepped.commitgate, "run-1", True),
     }
-    results: dict[str, tuple[AgentSandbox, dict[str, Any]]] = {}
-
-    async def one(name: str) -> None:
-        box, command, run_id, step = configs[name]
-        argv = [str(sdk1), str(AGENT), json.dumps(run_config(box, command, run_id, step))]
-        done = await anyio.run_process(argv, check=False)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
-        results[name] = (box, json.loads(done.stdout.decode().strip().splitlines()[-1]))
-
-    async def both() -> None:
-        async with anyio.create_task_group() as tg:
-            for name in configs:
-                tg.start_soon(one, name)
-
-    anyio.run(both)
-    return results
+    names = list(configs)
+    sent = [run_config(box, command, run_id, step) for box, command, run_id, step in configs.values()]
+    done = subprocess.run([str(sdk1), str(AGENT), json.dumps(sent)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (configs[name][0], result) for name, result in zip(names, seen, strict=True)}
 
 
 def test_the_venv_holds_the_client_alone_on_the_sdk_1_line(sdk1: Path) -> None:

@@ -1,7 +1,7 @@
 """A LangGraph agent run from a venv holding only commitgate-client, mcp<2 and langchain-mcp-adapters.
 
-Run by tests/test_client_sdk1.py with that venv's Python (the Makefile builds `.venv-sdk1`); it
-prints one JSON object. The scripted model charges order 42, "loses" the answer and charges again
+Run by tests/test_client_sdk1.py with that venv's Python (the Makefile builds `.venv-sdk1`) with a
+JSON list of runs; it prints a JSON list of what each run's model read. The scripted model charges order 42, "loses" the answer and charges again
 under a new key and tool-call id; all calls go through one MCP session over stdio, so one server
 process serves the whole run. With a run id it goes through `commitgate.client.langchain` and
 then (without a step) drives `Gate` on the same session: the client's own calls on the SDK's 1.x line.
@@ -77,7 +77,7 @@ async def gate_calls(session: ClientSession) -> dict[str, Any]:
     }
 
 
-async def main(config: dict[str, Any]) -> dict[str, Any]:
+async def run(config: dict[str, Any]) -> dict[str, Any]:
     command = config["server"]
     params = StdioServerParameters(command=command[0], args=command[1:], env=config["env"])
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
@@ -97,6 +97,11 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
         if run_id and not step:
             out["gate"] = await gate_calls(session)
     return out
+
+
+async def main(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several runs side by side, each with its own server process."""
+    return list(await asyncio.gather(*(run(config) for config in configs)))
 
 
 if __name__ == "__main__":
