@@ -52,6 +52,18 @@ class ConsoleRefused(UserFacingError):
     """The console will not start as asked; the message says why and what to do."""
 
 
+def check_bind(host: str, tokens: TokenTable) -> None:
+    """Before binding: a non-loopback address needs the policy's tokens (ConsoleRefused otherwise)."""
+    if tokens or is_loopback(host):
+        return
+    raise ConsoleRefused(
+        f"refusing to serve the console on {host!r} without authentication: anyone who can reach"
+        " that address could approve or resolve operations. Add [[auth.tokens]] to the policy given with"
+        " --policy (principal + token_env or token_sha256), or bind a loopback address such as"
+        " 127.0.0.1 (the default) and open the link the console prints."
+    )
+
+
 class Denied(Exception):
     """A request the console refuses: `status` and a sentence for the person."""
 
@@ -95,13 +107,7 @@ class Access:
         cookie = f"commitgate_console_{port}"  # cookies ignore ports: two consoles must not clash
         if is_loopback(host):
             return cls(operator, console_token=secrets.token_urlsafe(32), cookie=cookie)
-        if not tokens:
-            raise ConsoleRefused(
-                f"refusing to serve the console on {host!r} without authentication: anyone who can reach"
-                " that address could approve or resolve operations. Add [[auth.tokens]] to the policy given with"
-                " --policy (principal + token_env or token_sha256), or bind a loopback address such as"
-                " 127.0.0.1 (the default) and open the link the console prints."
-            )
+        check_bind(host, tokens)
         return cls(operator, tokens=tokens, loopback=False, cookie=cookie)
 
     # --- tokens and cookies ------------------------------------------------------------------
