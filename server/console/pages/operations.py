@@ -10,7 +10,14 @@ from starlette.routing import Route
 
 from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch
 from commitgate.server.console.pages.questions import waiting
-from commitgate.server.console.rendering import history_rows, render, shown_json, shown_result, status_check
+from commitgate.server.console.rendering import (
+    dated,
+    history_rows,
+    render,
+    shown_json,
+    shown_result,
+    status_check,
+)
 from commitgate.server.console.security import Denied
 from commitgate.server.core import approvals
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
@@ -88,11 +95,11 @@ async def operation_page(
         "arguments": shown_json(op.arguments),
         "result": shown_result(op.result),
         "error": shown_json(op.error) if op.error is not None else None,
-        "reconciliation": shown_json(op.reconciliation) if op.reconciliation is not None else None,
+        "reconciliation": shown_json(dated(op.reconciliation)) if op.reconciliation is not None else None,
         "status_check": status_check(op),
         # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
         "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),
-        "history": history_rows(history),
+        "history": history_rows(history, op.principal),
         "approval": approvals.status(op),
         "waiting": await waiting(request, op, at) if op.state is State.AWAITING_APPROVAL else None,
         "problem": problem,
