@@ -1199,7 +1199,7 @@ def test_the_budgets_page_shows_the_figures_ops_budgets_prints_with_charts_that_
     ]
     for words in (
         "30d (sliding)",
-        "2,610.50</strong> of 1,000,000 spent",
+        "2,610.5</strong> of 1,000,000 spent",  # exact: no digits added
         "per day",
         "per hour",
         "per 5 minutes",
