@@ -20,7 +20,7 @@ import pytest
 from mcp.shared.subscriptions import ToolsListChanged
 from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, operation, serve, text, upstream_listed
 
-pytestmark = pytest.mark.slow
+from commitgate.server.policy.loading import PolicyError, loads_policy
 
 ROOT = TESTS_DIR.parent
 HINTED = TESTS_DIR / "support" / "hinted_server.py"
@@ -85,6 +85,7 @@ def hinted_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return policy
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) -> None:
     root = hinted_policy.parent
@@ -123,6 +124,7 @@ async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) ->
     assert "tools.lookup: lookup is served as safe-retry" not in log
 
 
+@pytest.mark.slow
 def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted_policy: Path) -> None:
     command = [str(CONSOLE_SCRIPT), "policy", "show", "--upstreams", str(hinted_policy)]
     runs = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True) for c in ([*command, "--json"], command)]
@@ -158,6 +160,7 @@ def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted
 # --- tools = "all": a tool the upstream gains later ------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_tool_an_all_upstream_adds_later_is_announced_and_served(tmp_path: Path) -> None:
     flag = tmp_path / "upgraded"
@@ -187,6 +190,7 @@ async def test_a_tool_an_all_upstream_adds_later_is_announced_and_served(tmp_pat
 # --- an upstream slow to start ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhile(tmp_path: Path) -> None:
     policy = tmp_path / "policy.toml"
@@ -216,6 +220,7 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
 # --- a server of the 1.x SDK --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_path: Path) -> None:
     if not SDK1_PYTHON.exists():
@@ -235,3 +240,26 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
     assert not pong.is_error and "pong" in text(pong), text(pong)
     said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
     assert "validation error" not in said.lower() and "server/discover" not in said
+
+
+# --- what the policy accepts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "said"),
+    [
+        ('default_class = "key-required"', '`default_class` is only used with `tools = "all"`'),
+        ('tools = "all"\ndefault_class = "compensable"', "compensable needs a status_check or compensate"),
+        ('tools = "some"', "upstreams.u.tools"),
+        ('connect_timeout = "0s"', "upstreams.u.connect_timeout"),
+    ],
+)
+def test_upstream_keys_are_checked_with_a_clear_reason(written: str, said: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        loads_policy(f'[upstreams.u]\ncommand = "x"\n{written}\n')
+    assert said in str(caught.value)
+
+
+def test_upstream_defaults_keep_hand_written_policies_as_they_were() -> None:
+    spec = loads_policy('[upstreams.u]\ncommand = "x"\n').upstreams["u"]
+    assert (spec.tools, spec.default_class, spec.connect_timeout) == ("listed", None, 60.0)
