@@ -445,11 +445,11 @@ async def test_records_of_a_budgeted_tool_are_kept_for_the_whole_window(
     assert answer.operation is not None and answer.operation.retention == 30 * 86400.0
 
 
-# --- metrics: limits, and spent per scope this process served ---------------------------------------
+# --- metrics: limits, and spent per principal ---------------------------------------------------------
 
 
 @pytest.mark.anyio
-async def test_metrics_export_limits_and_what_each_served_scope_spent(
+async def test_metrics_export_limits_and_what_each_principal_spent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from prometheus_client.parser import text_string_to_metric_families
@@ -484,8 +484,8 @@ async def test_metrics_export_limits_and_what_each_served_scope_spent(
             ).is_error
         assert (await gateway.call_tool("charge_card", charge("a2", 50000), {}, "alice")).is_error
         scraped = await scrape()
-        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("scope", "alice")))] == 60000
-        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("scope", "bob")))] == 30000
+        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("principal", "alice")))] == 60000
+        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("principal", "bob")))] == 30000
         assert (
             scraped[
                 (

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from commitgate.server.console.pages.base import ledger_of, policy_of, scope_of
+from commitgate.server.console.pages.base import policy_of, visible
 from commitgate.server.core import approvals
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.masking import mask_values
@@ -48,7 +48,7 @@ async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     record = op.approval or {}
     earlier = None
     if record.get("duplicate_of"):
-        earlier = await ledger_of(request).get_by_id(scope_of(request), str(record["duplicate_of"]))
+        earlier = await visible(request, str(record["duplicate_of"]))
     policy = policy_of(request)
     text = approvals.question(op, policy.tools.get(op.tool) if policy else None, earlier).text
     lines = str(mask_values(text)).splitlines()  # card numbers in free text, too
