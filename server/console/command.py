@@ -70,7 +70,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     import uvicorn
 
     from commitgate.server.console.app import create_app, ledger_opener
-    from commitgate.server.console.security import Access
+    from commitgate.server.console.security import Access, check_bind
     from commitgate.server.serve.http import ServeRefused, listen
 
     path = args.policy or os.environ.get("COMMITGATE_POLICY")
@@ -82,6 +82,7 @@ def cmd_console(args: argparse.Namespace) -> int:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
         raise UserFacingError(str(exc)) from None
+    check_bind(args.host, tokens)  # before anything listens on that address
     try:
         sock = listen(args.host, args.port)
     except ServeRefused as refused:  # the same socket and words as `serve`; here a user mistake

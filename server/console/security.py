@@ -77,6 +77,19 @@ AGENT_REFUSED = (
 )
 
 
+def check_bind(host: str, tokens: TokenTable) -> None:
+    """A console bound elsewhere than loopback needs an operator's token: ConsoleRefused otherwise."""
+    if not is_loopback(host) and not tokens.has("operator"):
+        raise ConsoleRefused(
+            f"refusing to serve the console on {host!r} without an operator's token: there, only"
+            " operators sign in (agents' tokens are refused, so that no agent approves or resolves its own"
+            ' calls). Add role = "operator" to an [[auth.tokens]] entry of the'
+            ' policy given with --policy (a principal name of its own, e.g. "ops-alice", with token_env'
+            " or token_sha256), or bind a loopback address such as 127.0.0.1 (the default) and open the"
+            " link the console prints."
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Who is signed in: `name` is recorded as the decider; `principals` None sees every principal."""
@@ -106,15 +119,7 @@ class Access:
         cookie = f"commitgate_console_{port}"  # cookies ignore ports: two consoles must not clash
         if is_loopback(host):
             return cls(operator, console_token=secrets.token_urlsafe(32), tokens=tokens, cookie=cookie)
-        if not tokens.has("operator"):
-            raise ConsoleRefused(
-                f"refusing to serve the console on {host!r} without an operator's token: agents' tokens"
-                " cannot sign in to the console, and without one anyone who can reach that address could"
-                ' approve or resolve operations. Add role = "operator" to an [[auth.tokens]] entry of the'
-                ' policy given with --policy (a principal name of its own, e.g. "ops-alice", with token_env'
-                " or token_sha256), or bind a loopback address such as 127.0.0.1 (the default) and open the"
-                " link the console prints."
-            )
+        check_bind(host, tokens)
         return cls(operator, tokens=tokens, loopback=False, cookie=cookie)
 
     # --- tokens and cookies ------------------------------------------------------------------
