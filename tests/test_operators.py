@@ -259,10 +259,11 @@ def test_an_agent_cannot_resolve_its_own_unknown_outcome(deployment: Deployment)
     first = anyio.run(call, deployment.server, "alice", "create_ticket", ticket)
     assert error_code(first) == "operation_outcome_unknown"
     unknown = operation_id(first)
-    form = {"csrf_token": "guessed", "finding": "failed", "reason": "it did not happen"}
 
     def try_to_resolve(client: httpx2.Client) -> list[int]:
         page = client.get(f"/operations/{unknown}", headers=AGENT)
+        csrf = csrf_of(page.text) if page.status_code == 200 else "none: the page was refused"
+        form = {"csrf_token": csrf, "finding": "failed", "reason": "it did not happen"}
         post = client.post(f"/operations/{unknown}/resolve", data=form, headers=AGENT)
         return [page.status_code, post.status_code]
 
