@@ -47,6 +47,7 @@ _PROCESS_MODULES = {
     "test_model_facing",
     "test_multiprocess",
     "test_reload",
+    "test_policy_init",
     "test_replicas_postgres",
     "test_saga",
     "test_tracing_otlp",

@@ -12,6 +12,8 @@ import itertools
 import json
 import os
 import random
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +21,19 @@ from typing import Any
 
 import pytest
 
-from commitgate.server.bench import report
+from commitgate.server.bench import report, syscalls
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import (
     CLAIM_PAGES,
     DiskFloor,
+    LeastClaim,
     _over_floor,
     _syncs_in_server,
     _Variant,
+    guard_software_over_least,
+    idle_floors,
+    settle,
     shuffle_apart,
 )
 from commitgate.server.bench.report import goals, missed_notes
@@ -71,6 +77,7 @@ def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]
         assert section in quick_run, section
     assert quick_run["tracing"]["exported"]["requests"] > 0  # the traced server did export its spans
     assert set(quick_run["goals"]) == {
+        "guard_software",
         "guard_over_floor",
         "guarded_call_cost",
         "replay_cost",
@@ -118,9 +125,15 @@ def test_quick_bench_figures_are_sane(quick_run: dict[str, Any]) -> None:
     for name in ("guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
         spread_ = quick_run["goals"][name]["spread"]
         assert 0 < spread_["min"] <= spread_["p25"] <= spread_["median"] <= spread_["p75"] <= spread_["max"]
-    over_floor = quick_run["goals"]["guard_over_floor"]["spread"]
-    assert over_floor["min"] <= over_floor["median"] <= over_floor["max"]
-    assert quick_run["overhead"]["disk_floor_us"]["median"] > 0
+    for name in ("guard_over_floor", "guard_software"):
+        spread_ = quick_run["goals"][name]["spread"]
+        assert spread_["min"] <= spread_["median"] <= spread_["max"]
+    assert quick_run["goals"]["guard_software"]["goal"] == "<= 5"
+    overhead = quick_run["overhead"]
+    for figure in ("disk_floor_us", "disk_floor_claim_us", "sync_under_load_us", "least_claim_us"):
+        assert overhead[figure]["median"] > 0, figure
+    assert "guarded_no_fsync" in overhead["per_call_us"]
+    assert "the least software a SQLite claim and outcome need" in quick_run["printed"]
     claim = quick_run["overhead"]["overhead_over_floor"]["claim"]
     assert claim["min"] <= claim["median"] <= claim["max"]
     assert quick_run["overhead"]["ratios"]["claim_durability_over_plain_sdk"]["median"] > 0
@@ -171,13 +184,22 @@ def test_goals_are_judged_on_the_median_ratio() -> None:
         judged["guarded_call_cost"]["met"],
         judged["replay_cost"]["met"],
         judged["cost_against_plain_sdk"]["met"],
-    ) == (True, False, False)  # a guarded call must not cost more than a plain SDK server's no-op
-    assert judged["ledger_throughput"]["met"] is False  # under 15,000 ops/s, and its p99 is over 8 ms
-    fast = {**results, "ledger": {"concurrent_claim_complete": {"ops_per_s": 16_000.0, "p99_us": 9_000.0}}}
+    ) == (True, False, False)  # a guarded call must cost at most 0.9 of a plain SDK server's no-op
+    assert judged["ledger_throughput"]["met"] is False  # under 20,000 ops/s, and its p99 is over 8 ms
+    fast = {**results, "ledger": {"concurrent_claim_complete": {"ops_per_s": 21_000.0, "p99_us": 9_000.0}}}
     assert goals(fast)["ledger_throughput"]["met"] is False  # fast enough, but its p99 is over 8 ms
+    fast["ledger"]["concurrent_claim_complete"]["p99_us"] = 7_000.0
+    assert goals(fast)["ledger_throughput"]["met"] is True
     floor = {"median": 1.9, "p25": 1.8, "p75": 2.1, "min": 1.5, "max": 2.5}
-    with_floor = {**results, "overhead": {**results["overhead"], "overhead_over_floor": {"full": floor}}}
-    assert goals(with_floor)["guard_over_floor"]["met"] is True
+    software = {"median": 5.2, "p25": 4.8, "p75": 5.5, "min": 4.1, "max": 6.0}
+    measured = {
+        **results["overhead"],
+        "overhead_over_floor": {"full": floor},
+        "guard_software_over_least": software,
+    }
+    judged = goals({**results, "overhead": measured})
+    assert judged["guard_over_floor"]["met"] is True
+    assert (judged["guard_software"]["ratio"], judged["guard_software"]["met"]) == (5.2, False)  # over 5
 
 
 def test_the_claims_floor_writes_as_many_frames_as_a_claim_before_each_sync(
@@ -218,9 +240,101 @@ def test_the_guard_is_measured_in_units_of_the_disk_floor(tmp_path: Path) -> Non
     def variant(rounds: list[list[float]]) -> _Variant:
         return _Variant("v", None, "noop", lambda r, i: {}, None, rounds)  # type: ignore[arg-type]
 
-    floor.samples = [[50.0, 50.0], [100.0, 100.0]]
-    ratio = _over_floor(variant([[700.0], [1400.0]]), variant([[500.0], [1000.0]]), floor)
-    assert (ratio["min"], ratio["max"]) == (2.0, 2.0)  # (700 - 500) / (2 × 50), (1400 - 1000) / (2 × 100)
+    ratio = _over_floor(variant([[700.0], [1400.0]]), variant([[500.0], [1000.0]]), 50.0)
+    assert (ratio["min"], ratio["max"]) == (2.0, 4.0)  # (700 - 500) / (2 × 50), (1400 - 1000) / (2 × 50)
+
+
+def test_the_least_claim_commits_a_claim_and_its_outcome_without_a_sync(tmp_path: Path) -> None:
+    least = LeastClaim(tmp_path)
+    try:
+        assert all(least.sample() > 0 for _ in range(3))
+        with sqlite3.connect(least.path) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            assert conn.execute("SELECT state, count(*) FROM ops GROUP BY state").fetchall() == [
+                ("SUCCEEDED", 3)
+            ]
+    finally:
+        least.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_guard_software_is_paired_with_the_least_claim_per_round() -> None:
+    def variant(name: str, rounds: list[list[float]]) -> _Variant:
+        return _Variant(name, None, "noop", lambda r, i: {}, None, rounds)  # type: ignore[arg-type]
+
+    by_name = {
+        "guarded_no_fsync": variant("guarded_no_fsync", [[700.0, 700.0], [900.0, 900.0]]),
+        "unguarded": variant("unguarded", [[500.0, 500.0], [500.0, 500.0]]),
+    }
+    least = LeastClaim.__new__(LeastClaim)
+    least.samples = [[20.0, 20.0], [50.0, 50.0]]
+    ratio = guard_software_over_least(by_name, least)
+    assert (ratio["min"], ratio["max"]) == (8.0, 10.0)  # (700 - 500) / 20, (900 - 500) / 50
+
+
+@pytest.mark.anyio
+async def test_the_floor_is_timed_once_the_directory_is_quiet(tmp_path: Path) -> None:
+    """A server still writing (here a task touching a file every 20 ms for 0.3 s) holds the idle
+    floor back until it stops; then the floors are timed in blocks of their own."""
+    busy = tmp_path / "ledger.db-wal"
+    loop = asyncio.get_running_loop()
+
+    async def write_for_a_while() -> float:
+        for i in range(15):
+            await asyncio.sleep(0.02)
+            busy.write_bytes(b"x" * i)
+        return loop.time()  # the last write
+
+    writer = asyncio.create_task(write_for_a_while())
+    await asyncio.sleep(0.01)
+    await settle(tmp_path, quiet=0.1)
+    assert writer.done() and loop.time() - writer.result() >= 0.1
+    floor, claim_floor = idle_floors(tmp_path, blocks=2, per_block=3)
+    assert [len(block) for block in floor + claim_floor] == [3, 3, 3, 3]
+    assert all(sample > 0 for block in floor for sample in block)
+    assert [p.name for p in tmp_path.iterdir()] == [busy.name]  # the floors' files are gone
+
+
+_TRACE = """\
+10 read(16<pipe:[1]>, "{\\"method\\":\\"tools/call\\",\\"id\\":4}", 262144) = 30
+12 fdatasync(5</l/ledger.db-wal>) = 0
+11 pwrite64(5</l/ledger.db-wal>, "x", 24, 32) = 24
+11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 56) = 4096
+11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 4176) = 4096
+11 fdatasync(5</l/ledger.db-wal> <unfinished ...>
+12 pwrite64(4</l/ledger.db>, "x"..., 4096, 0) = 4096
+11 <... fdatasync resumed>) = 0
+11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 8296) = 4096
+11 fdatasync(5</l/ledger.db-wal>) = 0
+12 fsync(4</l/ledger.db>) = 0
+10 read(16<pipe:[1]>,  <unfinished ...>
+11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 12416) = 4096
+11 fdatasync(5</l/ledger.db-wal>) = 0
+10 <... read resumed>"{\\"method\\":\\"tools/call\\",\\"id\\":5}", 262144) = 30
+"""
+
+
+def test_syscalls_are_split_at_each_call_and_its_claims_first_sync() -> None:
+    """A request read started before the writes it caused counts them even when strace logs its
+    data after them; a checkpoint's WAL sync before any frame does not end the claim."""
+    first, second = syscalls.split_calls(_TRACE.splitlines(), Path("/l/ledger.db"))
+    assert first == syscalls.CallIO(
+        claim_pages=2, outcome_pages=1, wal_syncs=3, checkpoint_pages=1, db_syncs=1
+    )
+    assert second == syscalls.CallIO(
+        claim_pages=1, outcome_pages=0, wal_syncs=1, checkpoint_pages=0, db_syncs=0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_the_syscalls_tool_counts_a_real_servers_pages_and_syncs() -> None:
+    figures = asyncio.run(syscalls.count_calls(calls=4))
+    guarded, replay, unguarded = (figures["per_call"][kind] for kind in ("guarded", "replay", "unguarded"))
+    assert guarded["claim_pages"] >= 3 and guarded["outcome_pages"] >= 1  # a row, its indexes, its audit
+    assert guarded["wal_syncs"] >= 2  # the claim and the outcome, each durable before going on
+    assert replay["claim_pages"] == replay["outcome_pages"] == 0  # answered without a write
+    assert unguarded["claim_pages"] == unguarded["outcome_pages"] == 0
 
 
 def test_what_the_syncs_add_is_paired_per_round() -> None:

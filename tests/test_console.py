@@ -8,6 +8,7 @@ from real calls through a gateway, and effects are counted in the demo sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import socket
@@ -588,9 +589,10 @@ def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals
 
 
 def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
-    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str]
+    policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
+    monkeypatch.setattr("commitgate.server.serve.http.listen", never_listen)  # refused before binding
     with pytest.raises(ConsoleRefused, match="without an operator's token"):
         Access.for_bind("0.0.0.0", 8766, load_tokens(None), "alice")
     assert main(["console", "--policy", str(policy), "--host", "0.0.0.0", "--port", "0"]) == 1
@@ -603,6 +605,86 @@ def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.Captu
     missing = tmp_path / "nowhere.db"
     assert main(["console", "--ledger", f"sqlite:///{missing}", "--port", "0"]) == 1
     assert "no ledger at" in capsys.readouterr().err and not missing.exists()
+
+
+def never_listen(host: str, port: int) -> socket.socket:
+    raise AssertionError(f"the console bound {host}:{port} before refusing to start")
+
+
+def never_serve(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the console started serving")
+
+
+def refused_start(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """What `commitgate console argv` says on stderr when it refuses to start; it never serves."""
+    monkeypatch.setattr("uvicorn.Server.serve", never_serve)
+    assert main(["console", *argv, "--port", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert "console at" not in out, "the sign-in link was printed before the refusal"
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err  # the ledger line, the reason
+    return err
+
+
+def test_a_foreign_sqlite_file_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    foreign = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(foreign)) as conn, conn:
+        conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY)")
+    err = refused_start(["--ledger", f"sqlite:///{foreign}"], capsys, monkeypatch)
+    assert "is not a commitgate ledger" in err
+
+
+def test_an_unreachable_postgresql_ledger_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/app"
+    policy = tmp_path / "pg.toml"
+    policy.write_text(f'[ledger]\nurl = "{url}"\n')
+    for argv in (["--ledger", url], ["--policy", str(policy)]):
+        assert "cannot connect to the ledger" in refused_start(argv, capsys, monkeypatch)
+
+
+@pytest.mark.postgres
+def test_the_console_never_creates_tables_in_a_postgresql_database(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncpg
+    from support.postgres import fresh_url
+
+    async def tables_and_functions(url: str, create: str = "") -> set[str]:
+        conn = await asyncpg.connect(url)
+        try:
+            if create:
+                await conn.execute(create)
+            rows = await conn.fetch(
+                "SELECT table_name AS name FROM information_schema.tables WHERE table_schema = current_schema()"
+                " UNION SELECT routine_name FROM information_schema.routines"
+                " WHERE routine_schema = current_schema()"
+            )
+            return {row["name"] for row in rows}
+        finally:
+            await conn.close()
+
+    url = asyncio.run(fresh_url())
+    assert asyncio.run(tables_and_functions(url, "CREATE TABLE customers (id int)")) == {"customers"}
+    err = refused_start(["--ledger", url], capsys, monkeypatch)
+    assert "no commitgate ledger in this database" in err  # the words of `ops list`
+    assert asyncio.run(tables_and_functions(url)) == {"customers"}
+
+
+def test_an_invalid_host_is_refused_as_such(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("console", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--host", "not a host!"])
+        err = capsys.readouterr().err
+        assert "'not a host!' is not a host" in err and "authentication" not in err
 
 
 def test_browser_tests_skip_without_chromium_but_fail_under_ci(
@@ -668,7 +750,8 @@ def test_a_port_in_use_is_said_with_what_to_do(
         taken.listen(1)
         port = taken.getsockname()[1]
         assert main(["console", "--ledger", ledger_url, "--port", str(port)]) == 1
-    assert "pick another with --port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pick another with --port" in err and "commitgate: commitgate:" not in err
 
 
 # --- waiting for approval ---------------------------------------------------------------------------

@@ -264,8 +264,8 @@ RAW_CONVERSATION: list[tuple[str, int | None]] = [
     ('{"id": 7, "not": "json-rpc"}', None),
 ]
 
-# What the lean transport adds: JSON-RPC's answer to each line that is not a message (the SDK's
-# transport drops them without a word, and the client waits forever).
+# What both transports add to the SDK's reader: JSON-RPC's answer to each line that is not a
+# message (the SDK's reader drops them without a word, and the client waits forever).
 ERROR_REPLIES = [
     '{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the line is not JSON"}}',
     '{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the line is not JSON"}}',
@@ -273,16 +273,19 @@ ERROR_REPLIES = [
 ]
 
 
-async def raw_transcript(deployment: Deployment) -> tuple[list[str], int]:
-    """Every line the server writes for RAW_CONVERSATION, verbatim, and its exit code after end of input."""
-    process = await asyncio.create_subprocess_exec(
-        *deployment.argv(),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env=deployment.env(),
-        cwd=str(deployment.root),
-    )
+async def raw_transcript(
+    deployment: Deployment, conversation: list[tuple[str, int | None]]
+) -> tuple[list[str], int]:
+    """Every line the server writes for a raw conversation, verbatim, and its exit code after end of input."""
+    with (deployment.root / "stderr.log").open("a") as errlog:
+        process = await asyncio.create_subprocess_exec(
+            *deployment.argv(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=errlog,
+            env=deployment.env(),
+            cwd=str(deployment.root),
+        )
     assert process.stdin is not None and process.stdout is not None
     lines: list[str] = []
     ping = 100
@@ -298,7 +301,7 @@ async def raw_transcript(deployment: Deployment) -> tuple[list[str], int]:
             if json.loads(line).get("id") == request_id:
                 return
 
-    for sent, wait_for in RAW_CONVERSATION:
+    for sent, wait_for in conversation:
         process.stdin.write(sent.encode() + b"\n")
         if wait_for is None:  # maybe no answer at all: a ping after it shows what came first
             ping += 1
@@ -313,14 +316,44 @@ async def raw_transcript(deployment: Deployment) -> tuple[list[str], int]:
 
 
 async def test_raw_framing_is_line_for_line_the_sdks(deployments: dict[str, Deployment]) -> None:
-    sdk, fast = [await raw_transcript(deployments[name]) for name in ("sdk", "fast")]
+    sdk, fast = [await raw_transcript(deployments[name], RAW_CONVERSATION) for name in ("sdk", "fast")]
     replies = [line for line in fast[0] if '"code":-32700' in line or '"code":-32600' in line]
     assert replies == ERROR_REPLIES
-    assert ([line for line in fast[0] if line not in ERROR_REPLIES], fast[1]) == sdk
+    assert fast == sdk
     lines, exit_code = fast
     assert exit_code == 0  # end of input ends the server cleanly
     answered = {json.loads(line).get("id") for line in lines}
     assert {1, 2, 3, 4, 5, 6} <= answered
+
+
+HOSTILE_LINES: list[tuple[str, int | None]] = [
+    ('{"jsonrpc":"2.0","id":1,"method":"ping","params":{"a":' + "[" * 1000 + "]" * 1000 + "}}", None),
+    ('{"jsonrpc":"2.0","id":null,"method":"ping"}', None),
+    ('{"jsonrpc":"2.0","id":{"an":"object"},"method":"ping"}', None),
+    ('{"jsonrpc":"2.0","id":true,"method":"ping"}', None),
+    ('{"jsonrpc":"2.0","id":2,"method":"ping","params":{"n":' + "7" * 5000 + "}}", None),
+]
+HOSTILE_REPLIES = [
+    (None, "Invalid request: nested too deeply to read"),
+    (None, "Invalid request: an id must be a string or an integer"),
+    (None, "Invalid request: an id must be a string or an integer"),
+    (None, "Invalid request: an id must be a string or an integer"),
+    (2, "Invalid request: a number in it is too large to read"),
+]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_hostile_line_is_answered_and_the_server_lives_on(
+    deployments: dict[str, Deployment], transport: str
+) -> None:
+    lines, exit_code = await raw_transcript(deployments[transport], HOSTILE_LINES)
+    answers = [json.loads(line) for line in lines]
+    errors = [(a["id"], a["error"]["message"]) for a in answers if "error" in a]
+    assert errors == HOSTILE_REPLIES
+    assert all(a["error"]["code"] == -32600 for a in answers if "error" in a)
+    assert [a["id"] for a in answers if "result" in a] == list(range(101, 101 + len(HOSTILE_LINES)))
+    assert exit_code == 0
+    assert "Traceback" not in deployments[transport].stderr()
 
 
 def test_only_pipes_and_sockets_take_the_fast_path(tmp_path: Path) -> None:

@@ -43,10 +43,14 @@ async def _wait_until(predicate: object, within: float, what: str) -> None:
     raise AssertionError(f"not within {within}s: {what}")
 
 
-async def test_sigterm_on_stdio_lets_the_call_in_flight_record_its_outcome(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stdio", ["fast", "sdk"])
+async def test_sigterm_on_stdio_lets_the_call_in_flight_record_its_outcome(
+    tmp_path: Path, stdio: str
+) -> None:
+    """Drains, then exits without waiting for stdin to close (the client keeps it open)."""
     dep = Deployment.create(tmp_path)
     gate, key = tmp_path / "gate", new_id("term")
-    async with serve(dep) as server:
+    async with serve(dep, stdio=stdio) as server:
 
         async def call() -> None:
             with contextlib.suppress(Exception):  # the connection closes under it

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sources",
         (
             "commitgate.tools.base",
+            "commitgate.tools.hints",
             "commitgate.tools.python",
             "commitgate.tools.http",
             "commitgate.tools.upstream",

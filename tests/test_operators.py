@@ -142,7 +142,7 @@ def in_netns(pid: int, work: Callable[[], T]) -> T:
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["value"]  # type: ignore[no-any-return]
+    return outcome["value"]
 
 
 def start_console(root: Path, policy: Path) -> subprocess.Popen[bytes]:

@@ -34,12 +34,12 @@ from support.wrapping import (
     operation,
     serve,
     text,
+    upstream_listed,
 )
 
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
-from commitgate.tools.base import ToolBuildError
 from commitgate.tools.upstream import UpstreamTool, inventory
 
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
@@ -122,7 +122,7 @@ def memory(tmp_path: Path, memory_index: Path) -> Memory:
 @pytest.mark.anyio
 async def test_only_declared_tools_are_served_with_their_imported_schemas(memory: Memory) -> None:
     async with serve(memory.policy, memory.root / "stderr.log") as client:
-        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+        tools = await upstream_listed(client, "create_entities")
         with pytest.raises(MCPError, match="Unknown tool"):
             await client.call_tool("search_nodes", {"query": "x"})  # offered upstream, not declared
     wrapped = {"create_entities", "forget_entities", "read_graph"}
@@ -212,13 +212,26 @@ def test_policy_check_validates_upstream_tools_without_starting_them(memory: Mem
 
 
 @pytest.mark.anyio
-async def test_a_tool_the_upstream_does_not_offer_stops_the_start(memory: Memory) -> None:
+async def test_a_tool_the_upstream_does_not_offer_is_reported_once_it_connects(
+    memory: Memory, caplog: pytest.LogCaptureFixture
+) -> None:
+    from commitgate.server.serve.reload import refresh_upstream_tools
+
     memory.policy.write_text(memory.policy.read_text().replace('"delete_entities"', '"delete_entity"'))
-    with pytest.raises(ToolBuildError) as caught:
-        await Gateway.open(load_policy(memory.policy), memory.policy)
-    (problem,) = caught.value.problems
-    assert problem.location == "tools.forget_entities.upstream_tool"
-    assert "no tool 'delete_entity'" in problem.message and "delete_entities" in problem.message
+    gateway = await Gateway.open(load_policy(memory.policy), memory.policy)  # never waits for upstreams
+    try:
+        connection = gateway.upstreams.lookup(gateway.policy)("memory")
+        assert connection is not None and await connection.ready(60) is not None
+
+        async def announce() -> None:
+            raise AssertionError("nothing changed that clients could use")
+
+        assert await refresh_upstream_tools(gateway, announce) is False
+    finally:
+        await gateway.close()
+    (problem,) = [r.getMessage() for r in caplog.records if "no longer fit the policy" in r.getMessage()]
+    assert "tools.forget_entities.upstream_tool" in problem
+    assert "no tool 'delete_entity'" in problem and "delete_entities" in problem
 
 
 # --- our stub upstream: in-flight death, error results, _meta, streamable HTTP ---------------------------
@@ -476,8 +489,9 @@ async def test_an_upstream_that_drops_a_declared_tool_leaves_the_served_tools_as
         source = gateway.served["record"].guard.source
         assert isinstance(source, UpstreamTool)
         connection = source.connection
-        assert connection is not None
-        before = gateway.list_tools()
+        assert connection is not None and await connection.ready(30) is not None
+        await refresh_upstream_tools(gateway, announce)  # what serving does once it connected
+        before, announced[:] = gateway.list_tools(), []
         assert await refresh_upstream_tools(gateway, announce) is False  # same tools: nothing to tell
         del connection.tools["record"]  # as if it came back without `record`
         assert await refresh_upstream_tools(gateway, announce) is False

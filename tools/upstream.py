@@ -10,15 +10,19 @@
     upstream_tool = "create_entities"      # default: the policy's tool name
     class = "key-required"
 
-An `UpstreamManager` connects to every upstream the policy uses when the gateway opens (and keeps
-reconnecting, with backoff, when one dies), imports the declared tools' schemas, descriptions and
-output schemas, and hands the registry one `UpstreamTool` source per policy entry. When a connection
-lists other tools than before (it was down at start, or came back changed), `tools_changed` is set and
-the server rebuilds those sources and tells clients (server/reload.py). Tools the policy does not list
-are never served (fail closed); `inventory()` lists them for `policy show`.
+An `UpstreamManager` connects to every upstream the policy uses in the background when the gateway
+opens (and keeps reconnecting, with backoff, when one dies): the server answers clients at once and a
+call to a tool whose upstream is still connecting waits for it (bounded by the tool's timeout). It
+imports the declared tools' schemas, descriptions, output schemas and annotations, and hands the
+registry one `UpstreamTool` source per policy entry. When a connection lists other tools than before
+(it was connecting at start, or came back changed), `tools_changed` is set and the server rebuilds
+those sources and tells clients (server/reload.py). Tools the policy does not list are never served
+(fail closed) unless the upstream says `tools = "all"` (`implied_entries`); `inventory()` lists every
+offered tool for `policy show`.
 
 Outcomes of a proxied call:
-* the upstream is not connected: `RetryableError` (the call was certainly not sent);
+* the upstream is not connected (nor connected within the tool's timeout while connecting):
+  `RetryableError` (the call was certainly not sent);
 * the connection dies while the call is in flight, or the call times out: `AmbiguousError`;
 * a JSON-RPC rejection (invalid params, unknown method): `PermanentError`;
 * an `isError` result: `PermanentError` with its text, unless the text says it is transient
@@ -58,13 +62,13 @@ from commitgate.server.model.outcomes import AmbiguousError, PermanentError, Ret
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
 from commitgate.tools.base import Collaborators, DeclarationError
+from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
 
 log = logging.getLogger("commitgate.tools.upstream")
 
 KEY_ARGUMENT = "idempotency_key"
 
-CONNECT_TIMEOUT = 10.0
 BACKOFF_INITIAL = 0.2
 BACKOFF_MAX = 10.0
 STABLE_AFTER = 30.0  # a connection that lived this long resets the backoff
@@ -163,8 +167,9 @@ async def _list_all(client: Client) -> dict[str, types.Tool]:
 class UpstreamConnection:
     """One upstream server: connect, list its tools, hold the session, reconnect with backoff."""
 
-    def __init__(self, name: str, spec: UpstreamPolicy, connect_timeout: float = CONNECT_TIMEOUT) -> None:
-        self.name, self.spec, self.connect_timeout = name, spec, connect_timeout
+    def __init__(self, name: str, spec: UpstreamPolicy, connect_timeout: float | None = None) -> None:
+        self.name, self.spec = name, spec
+        self.connect_timeout = spec.connect_timeout if connect_timeout is None else connect_timeout
         self.tools: dict[str, types.Tool] = {}
         self.listed = False  # the tools were listed at least once
         self.error: str | None = None
@@ -172,7 +177,8 @@ class UpstreamConnection:
         self.on_new_tools: Callable[[], None] | None = None  # the manager's: the offered tools changed
         self._client: Client | None = None
         self._lost = asyncio.Event()
-        self._attempted = asyncio.Event()
+        self.connecting = True  # an attempt is under way (or about to start); calls wait for it
+        self._settled = asyncio.Event()  # set when the current attempt connected or failed
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -192,8 +198,18 @@ class UpstreamConnection:
         self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
 
     async def first_attempt(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._attempted.wait(), timeout)
+        await self.ready(timeout)
+
+    async def ready(self, timeout: float) -> Client | None:
+        """The session, after waiting (at most `timeout`) for an attempt under way to settle."""
+        if not self.connected and self.connecting:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), timeout)
+        return self.client()
+
+    def _settle(self) -> None:
+        self.connecting = False
+        self._settled.set()
 
     async def aclose(self) -> None:
         self._stop.set()
@@ -211,6 +227,8 @@ class UpstreamConnection:
         delay = BACKOFF_INITIAL
         while not self._stop.is_set():
             started = time.monotonic()
+            if self._settled.is_set():  # a new attempt: calls from now on wait for this one
+                self.connecting, self._settled = True, asyncio.Event()
             try:
                 await self._hold()
             except Exception as exc:  # a failing upstream must never take the server down
@@ -218,18 +236,26 @@ class UpstreamConnection:
                 log.warning("upstream %s: %s", self.name, self.error)
             finally:
                 self._client = None
-                self._attempted.set()
+                self._settle()
             if time.monotonic() - started > STABLE_AFTER:
                 delay = BACKOFF_INITIAL
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, BACKOFF_MAX)
 
+    @property
+    def _mode(self) -> str:
+        # A stdio server built on an older SDK does not know the `server/discover` probe and logs a
+        # validation error for it: the `initialize` handshake is what every server understands.
+        return "legacy" if self.spec.command is not None else "auto"
+
     async def _hold(self) -> None:
         lost = self._lost = asyncio.Event()
         async with AsyncExitStack() as stack:
             async with asyncio.timeout(self.connect_timeout):
-                client = await stack.enter_async_context(Client(_transport(self.spec, lost), cache=None))
+                client = await stack.enter_async_context(
+                    Client(_transport(self.spec, lost), cache=None, mode=self._mode)
+                )
                 tools = await _list_all(client)
             if tools != self.tools or not self.listed:
                 self.tools, self.listed = tools, True
@@ -237,7 +263,7 @@ class UpstreamConnection:
                     self.on_new_tools()
             self._client, self.error = client, None
             self.connects += 1
-            self._attempted.set()
+            self._settle()
             log.info("upstream %s: connected (%d tools)", self.name, len(self.tools))
             await lost.wait()
             self._client = None
@@ -283,6 +309,7 @@ class UpstreamTool:
             raise DeclarationError(f"tools.{name}", "no `upstream` declared")
         self.name, self.upstream = name, policy.upstream
         self.upstream_tool = policy.upstream_tool or name
+        self.timeout = policy.timeout
         # None: not connected (yet), or built to be checked (policy check) and never called
         connection: UpstreamConnection | None = using.upstream(policy.upstream)
         self.connection = connection
@@ -293,6 +320,9 @@ class UpstreamTool:
                 f"tools.{name}.upstream_tool",
                 f"upstream {self.upstream!r} has no tool {self.upstream_tool!r} (it offers: {offered})",
             )
+        self.declared = definition  # the upstream's own definition: its title and annotations are kept
+        for warning in class_warnings(policy.idempotency_class.value, definition):
+            log.warning("tools.%s: %s", name, warning)
         imported = dict(definition.input_schema) if definition else None
         schema = policy.input_schema or imported or {"type": "object"}
         self.passes_key = KEY_ARGUMENT in (imported or schema).get("properties", {})
@@ -319,7 +349,9 @@ class UpstreamTool:
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
         connection = self.connection
-        client = connection.client() if connection is not None else None
+        # Waiting for a connection under way is part of the attempt: leave a little of its timeout
+        # to say that nothing was sent rather than time out the attempt (an ambiguous failure).
+        client = await connection.ready(self.timeout * 0.9) if connection is not None else None
         if connection is None or client is None:
             why = f" ({connection.error})" if connection is not None and connection.error else ""
             raise RetryableError(f"upstream {self.upstream!r} is not connected{why}; the call was not sent")
@@ -365,7 +397,41 @@ class UpstreamTool:
 
 
 def used_upstreams(policy: Policy) -> set[str]:
-    return {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
+    listed = {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
+    return listed | {name for name, spec in policy.upstreams.items() if spec.tools == "all"}
+
+
+SHARED_NAME = "{upstream}__{tool}"
+
+
+def implied_entries(
+    policy: Policy, lookup: Callable[[str], UpstreamConnection | None]
+) -> dict[str, ToolPolicy]:
+    """The entries `tools = "all"` upstreams add: each offered tool without a [tools.X] entry of its
+    own, with the class its annotations give (or the upstream's `default_class`). A name offered
+    twice, or already a policy tool, becomes `UPSTREAM__TOOL` (docs/policy.md)."""
+    entered = {(t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream}
+    offered: list[tuple[str, types.Tool]] = []
+    for name, spec in sorted(policy.upstreams.items()):
+        connection = lookup(name) if spec.tools == "all" else None
+        if connection is not None:
+            offered += [(name, t) for n, t in sorted(connection.tools.items()) if (name, n) not in entered]
+    counts: dict[str, int] = {}
+    for _, tool in offered:
+        counts[tool.name] = counts.get(tool.name, 0) + 1
+    implied: dict[str, ToolPolicy] = {}
+    for upstream, tool in offered:
+        served = tool.name
+        if counts[served] > 1 or served in policy.tools:
+            served = SHARED_NAME.format(upstream=upstream, tool=tool.name)
+        if served in policy.tools or served in implied:
+            log.warning("upstream %s: tool %s is not served: its name is taken", upstream, tool.name)
+            continue
+        cls = policy.upstreams[upstream].default_class or proposed_class(tool.annotations)
+        implied[served] = ToolPolicy.model_validate(
+            {"class": cls, "upstream": upstream, "upstream_tool": tool.name}
+        )
+    return implied
 
 
 def _key(name: str, spec: UpstreamPolicy) -> str:
@@ -381,8 +447,8 @@ class UpstreamManager:
     rejected edit, `retire(current)` closes what was opened for nothing).
     """
 
-    def __init__(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
-        self.connect_timeout = connect_timeout
+    def __init__(self, *, connect_timeout: float | None = None) -> None:
+        self.connect_timeout = connect_timeout  # None: each upstream's own
         self._pool: dict[str, UpstreamConnection] = {}
         # Set when a connection lists other tools than before (e.g. it was down at start): the
         # sources built from the old list are stale (server/reload.py rebuilds them).
@@ -391,8 +457,10 @@ class UpstreamManager:
     def connection(self, name: str, spec: UpstreamPolicy) -> UpstreamConnection | None:
         return self._pool.get(_key(name, spec))
 
-    async def connect(self, upstreams: Mapping[str, UpstreamPolicy]) -> None:
-        """Hold a connection to each of `upstreams`; connections already held are kept as they are."""
+    async def connect(self, upstreams: Mapping[str, UpstreamPolicy], *, wait: bool = True) -> None:
+        """Hold a connection to each of `upstreams`; connections already held are kept as they are.
+
+        With `wait`, return once each new connection's first attempt connected or failed."""
         fresh = []
         for name in sorted(upstreams):
             key = _key(name, upstreams[name])
@@ -402,7 +470,9 @@ class UpstreamManager:
                 connection.start()
                 self._pool[key] = connection
                 fresh.append(connection)
-        await asyncio.gather(*(c.first_attempt(self.connect_timeout) for c in fresh))
+        if not wait:
+            return
+        await asyncio.gather(*(c.first_attempt(c.connect_timeout) for c in fresh))
         for connection in fresh:
             if not connection.connected:
                 log.warning(
@@ -423,26 +493,35 @@ class UpstreamManager:
             self.connection(name, policy.upstreams[name]) if name in policy.upstreams else None
         )
 
-    async def update(self, policy: Policy, *, retire: bool = True) -> None:
-        await self.connect({name: policy.upstreams[name] for name in used_upstreams(policy)})
+    async def update(self, policy: Policy, *, retire: bool = True, wait: bool = True) -> None:
+        await self.connect({name: policy.upstreams[name] for name in used_upstreams(policy)}, wait=wait)
         if retire:
             await self.retire(policy)
-
-    def not_exposed(self, policy: Policy) -> dict[str, list[str]]:
-        """Per upstream of `policy` that was reached, the tools it offers that the policy does not serve."""
-        served = {
-            (t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream and t.expose
-        }
-        report: dict[str, list[str]] = {}
-        for name, spec in policy.upstreams.items():
-            connection = self.connection(name, spec)
-            if connection is not None:
-                report[name] = sorted(tool for tool in connection.tools if (name, tool) not in served)
-        return report
 
     async def aclose(self) -> None:
         connections, self._pool = list(self._pool.values()), {}
         await asyncio.gather(*(c.aclose() for c in connections))
+
+
+@dataclass(frozen=True, slots=True)
+class OfferedTool:
+    """One tool an upstream offers, and how the policy serves it (`policy show --upstreams --json`)."""
+
+    name: str
+    served_as: str | None  # the name clients see; None when not served
+    # the class it is served with; for a tool not served, the one its annotations give
+    idempotency_class: str
+    annotations: dict[str, Any]  # as the upstream declared them, wire names
+    warnings: list[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "served_as": self.served_as,
+            "class": self.idempotency_class,
+            "annotations": self.annotations,
+            "warnings": self.warnings,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,33 +534,61 @@ class UpstreamInventory:
     exposed: list[str]  # upstream tool names the policy serves
     not_exposed: list[str]  # offered by the upstream, not served ("available, not exposed")
     missing: list[str]  # declared in the policy, not offered by the upstream
+    tools: list[OfferedTool]
+
+    def as_json(self) -> dict[str, Any]:
+        shown = {
+            k: getattr(self, k) for k in ("name", "connected", "error", "exposed", "not_exposed", "missing")
+        }
+        return {**shown, "tools": [tool.as_json() for tool in self.tools]}
 
 
-async def inventory(policy: Policy, connect_timeout: float = CONNECT_TIMEOUT) -> list[UpstreamInventory]:
+async def inventory(policy: Policy, connect_timeout: float | None = None) -> list[UpstreamInventory]:
     """Connect once to every upstream the policy declares and compare what they offer with the policy."""
     manager = UpstreamManager(connect_timeout=connect_timeout)
     try:
         await manager.connect(policy.upstreams)
-        not_exposed = manager.not_exposed(policy)
+        lookup = manager.lookup(policy)
+        served = {
+            (t.upstream, t.upstream_tool or n): (n, t)
+            for n, t in {**policy.tools, **implied_entries(policy, lookup)}.items()
+            if t.upstream
+        }
         return [
-            _inventory_of(name, connection, policy, not_exposed)
-            for name, spec in sorted(policy.upstreams.items())
-            if (connection := manager.connection(name, spec)) is not None
+            _inventory_of(name, connection, policy, served)
+            for name in sorted(policy.upstreams)
+            if (connection := lookup(name)) is not None
         ]
     finally:
         await manager.aclose()
 
 
 def _inventory_of(
-    name: str, connection: UpstreamConnection, policy: Policy, not_exposed: Mapping[str, list[str]]
+    name: str,
+    connection: UpstreamConnection,
+    policy: Policy,
+    served: Mapping[tuple[str, str], tuple[str, ToolPolicy]],
 ) -> UpstreamInventory:
     entries = [(t.upstream_tool or n, t.expose) for n, t in policy.tools.items() if t.upstream == name]
-    offered = set(connection.tools)
+    tools = [_offered(tool, served.get((name, tool.name))) for _, tool in sorted(connection.tools.items())]
     return UpstreamInventory(
         name=name,
         connected=connection.listed,
         error=None if connection.listed else connection.error or "connect timed out",
-        exposed=sorted({tool for tool, expose in entries if expose and tool in offered}),
-        not_exposed=not_exposed.get(name, []),
-        missing=sorted({tool for tool, _ in entries if connection.listed and tool not in offered}),
+        exposed=sorted(tool.name for tool in tools if tool.served_as is not None),
+        not_exposed=sorted(tool.name for tool in tools if tool.served_as is None),
+        missing=sorted({tool for tool, _ in entries if connection.listed and tool not in connection.tools}),
+        tools=tools,
     )
+
+
+def _offered(tool: types.Tool, entry: tuple[str, ToolPolicy] | None) -> OfferedTool:
+    annotations = (
+        tool.annotations.model_dump(by_alias=True, mode="json", exclude_none=True) if tool.annotations else {}
+    )
+    if entry is None or not entry[1].expose:
+        cls = entry[1].idempotency_class.value if entry else proposed_class(tool.annotations)
+        return OfferedTool(tool.name, None, cls, annotations, [])
+    served_as, policy = entry
+    cls = policy.idempotency_class.value
+    return OfferedTool(tool.name, served_as, cls, annotations, class_warnings(cls, tool))

@@ -9,13 +9,19 @@ fsyncs (what the guard costs in software), the same calls on the SDK's stdio tra
 what duplicate detection adds (the same guarded no-op with `duplicates = false`), the
 guarded call with `[ledger] durability = "claim"` (the outcome synced by the next group
 commit), what one durable SQLite commit costs in syncs on this disk, and, timed in the
-same rounds, the disk floor: a 4 KiB overwrite of a preallocated file + fdatasync. The
-guard's cost is reported in units of two such syncs, what a claim and an outcome need at
-the least.
+same rounds, the least software a SQLite claim and outcome need (`LeastClaim`).
+
+The disk floor (a 4 KiB overwrite of a preallocated file + fdatasync) is timed in a block of
+its own once the rounds are over and every server has gone quiet: timed between the calls,
+it would absorb the syncs the servers run in the background (checkpoints, the outcomes a
+`durability = "claim"` server syncs after answering). Those interleaved samples are kept as
+"a sync under the bench's own load". The guard's cost is reported in units of two idle
+floors, what a claim and an outcome need at the least.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -27,7 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mcp import Client
 
@@ -62,6 +68,7 @@ NO_FSYNC_POLICY = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous =
 # The frames a claim of a new key writes to the ledger's WAL when no page splits: the row, its five
 # indexes and the audit entry (tests/test_sqlite_write_path.py counts them).
 CLAIM_PAGES = 7
+_RESULT_JSON = '{"ok":true}'
 
 
 def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> float:
@@ -102,6 +109,40 @@ def commit_sync_us(directory: Path, samples: int = 400, warm_up: int = 100) -> f
     return round(max(0.0, full - normal) * 1e6, 1)
 
 
+class LeastClaim:
+    """The least software a SQLite claim and its outcome need, in the measuring process: stdlib
+    `sqlite3`, WAL, synchronous = NORMAL (no sync), `INSERT … ON CONFLICT DO NOTHING` + `COMMIT`,
+    then `UPDATE` + `COMMIT`. Timed in the overhead rounds beside the calls; the guard's software
+    (guarded minus unguarded on a ledger that does not sync) is reported in units of it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f".least-claim-{uuid.uuid4().hex}.db"
+        self._conn = sqlite3.connect(self.path, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode = WAL")
+        self._conn.execute("PRAGMA synchronous = NORMAL")
+        self._conn.execute("CREATE TABLE ops (k TEXT PRIMARY KEY, state TEXT NOT NULL, result TEXT)")
+        self._next = 0
+        self.samples: list[list[float]] = []  # µs, one list per round
+
+    def sample(self) -> float:
+        key = f"k{self._next}"
+        self._next += 1
+        start = time.perf_counter_ns()
+        execute = self._conn.execute
+        execute("BEGIN")
+        execute("INSERT INTO ops VALUES (?, 'RUNNING', NULL) ON CONFLICT DO NOTHING", (key,))
+        execute("COMMIT")
+        execute("BEGIN")
+        execute("UPDATE ops SET state = 'SUCCEEDED', result = ? WHERE k = ?", (_RESULT_JSON, key))
+        execute("COMMIT")
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def close(self) -> None:
+        self._conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+
 class DiskFloor:
     """The least a durable write can cost on this filesystem: overwrite one 4 KiB frame of a
     preallocated file and fdatasync it, as a WAL commit at its least does. Timed inside the
@@ -134,6 +175,47 @@ class DiskFloor:
     def close(self) -> None:
         os.close(self._fd)
         self.path.unlink(missing_ok=True)
+
+
+class Probe(Protocol):
+    """Something timed in the rounds beside the calls that touches no server."""
+
+    samples: list[list[float]]
+
+    def sample(self) -> float: ...
+
+
+async def settle(directory: Path, quiet: float = 0.5, limit: float = 10.0) -> None:
+    """Wait until no file in `directory` has changed for `quiet` seconds (at most `limit`): the
+    servers' checkpoints and deferred syncs are done, and a sync timed now has the disk alone."""
+
+    def state() -> list[tuple[str, int, int]]:
+        files = []
+        for path in directory.iterdir():
+            with contextlib.suppress(OSError):  # a file removed meanwhile
+                st = path.stat()
+                files.append((path.name, st.st_size, st.st_mtime_ns))
+        return sorted(files)
+
+    deadline, last, since = time.monotonic() + limit, state(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        await asyncio.sleep(0.05)
+        if (now := state()) != last:
+            last, since = now, time.monotonic()
+
+
+def idle_floors(directory: Path, blocks: int, per_block: int) -> tuple[list[list[float]], list[list[float]]]:
+    """The disk floor and the claim's floor, each timed `blocks` times `per_block` samples in a block
+    of its own while nothing else writes (alternating block by block, so that both see the same disk)."""
+    floors = DiskFloor(directory), DiskFloor(directory, pages=CLAIM_PAGES)
+    try:
+        for _ in range(blocks):
+            for floor in floors:
+                floor.samples.append([floor.sample() for _ in range(per_block)])
+    finally:
+        for floor in floors:
+            floor.close()
+    return floors[0].samples, floors[1].samples
 
 
 # --- overhead: guarded, replayed and plain-SDK calls ---------------------------------------------------------------------------------
@@ -191,18 +273,22 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         for variant in variants:  # warm every path up; the replays' keys are among these
             for i in range(_REPLAY_KEYS):
                 await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
-        floor, claim_floor = DiskFloor(bench.root), DiskFloor(bench.root, pages=CLAIM_PAGES)
+        load_floor, least = DiskFloor(bench.root), LeastClaim(bench.root)
         try:
             for round_no in range(scale.rounds):
-                await _round(variants, round_no, scale.calls_per_round, [floor, claim_floor])
+                await _round(variants, round_no, scale.calls_per_round, [load_floor, least])
                 tick(1)
         finally:
-            floor.close()
-            claim_floor.close()
+            load_floor.close()
+            least.close()
+        # The servers stay up but idle: once their background writes have settled, the disk is ours.
+        await settle(bench.root)
+        floor, claim_floor = idle_floors(bench.root, scale.rounds, scale.calls_per_round)
     by_name = {variant.name: variant for variant in variants}
     bench.raw["overhead_us"] = {name: [s for r in v.samples for s in r] for name, v in by_name.items()}
     sync_us = commit_sync_us(bench.root)
     unguarded = statistics.median(bench.raw["overhead_us"]["unguarded"])
+    floor_us = statistics.median(s for r in floor for s in r)
 
     def ratio(top: str, bottom: str) -> dict[str, float]:
         return _paired(by_name[top], by_name[bottom])
@@ -214,6 +300,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "per_call_us": {
             name: spread([statistics.median(r) for r in v.samples], 1) for name, v in by_name.items()
         },
+        "least_claim_us": spread([statistics.median(r) for r in least.samples], 1),
         "ratios": {
             "guarded_over_unguarded": ratio("guarded", "unguarded"),
             "replay_over_unguarded": ratio("replay", "unguarded"),
@@ -227,18 +314,25 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "claim_durability_over_unguarded": ratio("guarded_claim_durability", "unguarded"),
             "claim_durability_over_plain_sdk": ratio("guarded_claim_durability", "plain_sdk"),
         },
-        "disk_floor_us": spread([statistics.median(r) for r in floor.samples], 1),
+        "guard_software_over_least": guard_software_over_least(by_name, least),
+        "disk_floor_us": spread([statistics.median(r) for r in floor], 1),
         "disk_floor_claim_pages": CLAIM_PAGES,
-        "disk_floor_claim_us": spread([statistics.median(r) for r in claim_floor.samples], 1),
+        "disk_floor_claim_us": spread([statistics.median(r) for r in claim_floor], 1),
+        "sync_under_load_us": spread([statistics.median(r) for r in load_floor.samples], 1),
         "overhead_over_floor": {
-            "full": _over_floor(by_name["guarded"], by_name["unguarded"], floor),
-            "claim": _over_floor(by_name["guarded_claim_durability"], by_name["unguarded"], floor),
+            "full": _over_floor(by_name["guarded"], by_name["unguarded"], floor_us),
+            "claim": _over_floor(by_name["guarded_claim_durability"], by_name["unguarded"], floor_us),
         },
         "variants": {
             "unguarded, guarded, replay": "commitgate serve as users get it (the lean stdio transport)",
             "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
             "guarded_claim_durability": 'the guarded call with [ledger] durability = "claim" (one sync per call)',
-            "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory",
+            "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory, "
+            "timed after the rounds with every server idle",
+            "sync_under_load": "the same sync timed between the calls of the rounds, beside the servers' "
+            "background writes",
+            "least_claim": "stdlib sqlite3 in the measuring process, WAL, synchronous = NORMAL: "
+            "INSERT … ON CONFLICT DO NOTHING + COMMIT, then UPDATE + COMMIT",
             "disk_floor_claim": f"the same with {CLAIM_PAGES} frames before the sync: the pages a new key's claim writes",
             "*_sdk_stdio": "the same server on the MCP SDK's stdio transport (commitgate serve --stdio sdk)",
         },
@@ -299,9 +393,9 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
 
 
 async def _round(
-    variants: list[_Variant], round_no: int, calls: int, floors: list[DiskFloor] | None = None
+    variants: list[_Variant], round_no: int, calls: int, probes: list[Probe] | None = None
 ) -> None:
-    order: list[_Variant | DiskFloor] = [*variants, *(floors or [])]
+    order: list[_Variant | Probe] = [*variants, *(probes or [])]
     for item in order:
         item.samples.append([])
     last: Client | None = None
@@ -310,19 +404,19 @@ async def _round(
         # just after the same other one ran (caches and wake-ups cold in the same way), which biased the ratios.
         last = shuffle_apart(order, last)
         for item in order:
-            if isinstance(item, DiskFloor):
-                item.samples[-1].append(item.sample())
-            else:
+            if isinstance(item, _Variant):
                 item.samples[-1].append(await _timed(item, round_no, i))
+            else:
+                item.samples[-1].append(item.sample())
 
 
-def shuffle_apart(order: list[_Variant | DiskFloor], last: Client | None, tries: int = 1000) -> Client | None:
+def shuffle_apart(order: list[_Variant | Probe], last: Client | None, tries: int = 1000) -> Client | None:
     """Shuffle `order` so that no call goes to the server the call before it went to (`last` ends
     the previous order); return the server of its last call.
 
     A call right after one to the same server finds that process awake and its caches warm: about
     40 µs faster on this project's 2-core VM. Each variant has a server of its own, so only the
-    turn from one order to the next could do that. Disk floors touch no server."""
+    turn from one order to the next could do that. Probes touch no server."""
     for _ in range(tries):
         random.shuffle(order)
         servers = [last, *(item.client for item in order if isinstance(item, _Variant))]
@@ -339,12 +433,21 @@ def _paired(top: _Variant, bottom: _Variant) -> dict[str, float]:
     return spread(ratios)
 
 
-def _over_floor(guarded: _Variant, unguarded: _Variant, floor: DiskFloor) -> dict[str, float]:
+def _over_floor(guarded: _Variant, unguarded: _Variant, floor_us: float) -> dict[str, float]:
     """What the guard adds to a call, in units of what durability needs: (guarded - unguarded) ÷
-    (2 × the disk floor), per round. 1.0 would be a guard whose only cost is its two syncs."""
-    rounds = zip(guarded.samples, unguarded.samples, floor.samples, strict=True)
+    (2 × the idle disk floor), per round. 1.0 would be a guard whose only cost is its two syncs."""
+    rounds = zip(guarded.samples, unguarded.samples, strict=True)
+    return spread([(statistics.median(g) - statistics.median(u)) / (2 * floor_us) for g, u in rounds])
+
+
+def guard_software_over_least(by_name: dict[str, _Variant], least: LeastClaim) -> dict[str, float]:
+    """The guard's software in units of the least a SQLite claim and outcome need: (guarded minus
+    unguarded, both on servers whose ledgers do not sync) ÷ `LeastClaim`, per round."""
+    rounds = zip(
+        by_name["guarded_no_fsync"].samples, by_name["unguarded"].samples, least.samples, strict=True
+    )
     return spread(
-        [(statistics.median(g) - statistics.median(u)) / (2 * statistics.median(f)) for g, u, f in rounds]
+        [(statistics.median(g) - statistics.median(u)) / statistics.median(s) for g, u, s in rounds]
     )
 
 

@@ -16,51 +16,62 @@ from rich.table import Table
 
 
 def goals(results: dict[str, Any]) -> dict[str, Any]:
+    """The hot path's targets, each a ratio from this one run beside its target; then the bench's own.
+
+    guard_software: the guard's software (guarded minus unguarded, ledgers not syncing) ÷ the least
+    software a SQLite claim and outcome need; cost_against_plain_sdk: a durable guarded call ÷ a
+    plain MCP SDK server's no-op; replay_cost: a replay ÷ the unguarded call; ledger_throughput: the
+    ledger alone at 64 tasks. guarded_call_cost and guard_over_floor read the same runs another way."""
     out: dict[str, Any] = {}
-    ratios = results.get("overhead", {}).get("ratios", {})
+    overhead = results.get("overhead", {})
+    ratios = overhead.get("ratios", {})
     for goal, key, limit in (
         ("guarded_call_cost", "guarded_over_unguarded", 1.15),
-        ("replay_cost", "replay_over_unguarded", 1.05),
-        ("cost_against_plain_sdk", "guarded_over_plain_sdk", 1.0),
+        ("replay_cost", "replay_over_unguarded", 1.0),
+        ("cost_against_plain_sdk", "guarded_over_plain_sdk", 0.9),
     ):
         if key in ratios:
-            figure = ratios[key]
-            out[goal] = {
-                "measure": key,
-                "ratio": figure["median"],
-                "spread": figure,
-                "goal": f"<= {limit}",
-                "met": figure["median"] <= limit,
-            }
-    if "guarded_call_cost" in out:
-        out["guarded_call_cost"]["aim"] = "<= 1.05"
-    if "replay_cost" in out:
-        out["replay_cost"]["aim"] = "<= 1.02"
+            out[goal] = _ratio_goal(key, ratios[key], limit)
     if "cost_against_plain_sdk" in out:
         sdk_stdio = ratios.get("sdk_stdio_guarded_over_plain_sdk")
         if sdk_stdio:
             out["cost_against_plain_sdk"]["with_sdk_stdio"] = sdk_stdio
     if "guarded_call_cost" in out and "sdk_stdio_guarded_over_unguarded" in ratios:
         out["guarded_call_cost"]["with_sdk_stdio"] = ratios["sdk_stdio_guarded_over_unguarded"]
-    over_floor = results.get("overhead", {}).get("overhead_over_floor", {}).get("full")
+    software = overhead.get("guard_software_over_least")
+    if software:
+        out["guard_software"] = _ratio_goal(
+            "(guarded - unguarded, ledger synchronous=NORMAL) / (sqlite3 INSERT+COMMIT, UPDATE+COMMIT)",
+            software,
+            5.0,
+        )
+    over_floor = overhead.get("overhead_over_floor", {}).get("full")
     if over_floor:
-        out["guard_over_floor"] = {
-            "measure": "(guarded new-key call - unguarded call) / (2 x (overwrite 4 KiB + fdatasync))",
-            "ratio": over_floor["median"],
-            "spread": over_floor,
-            "goal": "<= 2.0",
-            "met": over_floor["median"] <= 2.0,
-        }
+        out["guard_over_floor"] = _ratio_goal(
+            "(guarded new-key call - unguarded call) / (2 x (overwrite 4 KiB + fdatasync), timed idle)",
+            over_floor,
+            2.0,
+        )
     ledger = results.get("ledger", {}).get("concurrent_claim_complete")
     if ledger:
         out["ledger_throughput"] = {
             "measure": "ledger alone, 64 tasks, durable claim+complete",
             "ops_per_s": ledger["ops_per_s"],
             "p99_ms": round(ledger["p99_us"] / 1000, 2),
-            "goal": ">= 15000 ops/s with p99 <= 8 ms",
-            "met": ledger["ops_per_s"] >= 15_000 and ledger["p99_us"] <= 8_000,
+            "goal": ">= 20000 ops/s with p99 <= 8 ms",
+            "met": ledger["ops_per_s"] >= 20_000 and ledger["p99_us"] <= 8_000,
         }
     return out
+
+
+def _ratio_goal(measure: str, figure: dict[str, float], limit: float) -> dict[str, Any]:
+    return {
+        "measure": measure,
+        "ratio": figure["median"],
+        "spread": figure,
+        "goal": f"<= {limit:g}",
+        "met": figure["median"] <= limit,
+    }
 
 
 def checks(results: dict[str, Any]) -> dict[str, bool]:
@@ -95,11 +106,13 @@ Row = tuple[str, str, str, str, str]
 
 
 TARGET_ROWS = {
+    "guard_software": "what the guard's software adds to a call (guarded minus unguarded, on ledgers that do "
+    "not sync) ÷ the least software a SQLite claim and outcome need (stdlib sqlite3, WAL, in this process)",
     "guard_over_floor": "what the guard adds to a call (guarded with a new key minus unguarded), in units of "
     "the two disk syncs that durability needs (a 4 KiB overwrite + fdatasync, twice)",
     "guarded_call_cost": "time of a guarded call with a new key ÷ the same tool unguarded",
     "replay_cost": "time of a replayed answer ÷ the same tool unguarded",
-    "cost_against_plain_sdk": "time of a guarded call ÷ a no-op tool on a plain MCP SDK server",
+    "cost_against_plain_sdk": "time of a guarded call (durable) ÷ a no-op tool on a plain MCP SDK server",
     "ledger_throughput": "ledger alone: 64 tasks recording and completing operations",
 }
 
@@ -120,6 +133,9 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
             " which slows every figure and the disk's syncs with them."
         )
     why = {
+        "guard_software": "the guard's Python around its two commits (the MCP surface, the boundary, the "
+        "ledger's request objects, the answer's _meta block and the writer thread's hand-offs) costs several "
+        "times the SQLite work itself; `python -m commitgate.server.bench.syscalls` counts its pages and syncs.",
         "guard_over_floor": "besides its two syncs a guarded call runs the claim's and the outcome's "
         "transactions, its work task and a larger answer in Python, which on this machine cost more than "
         'the syncs themselves. The rows for durability = "claim" show the call with one sync fewer.',
@@ -350,12 +366,29 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
             "—",
         )
     ]
-    for name in ("guard_over_floor", "guarded_call_cost", "replay_cost", "cost_against_plain_sdk"):
+    least = figures.get("least_claim_us")
+    if least:
+        rows.append(
+            (
+                "cost",
+                "the least software a SQLite claim and outcome need: stdlib sqlite3 in this process, WAL, "
+                "synchronous = NORMAL, INSERT … ON CONFLICT DO NOTHING + COMMIT, UPDATE + COMMIT",
+                f"{least['median']:.0f} µs (IQR {least['p25']:.0f}–{least['p75']:.0f})",
+                "the unit of the next row",
+                "—",
+            )
+        )
+    for name in (
+        "guard_software",
+        "cost_against_plain_sdk",
+        "replay_cost",
+        "guarded_call_cost",
+        "guard_over_floor",
+    ):
         if name not in goal:
             continue
-        g, text = goal[name], TARGET_ROWS[name]
-        target = g["goal"] + (f" (aim {g['aim']})" if "aim" in g else "")
-        rows.append(("cost", text, _ratio_text(g["spread"]), target, _verdict(g["met"])))
+        g = goal[name]
+        rows.append(("cost", TARGET_ROWS[name], _ratio_text(g["spread"]), g["goal"], _verdict(g["met"])))
     rows += _floor_rows(figures)
     claim = figures["ratios"].get("claim_durability_over_unguarded")
     if claim:
@@ -447,16 +480,29 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
 
 
 def _floor_rows(figures: dict[str, Any]) -> list[Row]:
-    """The disk's floors timed in the same rounds: one page per sync, and a claim's pages."""
+    """The disk's floors timed idle: one page per sync, and a claim's pages; and the sync under load."""
     rows: list[Row] = []
     floor = figures.get("disk_floor_us")
     if floor:
         rows.append(
             (
                 "cost",
-                "the disk floor, timed in the same rounds: overwrite 4 KiB of a preallocated file + fdatasync",
+                "the disk floor, timed after the rounds with every server idle: overwrite 4 KiB of a "
+                "preallocated file + fdatasync",
                 f"{floor['median']:.0f} µs (IQR {floor['p25']:.0f}–{floor['p75']:.0f})",
                 "set by the disk, not by commitgate",
+                "—",
+            )
+        )
+    loaded = figures.get("sync_under_load_us")
+    if loaded:
+        rows.append(
+            (
+                "cost",
+                "the same sync under the bench's own load: timed between the calls of the rounds, beside "
+                "the servers' background syncs and checkpoints",
+                f"{loaded['median']:.0f} µs (IQR {loaded['p25']:.0f}–{loaded['p75']:.0f})",
+                "not a unit: what the disk gave while the servers wrote",
                 "—",
             )
         )
@@ -586,9 +632,9 @@ def plot(results: dict[str, Any], raw: dict[str, Any], path: Path) -> str:
     }
     if ratios:
         axes[1][1].bar(list(ratios), list(ratios.values()))
-        axes[1][1].axhline(1.15, linestyle="--", color="grey")
-        axes[1][1].axhline(1.05, linestyle=":", color="grey")
-        axes[1][1].set_title("time ÷ unguarded or plain SDK (dashed: target 1.15, dotted: 1.05)")
+        axes[1][1].axhline(1.0, linestyle="--", color="grey")
+        axes[1][1].axhline(0.9, linestyle=":", color="grey")
+        axes[1][1].set_title("time ÷ unguarded or plain SDK (dashed: replay's target 1.0, dotted: 0.9)")
     figure.tight_layout()
     figure.savefig(path)
     return f"plot written to {path}"

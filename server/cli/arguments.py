@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
+
+# A DNS name as RFC 1123 allows: dot-separated labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
 def port_number(text: str) -> int:
@@ -14,3 +19,17 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port number: use 0-65535 (0 picks a free one)")
     return port
+
+
+def host_address(text: str) -> str:
+    """An argparse type: an IP address (IPv6 with or without brackets) or a host name to listen on."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return text
+    except ValueError:
+        pass
+    if len(text) <= 253 and _HOST_NAME.fullmatch(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a host: give an IP address such as 127.0.0.1 or 0.0.0.0, or a host name"
+    )

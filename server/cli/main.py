@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from commitgate.server import __version__
-from commitgate.server.cli.arguments import port_number
+from commitgate.server.cli.arguments import host_address, port_number
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.loading import default_policy, load_policy
@@ -111,6 +111,7 @@ def build_parser(serving_only: bool = False) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--host",
+        type=host_address,
         default="127.0.0.1",
         help="address to listen on over HTTP; a non-loopback one needs [[auth.tokens]] (default: 127.0.0.1)",
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import sys
@@ -13,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from commitgate.server.cli import policy_init
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.loading import (
     default_policy,
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     schema = actions.add_parser("schema", help="write the JSON Schema of policy files (editor completion)")
     schema.add_argument("-o", "--output", help="file to write (default: stdout)")
     schema.set_defaults(func=cmd_schema)
+    policy_init.register(actions)
 
 
 def console() -> Console:
@@ -147,7 +149,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     inventory = upstream_inventory(resolved) if args.upstreams and resolved.upstreams else None
     if args.json:
         if inventory is not None:
-            shown["upstream_inventory"] = [dataclasses.asdict(item) for item in inventory]
+            shown["upstream_inventory"] = [item.as_json() for item in inventory]
         print(json.dumps(shown, indent=2))
         return 0
     policy = Policy.model_construct(**{**dict(resolved), "tools": _display_tools(resolved, shown)})
@@ -166,6 +168,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.print(upstreams_table(shown["upstreams"], policy))
     if inventory is not None:
         out.print(inventory_table(inventory))
+        for item in inventory:
+            for tool in item.tools:
+                for warning in tool.warnings:
+                    out.print(f"[yellow]warning[/yellow]: upstream {escape(item.name)}: {escape(warning)}")
     return 0
 
 

@@ -117,6 +117,6 @@ def create_app(
 
 def ledger_opener(url: str) -> OpenLedger:
     async def opener() -> Ledger:
-        return await open_ledger(url)
+        return await open_ledger(url, auto_migrate=False)  # the console never creates tables
 
     return opener

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
+from typing import TYPE_CHECKING
 
-from commitgate.server.cli.arguments import port_number
+from commitgate.server.cli.arguments import host_address, port_number
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
@@ -16,6 +18,9 @@ from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_url
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.tokens import AuthConfigError, load_tokens
+
+if TYPE_CHECKING:
+    from commitgate.server.console.security import Access
 
 DEFAULT_PORT = 8766
 
@@ -39,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     console.add_argument(
         "--host",
+        type=host_address,
         default="127.0.0.1",
         help="address to listen on; a non-loopback one needs an operator's token in [[auth.tokens]]"
         " (default: 127.0.0.1)",
@@ -71,24 +77,56 @@ def cmd_console(args: argparse.Namespace) -> int:
 
     from commitgate.server.console.app import create_app, ledger_opener
     from commitgate.server.console.security import Access, check_bind
-    from commitgate.server.serve.http import ServeRefused, listen
 
     path = args.policy or os.environ.get("COMMITGATE_POLICY")
     policy = load_policy(path) if path else default_policy()
     url, why = ledger_choice(args.ledger, policy, path)
     say_ledger(url, why)
-    _check_ledger_exists(url)
     try:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
         raise UserFacingError(str(exc)) from None
-    check_bind(args.host, tokens)  # before anything listens on that address
+    check_bind(args.host, tokens)
+    _check_ledger_exists(url)
+    asyncio.run(_check_ledger_is_ours(url))
+    sock = _listen(args.host, args.port)
+    access = Access.for_bind(args.host, sock.getsockname()[1], tokens, local_operator())
+    _print_sign_in(sock, access)
+    app = create_app(ledger_opener(url), access, policy=prompt_policy(policy, path, args.ledger))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     try:
-        sock = listen(args.host, args.port)
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sock.close()
+    print("commitgate: console stopped", file=sys.stderr)
+    return 0
+
+
+async def _check_ledger_is_ours(url: str) -> None:
+    """Refuse, before anything is printed, a database that is not a current commitgate ledger (or
+    cannot be reached): the console opens the ledger without creating or migrating anything."""
+    from commitgate.server.ledger import LedgerUnavailable, open_ledger
+
+    try:
+        ledger = await open_ledger(url, read_only=True)
+    except LedgerUnavailable as exc:
+        raise UserFacingError(f"ledger: {exc}") from None
+    await ledger.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    from commitgate.server.serve.http import ServeRefused, listen
+
+    try:
+        return listen(host, port)
     except ServeRefused as refused:  # the same socket and words as `serve`; here a user mistake
-        raise UserFacingError(str(refused.code)) from None
+        raise UserFacingError(str(refused.code).removeprefix("commitgate: ")) from None
+
+
+def _print_sign_in(sock: socket.socket, access: Access) -> None:
     host, port = sock.getsockname()[:2]
-    access = Access.for_bind(args.host, port, tokens, local_operator())
     shown_host = f"[{host}]" if ":" in host else host
     if access.console_token is not None:
         link = f"http://{shown_host}:{port}/?token={access.console_token}"
@@ -104,16 +142,6 @@ def cmd_console(args: argparse.Namespace) -> int:
             " bearer header",
             flush=True,
         )
-    app = create_app(ledger_opener(url), access, policy=prompt_policy(policy, path, args.ledger))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    try:
-        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        sock.close()
-    print("commitgate: console stopped", file=sys.stderr)
-    return 0
 
 
 def prompt_policy(policy: Policy, path: str | None, ledger_flag: str | None) -> Policy | None:

@@ -365,12 +365,36 @@ class UpstreamPolicy(_Strict):
         "streamable-http", description="HTTP: the transport."
     )
     headers: dict[str, str] = Field(default_factory=dict, description="HTTP: extra headers.")
+    tools: Literal["listed", "all"] = Field(
+        "listed",
+        description="listed: only tools with a [tools.X] entry are served. all: every tool it offers, "
+        "including tools it adds later; a tool without an entry gets the class its annotations give "
+        "(readOnlyHint: true => safe-retry, else key-required) or `default_class`.",
+    )
+    default_class: IdempotencyClass | None = Field(
+        None,
+        description='tools = "all": the class of its tools that have no entry, instead of the one their '
+        "annotations give (safe-retry or key-required).",
+    )
+    connect_timeout: PositiveDuration = Field(
+        60.0, description="Bound of one connection attempt (first start of `npx -y`/`uvx` may be slow)."
+    )
 
     @model_validator(mode="after")
     def _one_target(self) -> UpstreamPolicy:
         if (self.command is None) == (self.url is None):
             raise ValueError("an upstream has exactly one of `command` or `url`")
         return self
+
+    @field_validator("default_class")
+    @classmethod
+    def _class_without_declarations(cls, value: IdempotencyClass | None) -> IdempotencyClass | None:
+        if value in (IdempotencyClass.KEY_AND_STATUS_CHECK, IdempotencyClass.COMPENSABLE):
+            raise ValueError(
+                f"{value.value} needs a status_check or compensate of its own: give such tools a "
+                "[tools.X] entry; default_class is safe-retry or key-required"
+            )
+        return value
 
 
 class Policy(_Strict):

@@ -185,7 +185,9 @@ class Gateway:
         faults = FaultPlan.from_env()  # read (and removed) before any child process starts
         upstreams, http = UpstreamManager(), pooled_client()
         try:
-            await upstreams.update(policy)  # connects the upstream MCP servers the policy uses
+            # Connects the upstream MCP servers the policy uses in the background: clients are answered
+            # at once, and a call waits for its upstream (docs/policy.md#upstreams).
+            await upstreams.update(policy, wait=False)
             using = Collaborators(http=http, upstream=upstreams.lookup(policy))
             served = build_tools(policy, policy_path.parent if policy_path else None, using)
             ledger = ledger or await open_ledger(

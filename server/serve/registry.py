@@ -2,7 +2,8 @@
 
 The MCP definition follows the class (docs/contract.md#idempotency-classes): keyed tools get the
 required `idempotency_key` argument and one sentence on how to use it, and
-their annotations say what kind of action they are.
+their annotations say what kind of action they are. An upstream tool keeps the hints its own
+server declared (docs/policy.md#annotations): commitgate never advertises a hint it cannot vouch for.
 """
 
 from __future__ import annotations
@@ -80,11 +81,31 @@ def input_schema_for(source_schema: Mapping[str, Any], cls: IdempotencyClass) ->
     return schema
 
 
-def annotations_for(policy: ToolPolicy) -> types.ToolAnnotations:
+def annotations_for(policy: ToolPolicy, declared: types.Tool | None = None) -> types.ToolAnnotations:
+    """The hints of a served tool; `declared` is an upstream tool's own definition, when listed."""
+    if policy.upstream is not None:
+        return _upstream_annotations(policy, declared.annotations if declared else None)
     if policy.idempotency_class is IdempotencyClass.SAFE_RETRY:
         return types.ToolAnnotations(read_only_hint=True, idempotent_hint=True, destructive_hint=False)
     return types.ToolAnnotations(
         read_only_hint=False, idempotent_hint=True, destructive_hint=policy.destructive
+    )
+
+
+def _upstream_annotations(policy: ToolPolicy, theirs: types.ToolAnnotations | None) -> types.ToolAnnotations:
+    """Read-only only when its server says so (a safe-retry entry never makes a write look harmless);
+    destructive and open-world as its server says unless the entry sets `destructive`; idempotent for
+    keyed tools, since a retry with the same key has no further effect."""
+    theirs = theirs or types.ToolAnnotations()
+    keyed = policy.idempotency_class.keyed
+    read_only = theirs.read_only_hint if theirs.read_only_hint is not None else (False if keyed else None)
+    destructive = policy.destructive if "destructive" in policy.model_fields_set else theirs.destructive_hint
+    return types.ToolAnnotations(
+        title=policy.title or theirs.title,
+        read_only_hint=read_only,
+        destructive_hint=destructive,
+        idempotent_hint=True if keyed else theirs.idempotent_hint,
+        open_world_hint=theirs.open_world_hint,
     )
 
 
@@ -101,15 +122,16 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
         description = f"{_sentence_end(description)} {sentence}"
     if policy.approval is not None and policy.idempotency_class.keyed:
         description = f"{description} {APPROVAL_SENTENCE}"
+    declared: types.Tool | None = getattr(source, "declared", None)  # an upstream tool's own definition
     return types.Tool(
         name=name,
-        title=policy.title,
+        title=policy.title or (declared.title if declared else None),
         description=description,
         input_schema=add_confirm_property(
             input_schema_for(source.input_schema, policy.idempotency_class), policy
         ),
         output_schema=source.output_schema,
-        annotations=annotations_for(policy),
+        annotations=annotations_for(policy, declared),
     )
 
 
@@ -136,6 +158,15 @@ def importable_beside_policy(policy_dir: Path) -> None:
         )
 
 
+def _implied(policy: Policy, using: Collaborators) -> dict[str, ToolPolicy]:
+    """The tools of `tools = "all"` upstreams that have no entry (none until the upstream is listed)."""
+    if not any(spec.tools == "all" for spec in policy.upstreams.values()):
+        return {}
+    from commitgate.tools.upstream import implied_entries  # imported only by policies that use it
+
+    return implied_entries(policy, using.upstream)
+
+
 def build_tools(
     policy: Policy,
     policy_dir: Path | None,
@@ -150,7 +181,7 @@ def build_tools(
         importable_beside_policy(policy_dir)
     served: dict[str, ServedTool] = {}
     problems: list[Problem] = []
-    for name, tool_policy in policy.tools.items():
+    for name, tool_policy in {**policy.tools, **_implied(policy, using)}.items():
         try:
             source = (reuse or {}).get(name) or build_source(name, tool_policy, policy, using)
         except Exception as exc:  # a declaration mistake knows its own place in the file

@@ -10,12 +10,15 @@ conversations against both and compares them).
 
 Framing follows the SDK: one JSON-RPC message per line, UTF-8 with invalid
 bytes replaced, and fd 0/1 are claimed while serving (fd 0 reads /dev/null, fd 1
-writes to stderr) so a stray print() in a tool cannot corrupt the protocol. One difference: a
-line that is not a JSON-RPC message is answered with JSON-RPC's error
-(-32700 or -32600) and logged, where the SDK's transport drops it silently.
-When stdin or stdout is not a pipe or a socket (a file, a terminal), or on
-Windows (whose event loop cannot read anonymous pipes), it falls back to the
-SDK transport; `commitgate serve --stdio sdk` asks for the SDK's outright.
+writes to stderr) so a stray print() in a tool cannot corrupt the protocol.
+Every line is answered (`screen`): one that is not a valid JSON-RPC message
+(not JSON, nested too deeply, a number too large to read, an id that is not a
+string or an integer) gets JSON-RPC's error (-32700 or -32600) and is logged,
+where the SDK's reader drops it silently and the client waits forever.
+`commitgate serve --stdio sdk` serves the SDK's transport fed by the same
+screening, from a daemon thread that a SIGTERM need not wait for; it is also
+the fallback when stdin or stdout is not a pipe or a socket (a file, a
+terminal), or on Windows (whose event loop cannot read anonymous pipes).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import logging
 import os
 import stat
 import sys
-from collections.abc import AsyncIterator
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, cast
 
 import anyio
 import mcp.types as types
@@ -55,8 +59,6 @@ def _is_pipe_or_socket(fd: int) -> bool:
 async def fast_stdio_server() -> AsyncIterator[ReadStreams]:
     """Serve MCP over the process's stdin/stdout from the event loop; same streams as the SDK's."""
     if os.name != "posix" or not (_is_pipe_or_socket(0) and _is_pipe_or_socket(1)):
-        from mcp.server.stdio import stdio_server as sdk_stdio_server
-
         async with sdk_stdio_server() as streams:
             yield streams
         return
@@ -122,42 +124,72 @@ async def _pump_in(
 async def _deliver(
     line: bytes, out: ContextSendStream[SessionMessage | Exception], writer: asyncio.StreamWriter
 ) -> None:
-    parsed = _parse(line)
-    if isinstance(parsed, SessionMessage):
-        await out.send(parsed)
-    elif line.strip():  # a blank line is no message at all: nothing to answer
-        writer.write(_error_reply(line, parsed) + b"\n")
+    screened = screen(line)
+    if isinstance(screened, SessionMessage):
+        await out.send(screened)
+    elif screened is not None:
+        writer.write(screened.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n")
         await writer.drain()
 
 
-def _parse(line: bytes) -> SessionMessage | Exception:
+def screen(line: bytes) -> SessionMessage | types.JSONRPCError | None:
+    """The message a line holds; else JSON-RPC's error answering it; None for a blank line."""
     try:
         text = line.decode("utf-8", errors="replace")
-        return SessionMessage(types.jsonrpc_message_adapter.validate_json(text, by_name=False))
-    except Exception as exc:  # answered by _deliver; the connection lives on
-        return exc
+        message = types.jsonrpc_message_adapter.validate_json(text, by_name=False)
+    except Exception as exc:  # answered by the caller; the connection lives on
+        return _refusal(line, exc) if line.strip() else None
+    if isinstance(message, types.JSONRPCNotification) and b'"id"' in line and _has_id(line):
+        # An id that is not a string or an integer: pydantic took it for a notification, which
+        # would get no answer at all.
+        return _refusal(line, TypeError("id"), "Invalid request: an id must be a string or an integer")
+    return SessionMessage(message)
 
 
-def _error_reply(line: bytes, problem: Exception) -> bytes:
-    """The JSON-RPC error for a line that is not a message: -32700 if not JSON, else -32600."""
+def _has_id(line: bytes) -> bool:
+    document = json.loads(line)
+    return isinstance(document, dict) and "id" in document
+
+
+def _refusal(line: bytes, problem: Exception, why: str = "") -> types.JSONRPCError:
+    """-32700 if the line is not JSON, else -32600 (with the request's id when it has a usable one)."""
+    request_id: types.RequestId | None = None
     try:
         document = json.loads(line)
-    except ValueError:
-        code, message, request_id = types.PARSE_ERROR, "Parse error: the line is not JSON", None
+    except RecursionError:
+        code, message = types.INVALID_REQUEST, "Invalid request: nested too deeply to read"
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            code, message = types.PARSE_ERROR, "Parse error: the line is not JSON"
+        else:
+            code, message = types.INVALID_REQUEST, _TOO_LARGE
+            request_id = _usable_id(json.loads(line, parse_int=_int_or_none))
     else:
-        code, message = types.INVALID_REQUEST, "Invalid request: not a JSON-RPC 2.0 message"
-        candidate = document.get("id") if isinstance(document, dict) else None
-        request_id = (
-            candidate if isinstance(candidate, str | int) and not isinstance(candidate, bool) else None
-        )
+        code, message = types.INVALID_REQUEST, why or "Invalid request: not a JSON-RPC 2.0 message"
+        request_id = _usable_id(document)
     log.warning(
         "answered a malformed stdio line with JSON-RPC error %d (%d bytes, %s)",
         code,
         len(line),
         type(problem).__name__,
     )
-    reply = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
-    return json.dumps(reply, separators=(",", ":")).encode()
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=types.ErrorData(code=code, message=message))
+
+
+_TOO_LARGE = "Invalid request: a number in it is too large to read"
+
+
+def _int_or_none(digits: str) -> int | None:
+    """Python refuses to read integers of more than 4,300 digits (a guard against slow parsing)."""
+    try:
+        return int(digits)
+    except ValueError:
+        return None
+
+
+def _usable_id(document: Any) -> types.RequestId | None:
+    candidate = document.get("id") if isinstance(document, dict) else None
+    return candidate if isinstance(candidate, str | int) and not isinstance(candidate, bool) else None
 
 
 async def _pump_out(writer: asyncio.StreamWriter, source: ContextReceiveStream[SessionMessage]) -> None:
@@ -168,21 +200,78 @@ async def _pump_out(writer: asyncio.StreamWriter, source: ContextReceiveStream[S
             await writer.drain()  # back-pressure from a slow reader, and an error if it went away
 
 
+@contextlib.asynccontextmanager
+async def sdk_stdio_server() -> AsyncIterator[ReadStreams]:
+    """The SDK's stdio transport, fed by a line reader of ours: malformed lines are answered as
+    on the lean transport, and the reader is a daemon thread, so SIGTERM never waits for stdin
+    to close (the SDK reads in a worker thread that a cancelled serve must wait for)."""
+    from mcp.server.stdio import stdio_server
+
+    with _claimed_fd(0, os.open(os.devnull, os.O_RDONLY)) as wire_in:
+        lines = _Lines(wire_in)
+        async with stdio_server(stdin=cast(Any, lines)) as (read, write):
+            lines.answer_on(write)
+            yield read, write
+
+
+class _Lines:
+    """stdin's lines for the SDK's reader, from a daemon thread; the malformed ones answered here."""
+
+    def __init__(self, fd: int) -> None:
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1)
+        self._answers: ContextSendStream[SessionMessage] | None = None
+        self._ready = anyio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, args=(fd, loop), daemon=True, name="stdin lines").start()
+
+    def answer_on(self, write: ContextSendStream[SessionMessage]) -> None:
+        self._answers = write
+        self._ready.set()
+
+    def _read(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        # The thread owns the descriptor: it is closed after the last read, never under a read.
+        with os.fdopen(fd, "rb") as wire, contextlib.suppress(RuntimeError):
+            for line in iter(wire.readline, b""):
+                asyncio.run_coroutine_threadsafe(self._queue.put(line), loop).result()
+            asyncio.run_coroutine_threadsafe(self._queue.put(b""), loop).result()
+
+    def __aiter__(self) -> _Lines:
+        return self
+
+    async def __anext__(self) -> str:
+        while line := await self._queue.get():
+            screened = screen(line.rstrip(b"\r\n"))
+            if isinstance(screened, SessionMessage):
+                return line.decode("utf-8", errors="replace")
+            if screened is not None:
+                await self._ready.wait()
+                assert self._answers is not None
+                await self._answers.send(SessionMessage(screened))
+        raise StopAsyncIteration
+
+
 @contextlib.contextmanager
-def _claimed_std_fds() -> Any:
+def _claimed_fd(fd: int, stand_in: int) -> Iterator[int]:
+    """A private copy of `fd` for the wire while `fd` itself points at `stand_in`; restored after."""
+    saved, wire = os.dup(fd), os.dup(fd)
+    try:
+        os.dup2(stand_in, fd)
+        yield wire
+    finally:
+        os.close(stand_in)
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _claimed_std_fds() -> Iterator[tuple[int, int]]:
     """The wire on private descriptors; fd 0 reads /dev/null and fd 1 goes to stderr meanwhile."""
     sys.stdout.flush()
-    saved_in, saved_out = os.dup(0), os.dup(1)
-    wire_in, wire_out = os.dup(0), os.dup(1)
-    null = os.open(os.devnull, os.O_RDONLY)
     try:
-        os.dup2(null, 0)
-        os.dup2(2, 1)
-        yield wire_in, wire_out
+        with (
+            _claimed_fd(0, os.open(os.devnull, os.O_RDONLY)) as wire_in,
+            _claimed_fd(1, os.dup(2)) as wire_out,
+        ):
+            yield wire_in, wire_out
     finally:
-        os.close(null)
         sys.stdout.flush()
-        os.dup2(saved_in, 0)
-        os.dup2(saved_out, 1)
-        os.close(saved_in)
-        os.close(saved_out)

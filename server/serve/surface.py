@@ -120,10 +120,9 @@ async def serving(gateway: Gateway, announcer: ToolListAnnouncer) -> AsyncIterat
 
 async def serve_stdio(gateway: Gateway, version: str = "", transport: str = "fast") -> None:
     """`transport="fast"` (the default) serves the lean asyncio streams of stdio.py; "sdk" the SDK's."""
-    if transport == "fast":
-        from commitgate.server.serve.stdio import fast_stdio_server as stdio_server
-    else:
-        from mcp.server.stdio import stdio_server
+    from commitgate.server.serve.stdio import fast_stdio_server, sdk_stdio_server
+
+    stdio_server = fast_stdio_server if transport == "fast" else sdk_stdio_server
 
     announcer = ToolListAnnouncer()
     server = build_server(gateway, version, announcer=announcer)

@@ -248,8 +248,10 @@ async def serve(
     elicitation_callback: Any = None,
     env: Mapping[str, str] | None = None,
     ledger: str | None = None,
+    stdio: str = "fast",
 ) -> AsyncIterator[Server]:
-    """Start `commitgate serve` on the deployment and connect a client to it (`mode`: "auto" or "legacy").
+    """Start `commitgate serve --stdio <stdio>` on the deployment and connect a client to it (`mode`:
+    "auto" or "legacy").
 
     `elicitation_callback`: the client declares elicitation and answers with it (a person, in tests)."""
     tag = uuid.uuid4().hex
@@ -260,6 +262,7 @@ async def serve(
             params.args = [*params.args[:-1], ledger]
         if env:
             params.env = {**(params.env or {}), **env}
+        params.args = [*params.args, "--stdio", stdio]
         transport = stdio_client(params, errlog=errlog)
         options: dict[str, Any] = (
             {"elicitation_callback": elicitation_callback} if elicitation_callback else {}

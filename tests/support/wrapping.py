@@ -97,6 +97,20 @@ async def eventually(probe: Any, within: float = 20.0, every: float = 0.1) -> An
             await anyio.sleep(every)
 
 
+async def upstream_listed(client: Client, tool: str, within: float = 30.0) -> dict[str, Any]:
+    """The served tools, once `tool` is advertised with what its upstream declared (upstreams
+    connect in the background: until then a tool is advertised from the policy alone)."""
+
+    async def listed() -> dict[str, Any] | None:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        served = tools.get(tool)
+        own = set((served.input_schema or {}).get("properties", {})) if served else set()
+        return tools if own - {"idempotency_key", "confirm_duplicate"} else None
+
+    tools: dict[str, Any] = await eventually(listed, within)
+    return tools
+
+
 # --- the third-party MCP server -----------------------------------------------------------------------
 
 

@@ -1,0 +1,283 @@
+"""`commitgate policy init --from-config`: a client config of real servers in, a working policy out.
+
+One init (module-scoped) runs over a Claude Desktop config of two small annotated stdio servers that
+share a tool name, one HTTP server, one that cannot start and an entry that already runs commitgate;
+the policy it writes is checked and served by a real `commitgate serve`, and each call is counted in
+the servers' own effect log. Reading configs (VS Code's form, references, errors) needs no process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, error_code, operation, serve
+
+from commitgate.server.cli.client_configs import ClientConfigError, read_client_config
+from commitgate.server.cli.main import main
+
+SERVER = str(TESTS_DIR / "support" / "annotated_server.py")
+SECRETS = {
+    "API_TOKEN": "s3cret-notes",
+    "TASKS_API_TOKEN": "s3cret-tasks",
+    "WEB_AUTHORIZATION": "Bearer s3cret-web",
+}
+
+
+def init(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), "policy", "init", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def printed_entry(out: str) -> dict[str, Any]:
+    document, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])
+    return dict(document["mcpServers"]["commitgate"])
+
+
+@dataclass
+class Setup:
+    root: Path
+    config: Path
+    original: str
+    policy: Path
+    effects: Path
+    result: subprocess.CompletedProcess[str]
+
+    def effects_by(self, server: str) -> list[dict[str, Any]]:
+        if not self.effects.exists():
+            return []
+        lines = self.effects.read_text(encoding="utf-8").splitlines()
+        return [e for e in map(json.loads, lines) if e["server"] == server]
+
+
+def client_config(root: Path, effects: Path, web_url: str) -> dict[str, Any]:
+    def stdio(name: str) -> dict[str, Any]:
+        env = {"EFFECTS": str(effects), "API_TOKEN": f"s3cret-{name}"}
+        return {"command": sys.executable, "args": [SERVER, name], "env": env}
+
+    return {
+        "mcpServers": {
+            "notes": stdio("notes"),
+            "tasks": stdio("tasks"),
+            "web": {"type": "http", "url": web_url, "headers": {"Authorization": "Bearer s3cret-web"}},
+            "gone": {"command": str(root / "no-such-server")},
+            "guard": {"command": str(CONSOLE_SCRIPT), "args": ["serve"]},
+        },
+        "globalShortcut": "Ctrl+Space",
+    }
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    effects = tmp_path_factory.mktemp("init") / "effects.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, SERVER, "web", "http"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "EFFECTS": str(effects)},
+    )
+    try:
+        assert process.stdout is not None
+        yield process.stdout.readline().strip(), effects
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def setup(web: tuple[str, Path]) -> Setup:
+    url, effects = web
+    root = effects.parent
+    config = root / "claude_desktop_config.json"
+    config.write_text(json.dumps(client_config(root, effects, url), indent=2), encoding="utf-8")
+    result = init("--from-config", config, "--connect-timeout", "30s")
+    return Setup(root, config, config.read_text(), root / "commitgate.toml", effects, result)
+
+
+def test_every_reachable_tool_gets_an_entry_with_the_class_its_annotations_give(setup: Setup) -> None:
+    policy = tomllib.loads(setup.policy.read_text(encoding="utf-8"))
+    tools = policy["tools"]
+    assert set(tools) == {
+        "read_notes", "notes__write", "plain_notes",
+        "read_tasks", "tasks__write", "plain_tasks",
+        "read_web", "web__write", "plain_web",
+    }  # fmt: skip
+    assert tools["notes__write"] == {"upstream": "notes", "upstream_tool": "write", "class": "key-required"}
+    assert tools["web__write"]["upstream"] == "web"
+    assert tools["read_tasks"] == {"upstream": "tasks", "class": "safe-retry"}
+    assert tools["plain_web"]["class"] == "key-required"  # no annotations: a key
+    assert set(policy["upstreams"]) == {"notes", "tasks", "web", "gone"}  # guard runs commitgate
+
+
+def test_each_entry_says_what_its_server_declared_and_why_the_class(setup: Setup) -> None:
+    text = setup.policy.read_text(encoding="utf-8")
+    above_write = text.split("[tools.notes__write]")[0].splitlines()[-2:]
+    assert above_write[0] == "# notes declares destructiveHint: true, idempotentHint: true."
+    assert above_write[1].startswith("# key-required: not declared read-only")
+    above_read = text.split("[tools.read_web]")[0].splitlines()[-2:]
+    assert above_read[0] == '# web declares title: "Read web", readOnlyHint: true.'
+    assert "# plain_tasks" not in text and "# tasks declares no annotations." in text
+
+
+def test_secrets_are_references_never_copied(setup: Setup) -> None:
+    text = setup.policy.read_text(encoding="utf-8")
+    assert "s3cret" not in text
+    upstreams = tomllib.loads(text)["upstreams"]
+    assert upstreams["notes"]["env"]["API_TOKEN"] == "${API_TOKEN}"
+    assert upstreams["tasks"]["env"]["API_TOKEN"] == "${TASKS_API_TOKEN}"  # same name, another value
+    assert upstreams["notes"]["env"]["EFFECTS"] == str(setup.effects)  # not a secret: as it was
+    assert upstreams["web"]["headers"] == {"Authorization": "${WEB_AUTHORIZATION}"}
+    out = setup.result.stdout
+    assert "s3cret" not in out + setup.result.stderr
+    assert "${API_TOKEN}, ${TASKS_API_TOKEN}, ${WEB_AUTHORIZATION}" in out
+    entry = printed_entry(out)
+    assert entry["env"] == {name: f"<{name}>" for name in SECRETS}
+
+
+def test_an_unreachable_server_is_written_with_why_and_init_exits_1(setup: Setup) -> None:
+    assert setup.result.returncode == 1, setup.result
+    not_reached = [line for line in setup.result.stderr.splitlines() if "not reached" in line]
+    assert len(not_reached) == 1 and not_reached[0].startswith("commitgate: gone: not reached: ")
+    assert "skipped guard: it already runs commitgate" in setup.result.stderr
+    text = setup.policy.read_text(encoding="utf-8")
+    assert "# gone could not be reached, so none of its tools are served yet" in text
+    assert "wrote" in setup.result.stdout and "4 of 5" not in setup.result.stdout
+
+
+def test_the_printed_entry_starts_this_commitgate_on_the_policy_by_absolute_paths(setup: Setup) -> None:
+    out = setup.result.stdout
+    entry = printed_entry(out)
+    assert entry["command"] == str(CONSOLE_SCRIPT.absolute())
+    assert entry["args"] == ["serve", "--policy", str(setup.policy.resolve())]
+    assert setup.config.read_text() == setup.original  # only --write-config changes it
+
+
+def test_the_written_policy_passes_check_once_its_variables_are_set(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in SECRETS:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["policy", "check", str(setup.policy)]) == 1
+    assert "environment variable TASKS_API_TOKEN is not set" in capsys.readouterr().out
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    assert main(["policy", "check", str(setup.policy)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.anyio
+async def test_serving_it_a_retried_write_runs_once_and_each_call_reaches_its_own_server(
+    setup: Setup,
+) -> None:
+    async with serve(setup.policy, setup.root / "serve.log", env=SECRETS, log_level="warning") as client:
+        listed = {tool.name for tool in (await client.list_tools()).tools}
+        assert {"notes__write", "tasks__write", "web__write", "read_notes"} <= listed
+        for tool in ("notes__write", "tasks__write", "web__write"):
+            arguments = {"note": f"via {tool}", "idempotency_key": f"k-{tool}"}
+            first = await call(client, tool, arguments)
+            retry = await call(client, tool, arguments)
+            assert error_code(first) is None, first
+            assert not operation(first)["replayed"] and operation(retry)["replayed"]
+        keyless = await call(client, "notes__write", {"note": "no key"})
+        assert error_code(keyless) == "idempotency_key_required"
+        read = await call(client, "read_notes")
+        assert error_code(read) is None and read.structured_content == {"result": 1}
+    for server in ("notes", "tasks", "web"):
+        effects = setup.effects_by(server)
+        assert effects == [{"server": server, "note": f"via {server}__write", "saw_secret": True}]
+
+
+def test_an_existing_policy_is_kept_unless_forced(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mine.toml"
+    out.write_text("# hand-written\n", encoding="utf-8")
+    assert main(["policy", "init", "--from-config", str(setup.config), "-o", str(out)]) == 1
+    refused = capsys.readouterr()
+    assert refused.out == ""
+    assert refused.err.strip().splitlines() == [
+        f"commitgate: {out} exists; give --force to overwrite it, or -o for another file"
+    ]
+    assert out.read_text() == "# hand-written\n"
+
+
+def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Setup, tmp_path: Path) -> None:
+    config, out = tmp_path / "claude_desktop_config.json", tmp_path / "mine.toml"
+    config.write_text(setup.original, encoding="utf-8")
+    out.write_text("# hand-written\n", encoding="utf-8")
+    wrap = ("--server", "notes", "--server", "tasks", "-o", out, "--force", "--write-config")
+    result = init("--from-config", config, *wrap)
+    assert result.returncode == 0, result.stderr
+    assert set(tomllib.loads(out.read_text())["tools"]) == {
+        "read_notes", "notes__write", "plain_notes", "read_tasks", "tasks__write", "plain_tasks",
+    }  # fmt: skip
+    assert (tmp_path / "claude_desktop_config.json.bak").read_text() == setup.original
+    written = json.loads(config.read_text())
+    servers = written["mcpServers"]
+    assert list(servers) == ["commitgate", "web", "gone", "guard"]  # in the first wrapped one's place
+    assert written["globalShortcut"] == "Ctrl+Space"
+    entry = servers["commitgate"]
+    assert entry["args"] == ["serve", "--policy", str(out.resolve())]
+    # The secrets stay where they already were, in the client's config, now for commitgate to pass on.
+    assert entry["env"] == {"API_TOKEN": "s3cret-notes", "TASKS_API_TOKEN": "s3cret-tasks"}
+
+
+# --- reading configs (no process) ---------------------------------------------------------------------
+
+
+def test_vs_code_servers_with_http_entries_and_its_references(tmp_path: Path) -> None:
+    path = tmp_path / "mcp.json"
+    path.write_text(
+        json.dumps(
+            {
+                "inputs": [{"id": "gh", "type": "promptString", "password": True}],
+                "servers": {
+                    "gh": {
+                        "type": "sse",
+                        "url": "http://127.0.0.1:1/sse",
+                        "headers": {"Authorization": "Bearer ${input:gh}", "X-Org": "${env:ORG}"},
+                    },
+                    "fs": {
+                        "type": "stdio",
+                        "command": "npx",
+                        "args": ["-y", "fs"],
+                        "env": {"HOME_DIR": "/h"},
+                    },
+                },
+            }
+        )
+    )
+    config = read_client_config(path)
+    gh, fs = config.servers["gh"], config.servers["fs"]
+    assert (gh.url, gh.transport) == ("http://127.0.0.1:1/sse", "sse")
+    assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Org": "${ORG}"}
+    assert not gh.secrets["Authorization"].known  # VS Code asks for it: the variable is set by hand
+    assert (fs.command, fs.args, fs.env, fs.secrets) == ("npx", ["-y", "fs"], {"HOME_DIR": "/h"}, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        ('{"other": {}}', "no `mcpServers` (Claude Desktop, Cursor) or `servers` (VS Code) object"),
+        ('{"mcpServers": {"x": {"args": []}}}', "server 'x': has neither `command` (stdio) nor `url` (HTTP)"),
+        ('{"mcpServers": {"x": {"command": "a", "env": []}}}', "server 'x': `env` must be an object"),
+    ],
+)
+def test_a_config_that_cannot_be_read_says_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ClientConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_client_config(path)
