@@ -3,15 +3,27 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The client alone on the MCP SDK's 1.x line, beside langchain-mcp-adapters (which needs mcp<2): the
+# tests run an agent from it against the server of $(VENV) (tests/test_client_sdk1.py).
+SDK1 := .venv-sdk1
+SDK1_STAMP := $(SDK1)/.installed
 
 .PHONY: demo test test-fast check bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "commitgate needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e ./client -e '.[test]'
 	touch $(STAMP)
+
+# A wheel of client/ (not a link to it), so the client's own packaging is what gets tested.
+$(SDK1_STAMP): client/pyproject.toml $(wildcard client/*.py)
+	test -x $(SDK1)/bin/python || $(PYTHON) -m venv $(SDK1)
+	$(SDK1)/bin/python -m pip install --quiet --upgrade pip
+	$(SDK1)/bin/python -m pip install --quiet './client[langchain]' 'mcp>=1.24,<2'
+	$(SDK1)/bin/python -m pip install --quiet --force-reinstall --no-deps ./client
+	touch $(SDK1_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/commitgate demo
@@ -28,7 +40,7 @@ check: $(STAMP)
 # Everything CI runs: the checks, then every test (end-to-end and PostgreSQL included).
 # Three workers: most tests wait on server processes, disks and a browser, so three keep two cores busy;
 # a module's tests stay on one worker (--dist loadfile), beside its module-scoped fixtures.
-test: check
+test: check $(SDK1_STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile
 
 # The quick loop while editing: no server processes, no PostgreSQL.
@@ -39,4 +51,4 @@ bench: $(STAMP)
 	$(VENV)/bin/commitgate bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SDK1) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

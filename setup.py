@@ -1,7 +1,8 @@
 """Maps the top-level folders onto the `commitgate` namespace and finds their subpackages.
 
 pyproject.toml holds everything else; setuptools cannot discover packages under a renamed
-directory from pyproject alone, so this is the one place that does it.
+directory from pyproject alone, so this is the one place that does it. `client/` is not mapped
+here: it is its own distribution, `commitgate-client` (client/pyproject.toml), which this one requires.
 """
 
 from setuptools import find_packages, setup
@@ -10,7 +11,6 @@ _ROOTS = {
     "commitgate.server": "server",
     "commitgate.tools": "tools",
     "commitgate.policies": "policies",
-    "commitgate.client": "client",
 }
 
 setup(

@@ -11,19 +11,18 @@ Three runs show the difference (charges are counted in the demo tools' sandbox d
 
 - plain MCP server, no commitgate: two charges;
 - through commitgate (duplicate detection is on by default): one charge; the second call gets
-  `possible_duplicate`, which pydantic-ai hands to the model as that call's failed result;
-- through commitgate with keys from durable state: the hook sends the workflow's run id as the
-  session and a fixed step name as the key (what `commitgate.client.Gate` does), so the re-issue
-  and a whole restarted run replay the first charge instead of running again.
+  `possible_duplicate`, which the model reads as commitgate's message, as that call's result;
+- through commitgate with keys from durable state: the toolset sends the workflow's run id as the
+  session and a step named after the action as the key, so the re-issue and a whole restarted run
+  replay the first charge instead of running again.
 
-Run it (from a checkout, after `pip install -e '.[test]'` or `pip install commitgate
-'pydantic-ai-slim[mcp]'`):
+Run it from a checkout, after `pip install ./client '.[test]'` (or `make .venv/.installed`):
 
     python examples/pydantic_ai_agent.py
 
-Setup notes: `tool_error_behavior="failed"` makes a commitgate refusal a terminal answer for that
-call (the default, "retry", counts it against the tool's retry budget and a second refusal ends
-the run); the stdio child gets a minimal environment, so pass what the server needs in `env`.
+`commitgate_toolset` (commitgate.client.pydantic_ai) is an `MCPToolset` set up for commitgate; what it
+changes and why is in docs/frameworks.md. The stdio child gets a minimal environment, so pass what
+the server needs in `env`.
 """
 
 from __future__ import annotations
@@ -34,14 +33,12 @@ import sqlite3
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fastmcp.client.transports import StdioTransport
-from pydantic_ai import Agent, RunContext
-from pydantic_ai.mcp import CallToolFunc, MCPToolset
+from pydantic_ai import Agent
+from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -52,7 +49,8 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from commitgate.client import SESSION_META, STEP_META
+from commitgate.client.keys import StepFunction
+from commitgate.client.pydantic_ai import commitgate_toolset
 
 HERE = Path(__file__).resolve().parent
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
@@ -75,11 +73,11 @@ class Transcript:
     results: list[tuple[str, str]] = field(default_factory=list)
 
 
-def scripted_model(transcript: Transcript) -> FunctionModel:
-    """Charge, lose the answer, charge again under a new key, then answer."""
+def scripted_model(transcript: Transcript, calls: int = 2) -> FunctionModel:
+    """Charge, lose the answer, charge again under a new key (`calls` in all), then answer."""
 
     def turn(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        calls = [
+        made = [
             p
             for m in messages
             if isinstance(m, ModelResponse)
@@ -91,35 +89,20 @@ def scripted_model(transcript: Transcript) -> FunctionModel:
             for part in last.parts:
                 if isinstance(part, ToolReturnPart):
                     transcript.results.append((str(part.outcome), part.model_response_str()))
-        if len(calls) < 2:
+        if len(made) < calls:
             key = f"order-42-{uuid.uuid4().hex[:8]}"  # a new key each time: the model lost track
             arguments = {**CHARGE, "idempotency_key": key}
             return ModelResponse(
-                parts=[ToolCallPart("charge_card", arguments, tool_call_id=f"call_{len(calls) + 1}")]
+                parts=[ToolCallPart("charge_card", arguments, tool_call_id=f"call_{len(made) + 1}")]
             )
         return ModelResponse(parts=[TextPart("Done.")])
 
     return FunctionModel(turn)
 
 
-def model_keys(run_id: str) -> Callable[..., Any]:
-    """The session is the run id; the key is whatever the model chose."""
-
-    async def hook(ctx: RunContext[Any], call_tool: CallToolFunc, name: str, args: dict[str, Any]) -> Any:
-        return await call_tool(name, args, metadata={SESSION_META: run_id})
-
-    return hook
-
-
-def durable_keys(run_id: str) -> Callable[..., Any]:
-    """Keys from durable state: the run id and the step's name, never a value the model made up."""
-
-    async def hook(ctx: RunContext[Any], call_tool: CallToolFunc, name: str, args: dict[str, Any]) -> Any:
-        step = f"{name}-order-42"  # one charge per order in this workflow: that is the step
-        args = {k: v for k, v in args.items() if k != "idempotency_key"}
-        return await call_tool(name, args, metadata={SESSION_META: run_id, STEP_META: step})
-
-    return hook
+def order_step(tool: str, arguments: object) -> str:
+    """Keys from durable state: one charge per order in this workflow, so that is the step."""
+    return f"{tool}-order-42"
 
 
 @dataclass
@@ -158,12 +141,18 @@ class Sandbox:
         return StdioTransport(sys.executable, args, env=self.env, keep_alive=False, log_file=log)
 
 
-async def run_agent(transport: StdioTransport, hook: Callable[..., Any]) -> Transcript:
+async def run_agent(
+    transport: StdioTransport, run_id: str | None = None, step: StepFunction | None = None, calls: int = 2
+) -> Transcript:
+    """One run of the scripted agent: through commitgate when a run id is given, else the plain toolset."""
     transcript = Transcript()
     # A server process may take a few seconds to start on a busy machine: more than the 5 s that
     # pydantic-ai waits for the handshake by default.
-    toolset = MCPToolset(transport, process_tool_call=hook, tool_error_behavior="failed", init_timeout=30)
-    agent = Agent(scripted_model(transcript), toolsets=[toolset])
+    if run_id is None:
+        toolset = MCPToolset(transport, tool_error_behavior="failed", init_timeout=30)
+    else:
+        toolset = commitgate_toolset(transport, run_id=run_id, step=step, init_timeout=30)
+    agent = Agent(scripted_model(transcript, calls), toolsets=[toolset])
     await agent.run("Charge order 42 for $12.99")
     return transcript
 
@@ -174,15 +163,15 @@ async def main() -> int:
     for sandbox in (plain, guarded, durable):
         sandbox.root.mkdir()
 
-    await run_agent(plain.plain(), model_keys("run-1"))
+    await run_agent(plain.plain())
     print(f"without commitgate:            {plain.charges()} charges")
 
-    seen = await run_agent(guarded.commitgate(), model_keys("run-1"))
+    seen = await run_agent(guarded.commitgate(), "run-1")
     print(f"through commitgate:            {guarded.charges()} charge; the model was told:")
     print(f"    {seen.results[-1][1][:400]}...")
 
-    first = await run_agent(durable.commitgate(), durable_keys("run-1"))
-    restarted = await run_agent(durable.commitgate(), durable_keys("run-1"))  # a new process, same run id
+    first = await run_agent(durable.commitgate(), "run-1", order_step)
+    restarted = await run_agent(durable.commitgate(), "run-1", order_step)  # a new process, same run id
     calls = len(first.results) + len(restarted.results)
     print(
         f"with keys from run id + step:  {durable.charges()} charge for {calls} calls, a restarted run included"

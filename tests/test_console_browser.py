@@ -41,7 +41,7 @@ timeout = "10s"
 duplicates = false
 approval = { when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{arguments.subject}' to {arguments.to}?" }
 """
-LOAD_BUDGET_MS = 3000.0  # far above what a healthy page takes here (see the README's figures)
+LOAD_BUDGET_MS = 3000.0  # far above what a healthy page takes here (see docs/results.md)
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 from pathlib import Path
 
+import pytest
+
+from commitgate.server.cli.main import build_parser
 from commitgate.server.core.boundary import canonical_json, fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,3 +68,63 @@ def test_the_fingerprint_example_of_the_contract() -> None:
     arguments = canonical_json({"charge": "ch_1", "amount_cents": 500})
     expected = hashlib.sha256(document.encode("utf-8")).hexdigest()
     assert fingerprint("refund", arguments) == expected
+
+
+# --- the README: a quick start a newcomer follows in order, every command as printed --------------------
+
+README = ROOT / "README.md"
+SH_BLOCK = re.compile(r"```sh\n(.*?)```", re.DOTALL)
+
+
+def quick_start() -> str:
+    text = README.read_text(encoding="utf-8")
+    return text[text.index("## Quick start") : text.index("\n## ", text.index("## Quick start") + 1)]
+
+
+def test_the_quick_start_is_short_in_order_and_wraps_servers_early() -> None:
+    steps = quick_start()
+    assert len(steps.splitlines()) <= 60
+    order = [
+        "pip install .",
+        "source .venv/bin/activate",
+        "commitgate claude-config",
+        "policy init",
+        "safe-retry",
+    ]
+    assert [steps.index(step) for step in order] == sorted(steps.index(step) for step in order)
+    first_100 = "\n".join(README.read_text(encoding="utf-8").splitlines()[:100])
+    assert "commitgate policy init --from-config" in first_100
+
+
+def commands(path: Path) -> list[list[str]]:
+    """Every `commitgate ...` line of the page's sh blocks, as its argv (comments dropped)."""
+    found = []
+    for block in SH_BLOCK.findall(path.read_text(encoding="utf-8")):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s+#\s", line)[0].strip()
+            if line.startswith("commitgate ") and "..." not in line:
+                found.append(shlex.split(line)[1:])
+    return found
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in DOCS.glob("*.md"))])
+def test_every_command_a_page_prints_is_one_commitgate_takes(page: str) -> None:
+    path = README if page == "README.md" else DOCS / page
+    for argv in commands(path):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{page}: `commitgate {shlex.join(argv)}` is not a valid command")
+    if page == "README.md":
+        assert ["demo", "--quick"] in commands(path)
+        assert any(argv[:3] == ["policy", "init", "--from-config"] for argv in commands(path))
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in DOCS.glob("*.md"))])
+def test_install_lines_and_client_entries_work_outside_a_checkout(page: str) -> None:
+    text = (README if page == "README.md" else DOCS / page).read_text(encoding="utf-8")
+    assert "REPOSITORY-URL" not in text
+    assert not re.search(r"pip install '?commitgate\[", text)  # not on a package index: a path is needed
+    assert not re.search(r"pip install '\.\[", text.replace("inside it, pip install '.[", ""))
+    bare = re.findall(r'"command":\s*"([^"/\\%]+)"', text)
+    assert bare == [] or (page == "wrapping.md" and bare == ["commitgate"])  # the one that says why not

@@ -153,7 +153,10 @@ def test_an_unreachable_server_is_written_with_why_and_init_exits_1(setup: Setup
     assert len(not_reached) == 1 and not_reached[0].startswith("commitgate: gone: not reached: ")
     assert "skipped guard: it already runs commitgate" in setup.result.stderr
     text = setup.policy.read_text(encoding="utf-8")
-    assert "# gone could not be reached, so none of its tools are served yet" in text
+    assert "# gone could not be reached, so it has no [tools.X] entries yet" in text
+    upstreams = tomllib.loads(text)["upstreams"]
+    assert upstreams["gone"]["tools"] == "all"  # served, with the classes init would give, once it starts
+    assert "tools" not in upstreams["notes"] and upstreams["notes"]["connect_timeout"] == "30s"
     assert "wrote" in setup.result.stdout and "4 of 5" not in setup.result.stdout
 
 

@@ -5,8 +5,7 @@ does NOT deduplicate by idempotency key (that is commitgate's job): it only
 records the key, so status checks and tests can look effects up by it.
 
 Fault injection (env `COMMITGATE_SANDBOX_FAULTS`) makes the guard's work
-visible: a comma-separated list of `tool.kind=value` (README, "Injecting
-faults"). Values carry their unit so none can be misread: `2x` fires twice in
+visible: a comma-separated list of `tool.kind=value` (docs/features.md#injecting-faults-into-the-demo-tools). Values carry their unit so none can be misread: `2x` fires twice in
 all (a budget shared by every process on the store, kept across restarts),
 `50%` fires on about half of the calls, `500ms`/`2s` are times. A spec that
 does not parse stops the server at start rather than failing calls.

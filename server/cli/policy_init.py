@@ -28,7 +28,7 @@ from commitgate.server.cli.client_configs import (
 )
 from commitgate.server.cli.desktop import desktop_entry
 from commitgate.server.cli.tool_listing import Listing, list_all
-from commitgate.server.model.durations import parse_duration
+from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.policy.rules import RESERVED_TOOL_NAMES, TOOL_NAME
 from commitgate.tools.hints import proposed_class
 
@@ -91,7 +91,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"commitgate: {config.path}: no server to wrap", file=sys.stderr)
         return 1
     listings = asyncio.run(list_all(entries, args.connect_timeout))
-    out.write_text(policy_text(config.path, out, listings), encoding="utf-8")
+    text = policy_text(config.path, out, listings, args.connect_timeout)
+    out.write_text(text, encoding="utf-8")
     _report(config, out.resolve(), listings, args.write_config)
     for listing in listings:
         if listing.error is not None:
@@ -142,7 +143,7 @@ def wrapped_tools(listings: list[Listing]) -> list[Wrapped]:
     return wrapped
 
 
-def policy_text(source: Path, out: Path, listings: list[Listing]) -> str:
+def policy_text(source: Path, out: Path, listings: list[Listing], connect_timeout: float) -> str:
     lines = [
         f"# Written by `commitgate policy init --from-config {source.resolve()}`.",
         "# Each tool's class comes from what its server declares: readOnlyHint: true => safe-retry",
@@ -154,39 +155,47 @@ def policy_text(source: Path, out: Path, listings: list[Listing]) -> str:
         lines.append('# Set these where commitgate runs (e.g. the client entry\'s "env"):')
         lines += [f"#   {s.variable}: {s.where} of {entry.name}" for entry, s in secrets]
     for listing in listings:
-        lines += ["", *_upstream_block(listing, out)]
+        lines += ["", *_upstream_block(listing, out, connect_timeout)]
     for item in wrapped_tools(listings):
         lines += ["", *_tool_block(item)]
     return "\n".join(lines) + "\n"
 
 
-def _upstream_block(listing: Listing, out: Path) -> list[str]:
+def _upstream_block(listing: Listing, out: Path, connect_timeout: float) -> list[str]:
     entry = listing.entry
     lines = []
     if listing.error is not None:
         lines += [
-            f"# {entry.name} could not be reached, so none of its tools are served yet: {listing.error}",
-            f"# Once it starts, `commitgate policy show --upstreams {out}` lists its tools.",
+            f"# {entry.name} could not be reached, so it has no [tools.X] entries yet: {listing.error}",
+            '# tools = "all" serves its tools once it starts, each with the class its annotations give;',
+            f"# `commitgate policy show --upstreams {out}` then lists them, to give them entries of their own.",
         ]
     elif not listing.tools:
         lines.append(f"# {entry.name} lists no tools.")
     lines.append(f"[upstreams.{toml_key(entry.name)}]")
+    if listing.error is not None:
+        lines.append('tools = "all"')
+    if connect_timeout != parse_duration(DEFAULT_CONNECT_TIMEOUT):
+        lines.append(f"connect_timeout = {toml_string(format_duration(connect_timeout))}")
+    return lines + _target(entry)
+
+
+def _target(entry: ServerEntry) -> list[str]:
+    """How to start or reach the server: as the client config says, secrets as references."""
+    values: list[tuple[str, str]]
     if entry.command is not None:
-        lines.append(f"command = {toml_string(entry.command)}")
-        if entry.args:
-            lines.append(f"args = [{', '.join(map(toml_string, entry.args))}]")
-        if entry.env:
-            lines.append(f"env = {toml_table(entry.env)}")
-        if entry.cwd:
-            lines.append(f"cwd = {toml_string(entry.cwd)}")
+        values = [("command", toml_string(entry.command))]
+        values += [("args", f"[{', '.join(map(toml_string, entry.args))}]")] if entry.args else []
+        values += [("env", toml_table(entry.env))] if entry.env else []
+        values += [("cwd", toml_string(entry.cwd))] if entry.cwd else []
     else:
         assert entry.url is not None
-        lines.append(f"url = {toml_string(entry.url)}")
-        if entry.transport != "streamable-http":
-            lines.append(f"transport = {toml_string(entry.transport)}")
-        if entry.headers:
-            lines.append(f"headers = {toml_table(entry.headers)}")
-    return lines
+        values = [("url", toml_string(entry.url))]
+        values += (
+            [("transport", toml_string(entry.transport))] if entry.transport != "streamable-http" else []
+        )
+        values += [("headers", toml_table(entry.headers))] if entry.headers else []
+    return [f"{key} = {value}" for key, value in values]
 
 
 def _tool_block(item: Wrapped) -> list[str]:

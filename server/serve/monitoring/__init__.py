@@ -1,8 +1,8 @@
 """Monitoring files shipped with commitgate: Prometheus alerting rules and a Grafana dashboard.
 
 `commitgate-alerts.yml` loads into Prometheus (`rule_files:`); `commitgate-dashboard.json` imports
-into Grafana (Dashboards > Import) over the Prometheus that scrapes `/metrics`. The README's
-"Traces, alerts and a dashboard" says what each alert means; `files()` tells where they were installed.
+into Grafana (Dashboards > Import) over the Prometheus that scrapes `/metrics`.
+docs/operating.md#traces-alerts-and-a-dashboard says what each alert means; `files()` tells where they were installed.
 """
 
 from __future__ import annotations

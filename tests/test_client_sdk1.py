@@ -1,0 +1,114 @@
+"""The client on the MCP SDK's 1.x line: a LangGraph agent from a venv with only commitgate-client.
+
+`.venv-sdk1` (built by the Makefile) holds commitgate-client installed from client/ as a wheel,
+mcp<2 and langchain-mcp-adapters, which requires mcp<2: no server, none of its dependencies. From
+it, tests/sdk1/langgraph_agent.py runs a scripted LangGraph agent against a server started from
+this venv over stdio, and then `Gate` on the same session. Outside CI a missing venv skips these
+tests with the command that builds it; under CI=true it fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from support.agents import AgentSandbox
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SDK1_PYTHON = ROOT / ".venv-sdk1" / "bin" / "python"
+AGENT = ROOT / "tests" / "sdk1" / "langgraph_agent.py"
+# Each start of a server process appends its pid: the runs must start exactly one each.
+COUNT_STARTS = 'echo $$ >> "$0"; exec "$@"'
+
+
+@pytest.fixture(scope="module")
+def sdk1() -> Path:
+    if not SDK1_PYTHON.exists():
+        reason = f"{SDK1_PYTHON} is missing: build it with `make .venv-sdk1/.installed`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return SDK1_PYTHON
+
+
+def run_config(box: AgentSandbox, command: list[str], run_id: str | None) -> dict[str, Any]:
+    starts = str(box.root / "starts")
+    return {
+        "server": ["/bin/sh", "-c", COUNT_STARTS, starts, *command],
+        "env": box.env,
+        "run_id": run_id,
+        "calls": 3,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(
+    sdk1: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[AgentSandbox, dict[str, Any]]]:
+    """One agent run through a plain MCP server and one through commitgate, side by side."""
+    root = tmp_path_factory.mktemp("sdk1")
+    plain, guarded = AgentSandbox.create(root / "plain"), AgentSandbox.create(root / "guarded")
+    configs = {"plain": (plain, plain.plain, None), "guarded": (guarded, guarded.commitgate, "run-1")}
+    results: dict[str, tuple[AgentSandbox, dict[str, Any]]] = {}
+
+    async def one(name: str) -> None:
+        box, command, run_id = configs[name]
+        argv = [str(sdk1), str(AGENT), json.dumps(run_config(box, command, run_id))]
+        done = await anyio.run_process(argv, check=False)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        results[name] = (box, json.loads(done.stdout.decode().strip().splitlines()[-1]))
+
+    async def both() -> None:
+        async with anyio.create_task_group() as tg:
+            for name in configs:
+                tg.start_soon(one, name)
+
+    anyio.run(both)
+    return results
+
+
+def test_the_venv_holds_the_client_alone_on_the_sdk_1_line(sdk1: Path) -> None:
+    code = (
+        "import importlib.metadata as m, importlib.util as u, json\n"
+        "print(json.dumps({'mcp': m.version('mcp'), 'client': m.version('commitgate-client'),\n"
+        "  'server': u.find_spec('commitgate.server') is not None,\n"
+        "  'adapters': m.version('langchain-mcp-adapters')}))\n"
+    )
+    found = json.loads(
+        subprocess.run([str(sdk1), "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    assert found["mcp"].startswith("1.") and not found["server"], found
+
+
+def test_without_commitgate_the_re_issues_charge_three_times(runs: dict[str, Any]) -> None:
+    box, seen = runs["plain"]
+    assert seen["status"] == ["success"] * 3
+    assert box.charges() == 3
+
+
+def test_through_commitgate_one_charge_one_process_and_a_readable_refusal(runs: dict[str, Any]) -> None:
+    box, seen = runs["guarded"]
+    assert seen["mcp"].startswith("1.")
+    assert len((box.root / "starts").read_text().split()) == 1  # one server process for the whole run
+    assert seen["status"] == ["success", "error", "error"]  # refusals are results; the run went on
+    charge = json.loads(seen["read"][0])
+    for text in seen["read"][1:]:
+        assert text.startswith("[possible_duplicate] Possible duplicate: nothing was executed now.")
+        assert "in session 'run-1'" in text and charge["charge_id"] in text  # the run id came in _meta
+        assert '{"error' not in text and '{\\"error' not in text
+    # The agent's order once, and the Gate's own order (below) once.
+    assert box.charges() == 2
+
+
+def test_gate_on_the_sdk_1_line_replays_a_step_and_names_a_duplicate(runs: dict[str, Any]) -> None:
+    _, seen = runs["guarded"]
+    gate = seen["gate"]
+    assert gate["replayed"] == [False, True] and gate["same"] is True
+    assert gate["duplicate_of"] == gate["operation_id"]
