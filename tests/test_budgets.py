@@ -611,7 +611,9 @@ async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
         assert refused.structured_content is not None
         assert refused.structured_content["error"]["budget"]["limit"] == 1000
         path.write_text(POLICY.replace("limit = 100000", "limit = 2000") + ledger, encoding="utf-8")
-        assert (await reloader.reload()).status is ReloadStatus.WAITING  # a raised limit waits for a quiet file
+        assert (
+            await reloader.reload()
+        ).status is ReloadStatus.WAITING  # a raised limit waits for a quiet file
         assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert not (await gateway.call_tool("charge_card", charge("k2"), None, "alice")).is_error
     finally:
