@@ -13,11 +13,18 @@ _ROOTS = {
     "commitgate.policies": "policies",
 }
 
+# Folders of data files only (no __init__.py): declared as packages too, so setuptools ships their
+# package-data without warning that they are "absent from the packages configuration".
+_DATA_FOLDERS = ["commitgate.server.console.static", "commitgate.server.console.templates"]
+
 setup(
     package_dir=_ROOTS,
     packages=[
-        f"{name}.{sub}" if sub else name
-        for name, folder in _ROOTS.items()
-        for sub in ["", *find_packages(folder)]
+        *(
+            f"{name}.{sub}" if sub else name
+            for name, folder in _ROOTS.items()
+            for sub in ["", *find_packages(folder)]
+        ),
+        *_DATA_FOLDERS,
     ],
 )

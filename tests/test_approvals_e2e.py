@@ -338,10 +338,13 @@ async def test_the_client_gate_waits_for_the_decision_then_runs_or_raises(tmp_pa
 async def test_a_suspected_duplicate_goes_to_the_clients_user_with_the_earlier_operation(
     tmp_path: Path,
 ) -> None:
+    """The tool's `approval.via` lets the client's user decide, so a suspected duplicate goes there too
+    (without an approval table only operators decide one: test_budget_takes_e2e.py)."""
     d = Deployment.create(tmp_path)
     tools = TOOLS_TOML.replace(
         'python = "commitgate.tools.demo:send_email"\n',
-        'python = "commitgate.tools.demo:send_email"\nduplicates = { action = "approval" }\n',
+        'python = "commitgate.tools.demo:send_email"\nduplicates = { action = "approval" }\n'
+        'approval = { when = "false", via = ["client", "operator"] }\n',
     )
     d.policy.write_text(policy_toml().replace(TOOLS_TOML, tools), encoding="utf-8")
     asked: list[str] = []

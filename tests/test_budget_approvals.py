@@ -10,6 +10,7 @@ test_budgets_e2e.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -20,8 +21,10 @@ from test_ledger_contract import T0, finish
 
 from commitgate.server.core import approvals
 from commitgate.server.core.boundary import GuardedTool
-from commitgate.server.ledger.base import ClaimKind, Ledger, OverBudget
+from commitgate.server.ledger.base import BudgetCheck, ClaimKind, Lease, Ledger, OverBudget
+from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.facts import ErrorCode, State
+from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import ToolPolicy
 
 
@@ -37,11 +40,24 @@ def waiting_record(deciders: list[str] | None = None, now: float = T0) -> dict[s
 ASK = dataclasses.replace(LIMIT, approval=waiting_record())  # exceeded = "approval"
 
 
-async def approve(ledger: Ledger, operation_id: str, now: float = T0 + 1) -> None:
+async def approve(ledger: Ledger, operation_id: str, now: float = T0 + 1) -> Operation:
     decided = await approvals.decide(
         ledger, operation_id, "approve", by="anna", via="operator", reason="worth it", now=now
     )
     assert decided.state is State.PENDING
+    return decided
+
+
+async def take(
+    ledger: Ledger, op: Operation, amount: float, now: float, check: BudgetCheck = LIMIT
+) -> Operation:
+    """The take of an approved operation, its budget checked with it (raises OverBudget: not taken)."""
+    change = approvals.take_change(
+        op, Lease("owner-b", now + 10), dataclasses.replace(check, amount=exact(amount))
+    )
+    taken = await ledger.update(op.operation_id, change, now, current=op)
+    assert taken is not None and taken.state is State.RUNNING
+    return taken
 
 
 # --- the ledger (every backend) -------------------------------------------------------------------------
@@ -71,7 +87,7 @@ async def test_a_call_past_its_budget_waits_for_a_person_with_the_budget_in_reco
 
 
 @pytest.mark.anyio
-async def test_an_over_budget_wait_counts_once_approved_and_never_if_denied(ledger: Ledger) -> None:
+async def test_an_over_budget_wait_counts_once_approved_and_taken_and_never_if_denied(ledger: Ledger) -> None:
     await spend(ledger, "k1", 800.0)
     waiting = (await ledger.claim(spending("k2", 400.0, check=ASK), T0)).operation
     denied = (await ledger.claim(spending("k3", 300.0, check=ASK), T0)).operation
@@ -80,8 +96,10 @@ async def test_an_over_budget_wait_counts_once_approved_and_never_if_denied(ledg
         ledger, denied.operation_id, "deny", by="anna", via="operator", reason="no", now=T0
     )
     assert await refused(ledger, "k4", 201.0) == 800.0  # neither the waiting nor the denied one counts
-    await approve(ledger, waiting.operation_id)
-    assert await refused(ledger, "k4", 1.0, now=T0 + 2) == 1200.0  # approved: spent past the limit knowingly
+    approved = await approve(ledger, waiting.operation_id)
+    assert await refused(ledger, "k4", 201.0, now=T0 + 2) == 800.0  # approved, not yet run: not yet spent
+    await take(ledger, approved, 400.0, T0 + 2)  # an approved overspend is not checked again at its take
+    assert await refused(ledger, "k4", 1.0, now=T0 + 2) == 1200.0  # spent past the limit knowingly
 
 
 @pytest.mark.anyio
@@ -107,7 +125,7 @@ async def test_a_retryable_operation_taken_again_past_its_budget_waits_instead(l
 
 
 @pytest.mark.anyio
-async def test_a_budgeted_call_that_needs_approval_is_checked_on_arrival_and_counts_once_approved(
+async def test_a_budgeted_call_that_needs_approval_is_checked_on_arrival_and_again_when_taken(
     ledger: Ledger,
 ) -> None:
     await spend(ledger, "k1", 700.0)
@@ -121,8 +139,38 @@ async def test_a_budgeted_call_that_needs_approval_is_checked_on_arrival_and_cou
     assert claim.kind is ClaimKind.AWAITING and claim.operation.approval is not None
     assert "over_budget" not in claim.operation.approval
     await spend(ledger, "k4", 300.0)  # waiting, it does not count: 700 + 300 fits
-    await approve(ledger, claim.operation.operation_id)
-    assert await refused(ledger, "k5", 1.0, now=T0 + 2) == 1300.0  # approved: it counts from then on
+    approved = await approve(ledger, claim.operation.operation_id)
+    with pytest.raises(OverBudget) as over:  # approved is not a blank cheque: no room when it is taken
+        await take(ledger, approved, 300.0, T0 + 2)
+    assert over.value.spent == 1000
+    still = await ledger.get_by_id(None, approved.operation_id)
+    assert still is not None and still.state is State.PENDING and still.attempts == 0
+
+
+@pytest.mark.anyio
+async def test_approved_operations_spend_when_taken_and_only_while_there_is_room(ledger: Ledger) -> None:
+    """Five waiting charges of the whole limit, all approved: the first take spends, the others are refused."""
+    needs = [dataclasses.replace(spending(f"w{i}", 1000.0), approval=waiting_record()) for i in range(5)]
+    waiting = [(await ledger.claim(r, T0)).operation for r in needs]
+    assert {op.state for op in waiting} == {State.AWAITING_APPROVAL}  # none counts while it waits
+    approved = [await approve(ledger, op.operation_id) for op in waiting]
+    results = await asyncio.gather(
+        *(take(ledger, op, 1000.0, T0 + 2) for op in approved), return_exceptions=True
+    )
+    taken = [r for r in results if isinstance(r, Operation)]
+    assert len(taken) == 1, results
+    assert all(isinstance(r, OverBudget) and r.spent == 1000 for r in results if not isinstance(r, Operation))
+
+
+@pytest.mark.anyio
+async def test_the_take_not_the_creation_places_spending_in_the_window(ledger: Ledger) -> None:
+    """Approved after the window is over, a charge still counts: from its take."""
+    claim = await ledger.claim(dataclasses.replace(spending("late", 1000.0), approval=waiting_record()), T0)
+    approved = await approve(ledger, claim.operation.operation_id, now=T0 + 3000)
+    await take(ledger, approved, 1000.0, T0 + 3700)  # 3700 s after its creation, in a window of 3600 s
+    assert await refused(ledger, "beside", 1000.0, now=T0 + 3701) == 1000
+    (spent,) = await ledger.budget_spent("payments", "principal", T0 + 3701 - 3600, T0 + 3701)
+    assert (spent.spent, spent.operations) == (1000, 1)
 
 
 @pytest.mark.anyio
@@ -131,7 +179,8 @@ async def test_a_call_that_needs_approval_anyway_keeps_its_own_record_past_the_b
     own = waiting_record(["client"])
     claim = await ledger.claim(dataclasses.replace(spending("k2", 400.0, check=ASK), approval=own), T0)
     assert claim.kind is ClaimKind.AWAITING and claim.operation.approval is not None
-    assert claim.operation.approval["deciders"] == ["client"]
+    # its own timeout and prompt, but an overspend is an operator's to decide, never the client's
+    assert claim.operation.approval["deciders"] == ["operator"]
     assert claim.operation.approval["over_budget"]["amount"] == 400
 
 
@@ -160,7 +209,7 @@ async def test_a_call_past_its_budget_answers_approval_pending_runs_nothing_then
     assert answer.operation is not None and answer.operation.state is State.AWAITING_APPROVAL
     assert record.count() == 1
     op = answer.operation
-    assert op.approval is not None and op.approval["deciders"] == ["client", "operator"]  # the defaults
+    assert op.approval is not None and op.approval["deciders"] == ["operator"]  # never the agent's client
     assert op.approval["expires_at"] == T0 + 24 * 3600
     text = approvals.question(op, tool.policy).text
     assert text.splitlines()[0] == "Approve this call of charge?"

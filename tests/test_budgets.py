@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import re
 import sqlite3
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,17 @@ from test_ledger_contract import RESULT, T0, finish, request
 
 from commitgate.server.core.boundary import CallRequest, GuardedTool
 from commitgate.server.core.budgets import Budget
-from commitgate.server.ledger.base import BudgetCheck, ClaimKind, ClaimRequest, Ledger, OverBudget
+from commitgate.server.ledger.base import (
+    BudgetCheck,
+    ClaimKind,
+    ClaimRequest,
+    DuplicateCheck,
+    Ledger,
+    OverBudget,
+)
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import BUDGET_SUMS
+from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.facts import ErrorCode, State
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.loading import analyse_text, loads_policy
@@ -147,11 +156,13 @@ def test_budget_names_are_checked() -> None:
 
 # --- the ledger: sum and claim in one step (every backend) ---------------------------------------
 
-LIMIT = BudgetCheck(name="payments", per="principal", amount=400.0, limit=1000.0, window_seconds=3600.0)
+LIMIT = BudgetCheck(
+    name="payments", per="principal", amount=Decimal(400), limit=Decimal(1000), window_seconds=3600.0
+)
 
 
 def spending(step: str, amount: float = 400.0, check: BudgetCheck = LIMIT, **kw: object) -> ClaimRequest:
-    budget = dataclasses.replace(check, amount=amount)
+    budget = dataclasses.replace(check, amount=exact(amount))
     return dataclasses.replace(request(step, fingerprint=f"fp-{step}", **kw), budget=budget)  # type: ignore[arg-type]
 
 
@@ -161,7 +172,7 @@ async def spend(ledger: Ledger, step: str, amount: float = 400.0, now: float = T
     return claim.operation.operation_id
 
 
-async def refused(ledger: Ledger, step: str, amount: float = 400.0, now: float = T0, **kw: object) -> float:
+async def refused(ledger: Ledger, step: str, amount: float = 400.0, now: float = T0, **kw: object) -> Decimal:
     with pytest.raises(OverBudget) as over:
         await ledger.claim(spending(step, amount, **kw), now)  # type: ignore[arg-type]
     return over.value.spent
@@ -287,6 +298,26 @@ async def test_concurrent_claims_of_other_scopes_and_other_budgets_all_go_throug
 
 
 @pytest.mark.anyio
+async def test_a_repeat_of_an_action_that_spent_is_a_duplicate_not_a_budget_refusal(ledger: Ledger) -> None:
+    checked = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
+    first = dataclasses.replace(spending("k1", 1000.0), fingerprint="fp-same", duplicates=checked)
+    await ledger.claim(first, T0)
+    again = await ledger.claim(dataclasses.replace(first, step="k2"), T0 + 1)  # a fresh key, the budget full
+    assert again.kind is ClaimKind.DUPLICATE and again.operation.step == "k1"
+    assert await ledger.get("alice", "s1", "k2") is None
+
+
+@pytest.mark.anyio
+async def test_amounts_add_up_exactly(ledger: Ledger) -> None:
+    tenths = dataclasses.replace(LIMIT, limit=exact(0.3))
+    for step in ("d1", "d2", "d3"):  # in binary floats the third would pass 0.3
+        await spend(ledger, step, 0.1, check=tenths)
+    assert await refused(ledger, "d4", 0.000000001, check=tenths) == Decimal("0.3")
+    (spent,) = await ledger.budget_spent("payments", "principal", T0 - 3600, T0)
+    assert spent.spent == Decimal("0.3") and isinstance(spent.spent, Decimal)
+
+
+@pytest.mark.anyio
 async def test_the_sqlite_sum_reads_only_its_index(tmp_path: Path) -> None:
     ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
     await spend(ledger, "k1")
@@ -298,8 +329,8 @@ async def test_the_sqlite_sum_reads_only_its_index(tmp_path: Path) -> None:
                 row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, ("payments", *scope, 0, 0))
             )
             assert "USING COVERING INDEX operations_budget" in plan, plan
-        (total,) = conn.execute(BUDGET_SUMS["principal"], ("payments", "alice", 0, 0)).fetchone()
-        assert total == 400.0
+        total = conn.execute(BUDGET_SUMS["principal"], ("payments", "alice", 0, 0)).fetchone()
+        assert total == (400, 0)  # whole units, billionths
 
 
 @pytest.mark.anyio
@@ -309,7 +340,7 @@ async def test_the_postgres_sum_uses_its_index() -> None:
 
     plan = await plan_on_fresh_ledger(
         "SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o"
-        " WHERE o.budget = 'payments' AND o.principal = 'alice' AND o.created_at > 0"
+        " WHERE o.budget = 'payments' AND o.principal = 'alice' AND o.budget_spent_at > 0"
         " AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')"
         " AND (o.expires_at IS NULL OR o.expires_at > 0)"
     )
@@ -317,21 +348,28 @@ async def test_the_postgres_sum_uses_its_index() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_ledger_of_the_previous_schema_is_migrated_and_counts_from_then_on(tmp_path: Path) -> None:
+async def test_a_ledger_of_the_previous_schema_is_migrated_and_its_spending_keeps_counting(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "ledger.db"
     ledger = await SQLiteLedger.open(path)
-    await ledger.claim(request("old"), T0)
+    await spend(ledger, "old", 700.5)
     await ledger.close()
-    with sqlite3.connect(path) as conn:  # back to version 4, as the previous release left it
+    with sqlite3.connect(path) as conn:  # back to version 6: amounts in REAL, placed by created_at
         conn.execute("DROP INDEX operations_budget")
-        conn.execute("ALTER TABLE operations DROP COLUMN budget_amount")
-        conn.execute("ALTER TABLE operations DROP COLUMN budget")
-        conn.execute("DELETE FROM schema_version WHERE version > 4")
+        conn.execute("ALTER TABLE operations ADD COLUMN budget_amount REAL")
+        conn.execute("UPDATE operations SET budget_amount = budget_units + budget_nanos / 1e9")
+        for column in ("budget_spent_at", "budget_units", "budget_nanos"):
+            conn.execute(f"ALTER TABLE operations DROP COLUMN {column}")
+        conn.execute(
+            "CREATE INDEX operations_budget ON operations (budget, principal, session, created_at, state,"
+            " budget_amount, expires_at) WHERE budget IS NOT NULL"
+        )
+        conn.execute("DELETE FROM schema_version WHERE version > 6")
     ledger = await SQLiteLedger.open(path)
     try:
-        assert await ledger.get("alice", "s1", "old") is not None
-        await spend(ledger, "k1", 1000.0)
-        assert await refused(ledger, "k2", 1.0) == 1000.0
+        assert await refused(ledger, "k1", 300.0, now=T0 + 1) == Decimal("700.5")
+        await spend(ledger, "k2", 299.5, now=T0 + 1)
     finally:
         await ledger.close()
 

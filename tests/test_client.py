@@ -5,6 +5,7 @@ Driven against real `commitgate serve` processes over stdio; effects are counted
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -23,6 +24,10 @@ from commitgate.client import (
     PossibleDuplicate,
     StillRunning,
 )
+from commitgate.client.gate import SESSION_META, STEP_META
+from commitgate.client.keys import by_arguments, prepare
+from commitgate.client.text import readable
+from commitgate.server.model.facts import KEY_PATTERN
 from commitgate.tools.demo import DECLINED_CARD
 
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
@@ -52,6 +57,31 @@ def test_backoff_draws_each_wait_uniformly_below_a_growing_cap() -> None:
 def test_a_session_must_be_given() -> None:
     with pytest.raises(ValueError, match="session must be a string"):
         Gate(object(), session="")  # type: ignore[arg-type]
+
+
+def test_a_step_from_arguments_names_the_action_not_the_models_key() -> None:
+    one = by_arguments("charge_card", {**CHARGE, "idempotency_key": "a"})
+    assert one == by_arguments("charge_card", {"idempotency_key": "b", **dict(reversed(CHARGE.items()))})
+    assert one == by_arguments("charge_card", {**CHARGE, "confirm_duplicate": True})
+    assert one != by_arguments("charge_card", {**CHARGE, "amount_cents": 1300})
+    assert one != by_arguments("refund", CHARGE)
+    assert KEY_PATTERN.fullmatch(one)  # a key the server accepts
+
+
+def test_a_step_replaces_the_models_key_and_the_run_id_is_always_sent() -> None:
+    args, meta = prepare("charge_card", {**CHARGE, "idempotency_key": "k-1"}, "run-7", by_arguments)
+    assert args == CHARGE and meta == {SESSION_META: "run-7", STEP_META: by_arguments("charge_card", CHARGE)}
+    args, meta = prepare("charge_card", {**CHARGE, "idempotency_key": "k-1"}, "run-7", None)
+    assert args["idempotency_key"] == "k-1" and meta == {SESSION_META: "run-7"}
+
+
+def test_a_refusal_reads_as_commitgates_text_however_it_was_wrapped() -> None:
+    error = {"code": "possible_duplicate", "message": "nothing was executed now."}
+    expected = "[possible_duplicate] nothing was executed now."
+    assert readable({"error": error}) == expected
+    assert readable(json.dumps({"error": error})) == expected  # the structured error as JSON text
+    assert readable(json.dumps({"error": json.dumps({"error": error})})) == expected  # and wrapped again
+    assert readable("a tool's own words") == "a tool's own words"
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from support.agents import AgentSandbox
 
@@ -38,13 +37,14 @@ def sdk1() -> Path:
     return SDK1_PYTHON
 
 
-def run_config(box: AgentSandbox, command: list[str], run_id: str | None) -> dict[str, Any]:
+def run_config(box: AgentSandbox, command: list[str], run_id: str | None, step: bool) -> dict[str, Any]:
     starts = str(box.root / "starts")
     return {
         "server": ["/bin/sh", "-c", COUNT_STARTS, starts, *command],
         "env": box.env,
         "run_id": run_id,
         "calls": 3,
+        "step": step,
     }
 
 
@@ -52,26 +52,20 @@ def run_config(box: AgentSandbox, command: list[str], run_id: str | None) -> dic
 def runs(
     sdk1: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[AgentSandbox, dict[str, Any]]]:
-    """One agent run through a plain MCP server and one through commitgate, side by side."""
+    """Agent runs through a plain MCP server and through commitgate, side by side in one process."""
     root = tmp_path_factory.mktemp("sdk1")
-    plain, guarded = AgentSandbox.create(root / "plain"), AgentSandbox.create(root / "guarded")
-    configs = {"plain": (plain, plain.plain, None), "guarded": (guarded, guarded.commitgate, "run-1")}
-    results: dict[str, tuple[AgentSandbox, dict[str, Any]]] = {}
-
-    async def one(name: str) -> None:
-        box, command, run_id = configs[name]
-        argv = [str(sdk1), str(AGENT), json.dumps(run_config(box, command, run_id))]
-        done = await anyio.run_process(argv, check=False)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
-        results[name] = (box, json.loads(done.stdout.decode().strip().splitlines()[-1]))
-
-    async def both() -> None:
-        async with anyio.create_task_group() as tg:
-            for name in configs:
-                tg.start_soon(one, name)
-
-    anyio.run(both)
-    return results
+    plain, guarded, stepped = (AgentSandbox.create(root / name) for name in ("plain", "guarded", "stepped"))
+    configs = {
+        "plain": (plain, plain.plain, None, False),
+        "guarded": (guarded, guarded.commitgate, "run-1", False),
+        "stepped": (stepped, stepped.commitgate, "run-1", True),
+    }
+    names = list(configs)
+    sent = [run_config(box, command, run_id, step) for box, command, run_id, step in configs.values()]
+    done = subprocess.run([str(sdk1), str(AGENT), json.dumps(sent)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (configs[name][0], result) for name, result in zip(names, seen, strict=True)}
 
 
 def test_the_venv_holds_the_client_alone_on_the_sdk_1_line(sdk1: Path) -> None:
@@ -105,6 +99,15 @@ def test_through_commitgate_one_charge_one_process_and_a_readable_refusal(runs: 
         assert '{"error' not in text and '{\\"error' not in text
     # The agent's order once, and the Gate's own order (below) once.
     assert box.charges() == 2
+
+
+def test_with_a_step_in_meta_the_re_issues_get_the_first_answer_back(runs: dict[str, Any]) -> None:
+    box, seen = runs["stepped"]
+    assert seen["status"] == ["success"] * 3
+    first, *replays = seen["read"]
+    for text in replays:  # the same charge, and commitgate's note that it was not run again
+        assert text.startswith(first) and "this is the recorded outcome; nothing was executed again." in text
+    assert box.charges() == 1
 
 
 def test_gate_on_the_sdk_1_line_replays_a_step_and_names_a_duplicate(runs: dict[str, Any]) -> None:

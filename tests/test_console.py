@@ -129,6 +129,17 @@ def test_the_url_token_sets_a_strict_cookie_and_leaves_the_address(policy: Path,
         assert client.get("/operations", headers=bearer).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["//evil.example/x", "/\\evil.example/x", "/%2F%2Fevil.example/x"])
+def test_signing_in_redirects_only_to_a_path_of_the_console(policy: Path, ledger_url: str, path: str) -> None:
+    access = loopback_access()
+    with console_client(ledger_url, access, sign_in=False) as client:
+        answer = client.get(f"{BASE_URL}{path}?a=1&token={access.console_token}")
+        assert answer.status_code == 303
+        location = answer.headers["location"]
+        assert location[0] == "/" and location[1] not in "/\\", location  # a path here, not another host
+        assert location.endswith("evil.example/x?a=1")
+
+
 def test_a_forged_or_foreign_cookie_is_refused(policy: Path, ledger_url: str) -> None:
     other = loopback_access()
     with console_client(ledger_url, other) as client:
@@ -517,6 +528,36 @@ def test_markup_from_clients_is_shown_escaped_on_every_page(
             assert "<script>alert" not in answer.text and "<img src=x" not in answer.text, path
         shown = client.get(f"/operations/{op_id}").text
         assert "&lt;script&gt;alert(" in shown and "&lt;img src=x onerror=alert(1)&gt;" in shown
+
+
+BIDI = "\u202etxt.exe\u202c"  # reads "exe.txt" backwards when shown raw
+ZERO_WIDTH = "ann\u200b@example.com"
+
+
+def test_invisible_and_bidirectional_characters_are_shown_escaped_on_every_page(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    op_id = asyncio.run(
+        claim(
+            tmp_path / "ledger.db",
+            session=f"s{BIDI}",
+            step=f"k\u2066{BIDI}",
+            arguments={"file": BIDI, "to": ZERO_WIDTH, "\u200fkey": "v"},
+        )
+    )
+    with console_client(ledger_url, loopback_access()) as client:
+        for path in ("/unknown", "/unknown/rows", "/operations", f"/operations/{op_id}"):
+            page = client.get(path).text
+            raw = [
+                ch
+                for ch in page
+                if "\u200b" <= ch <= "\u200f" or "\u202a" <= ch <= "\u202e" or "\u2066" <= ch <= "\u2069"
+            ]
+            assert raw == [], path
+        page = client.get(f"/operations/{op_id}").text
+        for escaped in ("\\u202etxt.exe\\u202c", "ann\\u200b@example.com", "\\u200fkey", "k\\u2066"):
+            assert escaped in page, escaped
 
 
 def test_secret_looking_arguments_are_masked(policy: Path, ledger_url: str, tmp_path: Path) -> None:
@@ -1158,7 +1199,7 @@ def test_the_budgets_page_shows_the_figures_ops_budgets_prints_with_charts_that_
     ]
     for words in (
         "30d (sliding)",
-        "2,610.50</strong> of 1,000,000 spent",
+        "2,610.5</strong> of 1,000,000 spent",  # exact: no digits added
         "per day",
         "per hour",
         "per 5 minutes",

@@ -119,3 +119,25 @@ async def test_a_failure_before_the_call_executes_nothing_and_the_retry_runs_onc
     assert demo.count("charges", idempotency_key="k-before") == 1
     counts = (await control(gateway, action="counts")).structured_content
     assert counts["invocations"] == {"charge_card": 1}
+
+
+@pytest.mark.slow
+async def test_a_served_control_call_with_a_wrong_token_is_a_clear_error_and_the_token_is_scrubbed(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    """Over a real server process: a tool error result (not JSON-RPC's internal error), and the
+    token no longer readable in the process's environment block (/proc/PID/environ)."""
+    from commitgate.server.verify.harness import start_gate
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    async with start_gate(policy, tmp_path / "run") as gate:
+        refused = await gate.client.call_tool(CONTROL_TOOL, {"token": "x" * 32, "action": "counts"})
+        assert refused.is_error and refused.structured_content == {"error": "wrong or missing token"}
+        (pid,) = [
+            int(cmdline.parent.name)
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+            if str(tmp_path / "run") in cmdline.read_bytes().decode(errors="replace")
+        ]
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert gate._token.encode() not in environ and ENV_TOKEN.encode() + b"=" in environ

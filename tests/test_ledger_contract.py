@@ -510,8 +510,8 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
         conn.execute("ALTER TABLE operations DROP COLUMN approval")
         conn.execute("ALTER TABLE operations DROP COLUMN approval_expires_at")
         conn.execute("DROP INDEX operations_budget")
-        conn.execute("ALTER TABLE operations DROP COLUMN budget_amount")
-        conn.execute("ALTER TABLE operations DROP COLUMN budget")
+        for column in ("budget_spent_at", "budget_units", "budget_nanos", "budget"):
+            conn.execute(f"ALTER TABLE operations DROP COLUMN {column}")
         conn.execute("DELETE FROM schema_version WHERE version > 1")
     ledger = await SQLiteLedger.open(path)
     try:
@@ -522,7 +522,8 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     with sqlite3.connect(path) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(operations)")]
         assert "downstream_ref" not in columns
-        assert {"approval", "approval_expires_at", "budget", "budget_amount"} <= set(columns)
+        added = {"approval", "approval_expires_at", "budget", "budget_units", "budget_spent_at"}
+        assert added <= set(columns)
 
 
 @pytest.mark.anyio

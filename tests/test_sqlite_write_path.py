@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import TypeVar
 
@@ -94,7 +95,7 @@ def new_claim(conn: sqlite3.Connection, claim_request: ClaimRequest, now: float 
 
 def finished(conn: sqlite3.Connection, op: Operation) -> Operation:
     done = in_transaction(conn, OutcomeWrite(op.operation_id, succeeded(op), T0, op))
-    assert done is not None and done.state is State.SUCCEEDED
+    assert isinstance(done, Operation) and done.state is State.SUCCEEDED
     return done
 
 
@@ -159,7 +160,9 @@ def test_a_key_taken_after_the_read_is_answered_as_a_taken_key(conn: sqlite3.Con
 def test_an_unseen_key_still_meets_duplicates_and_budgets(conn: sqlite3.Connection) -> None:
     claim_and_finish(conn, "k1")
     assert new_claim(conn, request("k2", fingerprint="fp-k1"), T0 + 1).kind is ClaimKind.DUPLICATE
-    budget = BudgetCheck(name="refunds", amount=700.0, limit=1000.0, window_seconds=3600.0, per="principal")
+    budget = BudgetCheck(
+        name="refunds", amount=Decimal(700), limit=Decimal(1000), window_seconds=3600.0, per="principal"
+    )
     assert new_claim(conn, request("k3", budget=budget), T0 + 2).kind is ClaimKind.NEW
     over = claimed(conn, request("k4", budget=budget), T0 + 3)
     assert isinstance(over, OverBudget) and over.spent == 700.0

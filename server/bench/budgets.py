@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def _tools() -> tuple[GuardedTool, GuardedTool]:
 
 async def _fill(ledger: SQLiteLedger, prior: int, principal: str) -> None:
     """`prior` succeeded operations of the budget in `principal`'s scope, claimed in batches."""
-    check = BudgetCheck("bench", "principal", 500.0, 1e15, 30 * 86400.0)
+    check = BudgetCheck("bench", "principal", Decimal(500), Decimal(10**15), 30 * 86400.0)
     done = Transition(
         State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
     )

@@ -29,5 +29,6 @@ def say_ledger(url: str, why: str) -> None:
 
 
 def log_ledger(url: str, why: str) -> None:
-    """The same, for `serve`, whose stderr carries JSON log lines: one record, shown at the default level."""
-    logging.getLogger("commitgate.ledger").warning("ledger %s (%s)", mask_url(url), why)
+    """The same, for `serve`, whose stderr carries JSON log lines: one info record (a client such as
+    Claude Desktop shows warnings to its user on every start; this is no problem of theirs)."""
+    logging.getLogger("commitgate.ledger").info("ledger %s (%s)", mask_url(url), why)

@@ -47,6 +47,7 @@ from commitgate.server.ledger import (
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
+from commitgate.server.model.amounts import amount, with_unit
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -488,14 +489,15 @@ def budgets_table(report: list[dict[str, Any]]) -> Table:
         rows = budget["scopes"] or [
             {"scope": "(nothing spent)", "spent": 0, "left": budget["limit"], "operations": 0}
         ]
+        unit = budget.get("unit")
         for row in rows:
             table.add_row(
                 cell(budget["name"]),
                 budget["per"],
                 cell(row["scope"]),  # principals and sessions come from callers: shown literally
-                str(row["spent"]),
-                str(budget["limit"]),
-                str(row["left"]),
+                cell(with_unit(amount(row["spent"]), unit)),
+                cell(with_unit(amount(budget["limit"]), unit)),
+                cell(with_unit(amount(row["left"]), unit)),
                 budget["window"],
                 str(row["operations"]),
                 cell(tools),

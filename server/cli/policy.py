@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from commitgate.server.cli import policy_init
+from commitgate.server.model.amounts import with_unit
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.loading import (
     default_policy,
@@ -241,11 +242,10 @@ def budgets_table(policy: Policy) -> Table:
         table.add_column(column, overflow="fold")
     for name, budget in policy.budgets.items():
         tools = [t for t, tool in policy.tools.items() if tool.budget == name]
-        limit = int(budget.limit) if budget.limit.is_integer() else budget.limit
         table.add_row(
             name,
             budget.amount.source,
-            str(limit),
+            with_unit(budget.limit, budget.unit),
             format_duration(budget.window),
             budget.per,
             budget.exceeded,

@@ -27,7 +27,16 @@ def cell(text: str | None) -> Text:
     return Text(plain(text or ""))
 
 
+def visible(text: str) -> str:
+    """`text` with every character that does not show as itself but the line break (controls,
+    invisible and bidirectional marks such as U+200B and U+202E) written as a \\u escape."""
+    return text if text.isprintable() else "".join(_visible(ch) for ch in text)
+
+
+def _visible(ch: str) -> str:
+    return ch if ch.isprintable() or ch == "\n" else f"\\u{ord(ch):04x}"
+
+
 def json_text(value: Any, *, indent: int | None = 2) -> str:
-    """JSON for a terminal: characters JSON leaves raw (DEL, C1 controls...) become \\u escapes."""
-    text = json.dumps(value, indent=indent, ensure_ascii=False, default=str)
-    return "".join(ch if ch.isprintable() or ch in "\n" else f"\\u{ord(ch):04x}" for ch in text)
+    """JSON for a terminal: characters JSON leaves raw (DEL, C1 controls, bidi marks...) become \\u escapes."""
+    return visible(json.dumps(value, indent=indent, ensure_ascii=False, default=str))

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
+from commitgate.server.cli.shown import visible
 from commitgate.server.ledger.base import AuditEntry
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Verdict
@@ -27,12 +29,21 @@ HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 STATIC = HERE / "static"
 
+
+def _shown(value: Any) -> Any:
+    """Every value a template prints: invisible and bidirectional characters (U+200B, U+202E...)
+    written as escapes, as `ops show` does, so text cannot hide or reorder what a person reads.
+    Markup is a template's own output, already shown this way."""
+    return visible(value) if isinstance(value, str) and not isinstance(value, Markup) else value
+
+
 _environment = Environment(
     loader=FileSystemLoader(TEMPLATES),
     autoescape=True,  # every template, whatever its name: nothing from a client is ever trusted
     undefined=StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_shown,
 )
 
 

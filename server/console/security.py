@@ -203,7 +203,8 @@ class Access:
                 " operator's token of the policy.",
             )
         rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
-        target = request.url.path + ("?" + urlencode(rest) if rest else "")
+        # Only a path of this console: "//host/x" or "/\\host/x" would leave it (an open redirect).
+        target = "/" + request.url.path.lstrip("/\\") + ("?" + urlencode(rest) if rest else "")
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(
             self.cookie,

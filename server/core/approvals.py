@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from commitgate.server.ledger.base import Lease, Ledger, OperationFilter, Transition
+from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
+from commitgate.server.model.amounts import amount, left, with_unit
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
 from commitgate.server.model.records import Operation, iso
-from commitgate.server.policy.approvals import ApprovalPolicy
+from commitgate.server.policy.approvals import ApprovalPolicy, Decider
 from commitgate.server.policy.expressions import ExpressionFailed, activation
 from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import ToolPolicy
@@ -91,11 +92,20 @@ def record(
     return entry
 
 
-def settings_for(policy: ToolPolicy) -> ApprovalPolicy:
-    """How a call waits that a person must see for another reason than `when` (a duplicate with
-    `duplicates = {action = "approval"}`, a call past its budget with `exceeded = "approval"`):
-    the tool's own approval settings (timeout, via, prompt), or the defaults."""
-    return policy.approval or ApprovalPolicy()
+OPERATOR_ONLY: list[Decider] = ["operator"]
+
+
+def duplicate_settings(policy: ToolPolicy) -> ApprovalPolicy:
+    """How a suspected duplicate waits (`duplicates = {action = "approval"}`): as the tool's own
+    `approval` says, or else decided by operators only: the agent's client never clears its own repeat."""
+    return policy.approval or ApprovalPolicy(via=OPERATOR_ONLY)
+
+
+def overrun_settings(policy: ToolPolicy) -> ApprovalPolicy:
+    """How a call past its budget waits (`exceeded = "approval"`): the tool's timeout and prompt, but
+    decided by operators only, whatever its `via`: the agent's client never lifts its own cap."""
+    own = policy.approval or ApprovalPolicy()
+    return own.model_copy(update={"via": OPERATOR_ONLY})
 
 
 def due(op: Operation, now: float) -> bool:
@@ -163,14 +173,16 @@ def expire_change(op: Operation, now: float) -> Transition:
     )
 
 
-def take_change(op: Operation, lease: Lease) -> Transition:
-    """An approved operation taken by the call that executes it: its first attempt, exactly once."""
+def take_change(op: Operation, lease: Lease, budget: BudgetCheck | None = None) -> Transition:
+    """An approved operation taken by the call that executes it: its first attempt, exactly once.
+    `budget`: the tool's budget, checked again with the take (a PENDING operation has not spent yet)."""
     return Transition(
         State.RUNNING,
         frozenset({State.PENDING}),
         "approved_claimed",
         expect_fence=op.fence,
         lease=lease,
+        budget=budget,
     )
 
 
@@ -292,8 +304,14 @@ def render_prompt(template: str, arguments: Mapping[str, Any]) -> str:
     return REFERENCE.sub(value_of, template)
 
 
-def question(op: Operation, policy: ToolPolicy | None, earlier: Operation | None = None) -> Question:
-    """The text a person reads before deciding: the prompt, the tool, the arguments (masked), who asks."""
+def question(
+    op: Operation,
+    policy: ToolPolicy | None,
+    earlier: Operation | None = None,
+    budget: Mapping[str, Any] | None = None,
+) -> Question:
+    """The text a person reads before deciding: the prompt, the tool, the arguments (masked), who asks,
+    and for a budgeted call its budget (`budget`: `{name, limit, spent, amount, unit}` as things stand)."""
     template = policy.approval.prompt if policy is not None and policy.approval is not None else None
     lines = [render_prompt(template, op.arguments) if template else f"Approve this call of {op.tool}?"]
     lines.append(f"Tool: {op.tool}")
@@ -307,6 +325,10 @@ def question(op: Operation, policy: ToolPolicy | None, earlier: Operation | None
     over = over_budget(op)
     if over is not None:
         lines.append(over_budget_text(over))
+    elif budget is not None:
+        lines.append(
+            budget_text(budget["name"], budget["limit"], budget["spent"], budget["amount"], budget["unit"])
+        )
     lines.append(f"Operation: {op.operation_id}")
     return Question(op.operation_id, op.tool, op.principal, "\n".join(lines))
 
@@ -336,24 +358,30 @@ def status(op: Operation) -> dict[str, Any] | None:
 
 
 def over_budget(op: Operation) -> dict[str, Any] | None:
-    """`{name, limit, spent, amount}` of the budget an operation waits past (`exceeded = "approval"`)."""
+    """`{name, limit, spent, amount[, unit]}` of the budget an operation waits past (`exceeded = "approval"`)."""
     over = (op.approval or {}).get("over_budget")
-    return (
-        {key: _whole(over.get(key)) for key in ("name", "limit", "spent", "amount")}
-        if isinstance(over, dict)
-        else None
-    )
+    if not isinstance(over, dict):
+        return None
+    return {key: over.get(key) for key in ("name", "limit", "spent", "amount", "unit") if key in over}
 
 
 def over_budget_text(over: Mapping[str, Any]) -> str:
     """One line for the person deciding: approving spends past the budget's limit."""
-    left = max(0.0, float(over["limit"]) - float(over["spent"]))
+    unit = over.get("unit")
+    spent, limit = amount(over["spent"]), amount(over["limit"])
     return (
-        f"Over budget {over['name']!r}: this call spends {over['amount']}, {over['spent']} of {over['limit']} "
-        f"is already spent in its window, so {_whole(left)} is left; approving spends past the limit."
+        f"Over budget {over['name']!r}: this call spends {with_unit(amount(over['amount']), unit)}, "
+        f"{with_unit(spent, unit)} of {with_unit(limit, unit)} is already spent in its window, so "
+        f"{with_unit(left(limit, spent), unit)} is left; approving spends past the limit."
     )
 
 
-def _whole(value: Any) -> Any:
-    """Whole amounts as integers, the way a policy writes them (the ledger keeps them as floats)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def budget_text(name: str, limit: Any, spent: Any, call: Any, unit: str | None) -> str:
+    """One line for the person deciding a budgeted call that fits as things stand: the budget's figures.
+    Approving does not reserve them: the budget is checked again when the call is taken to run."""
+    spent_now, limit_now = amount(spent), amount(limit)
+    return (
+        f"Budget {name!r}: limit {with_unit(limit_now, unit)}, spent {with_unit(spent_now, unit)}, left "
+        f"{with_unit(left(limit_now, spent_now), unit)}; this call spends {with_unit(amount(call), unit)}. "
+        "It is checked again when it runs: if the budget has no room left then, it is refused."
+    )

@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
@@ -31,6 +32,7 @@ from commitgate.server.core.retry import Backoff, classify, error_record
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import (
     LEASE_LOST,
+    BudgetCheck,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -179,7 +181,7 @@ class CommitBoundary:
         amount = (
             budgets.amount_of(budget, request.arguments, request.principal, request.session, tool.name)
             if budget is not None
-            else 0.0
+            else Decimal(0)
         )
         retention = tool.policy.retention or self.settings.retention
         claim_request = ClaimRequest(
@@ -241,7 +243,7 @@ class CommitBoundary:
             )
         return errors.approval_pending(op)
 
-    def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: float) -> GateError:
+    def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: Decimal) -> GateError:
         tool, budget, check = request.tool, request.tool.budget, claim_request.budget
         assert budget is not None and check is not None
         scope = budgets.scope_label(budget, request.principal, request.session)
@@ -263,7 +265,7 @@ class CommitBoundary:
     ) -> Answer:
         """`duplicates = {action = "approval"}`: the repeat waits for a person, who sees the earlier one."""
         record = approvals.record(
-            approvals.settings_for(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
+            approvals.duplicate_settings(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
         )
         again = dataclasses.replace(claim_request, duplicates=None, approval=record)
         claim = await self._claim(request, again)
@@ -338,12 +340,62 @@ class CommitBoundary:
         return await self._on_existing(request, await self._wait(op), waited=True)
 
     async def _take(self, request: CallRequest, op: Operation) -> Answer:
-        """Run an approved operation: of all the calls that find it PENDING, one takes it."""
-        lease = Lease(self.owner, self.clock() + self.settings.lease)
-        taken = await self.ledger.update(op.operation_id, approvals.take_change(op, lease), self.clock())
+        """Run an approved operation: of all the calls that find it PENDING, one takes it. A budgeted
+        one spends now: the ledger checks its budget with the take (docs/contract.md#budgets)."""
+        tool, now = request.tool, self.clock()
+        lease = Lease(self.owner, now + self.settings.lease)
+        check = None
+        if tool.budget is not None:
+            amount = budgets.amount_of(tool.budget, op.arguments, op.principal, op.session, tool.name)
+            check = budgets.check_for(tool.budget, amount, tool.policy, now)
+        try:
+            taken = await self.ledger.update(
+                op.operation_id, approvals.take_change(op, lease, check), now, current=op
+            )
+        except LedgerUnavailable as exc:
+            raise _unavailable(exc) from None
+        except OverBudget as over:
+            assert check is not None
+            return await self._refuse_take(request, op, check, over.spent)
         if taken is None:  # another call took it (or it moved on): answer from what it did
             return await self._on_existing(request, await self._reread(op), waited=False)
+        if check is not None and tool.budget is not None:
+            self._emit(
+                Event.BUDGET_SPENT,
+                tool.name,
+                tool.idempotency_class,
+                operation_id=op.operation_id,
+                budget=tool.budget.name,
+                scope=budgets.scope_label(tool.budget, op.principal, op.session),
+                amount=check.amount,
+            )
         return await self._own(request, taken)
+
+    async def _refuse_take(
+        self, request: CallRequest, op: Operation, check: BudgetCheck, spent: Decimal
+    ) -> Answer:
+        """An approved operation whose budget has no room when it is taken: FAILED_FINAL with
+        `budget_exceeded`, on this answer and every replay; nothing ran."""
+        tool, budget = request.tool, request.tool.budget
+        assert budget is not None
+        scope = budgets.scope_label(budget, op.principal, op.session)
+        self._emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
+        refused = budgets.exceeded(budget, check.amount, spent, op.principal, op.session, recorded=True)
+        error = {"code": ErrorCode.BUDGET_EXCEEDED.value, "message": refused.message, **refused.details}
+        change = Transition(
+            State.FAILED_FINAL,
+            frozenset({State.PENDING}),
+            "budget_exceeded",
+            expect_fence=op.fence,
+            error=error,
+        )
+        try:
+            failed = await self.ledger.update(op.operation_id, change, self.clock())
+        except LedgerUnavailable as exc:
+            raise _unavailable(exc) from None
+        if failed is None:  # taken or decided meanwhile: answer from what happened
+            return await self._on_existing(request, await self._reread(op), waited=False)
+        return Answer(None, failed, False, errors.budget_exceeded_recorded(failed))
 
     async def _wait(self, op: Operation) -> Operation:
         """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
@@ -819,6 +871,8 @@ def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
         return errors.approval_denied(op)
     if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_EXPIRED:
         return errors.approval_expired(op)
+    if op.state is State.FAILED_FINAL and code == ErrorCode.BUDGET_EXCEEDED:
+        return errors.budget_exceeded_recorded(op)
     if op.state is State.AWAITING_APPROVAL:
         return errors.approval_pending(op)
     if op.state is State.FAILED_FINAL:

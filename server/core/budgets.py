@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from commitgate.server.core import approvals, errors
 from commitgate.server.core.errors import GateError
 from commitgate.server.ledger.base import BudgetCheck, Ledger, SpentIn, scope_name, scope_of
+from commitgate.server.model.amounts import ZERO, NotAnAmount, left, number, with_unit
+from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.durations import format_duration
+from commitgate.server.model.records import Operation
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.expressions import ExpressionFailed, activation
 from commitgate.server.policy.models import Policy, ToolPolicy
@@ -32,8 +36,8 @@ class Budget:
     policy: BudgetPolicy
 
 
-def amount_of(budget: Budget, arguments: dict[str, Any], principal: str, session: str, tool: str) -> float:
-    """What this call spends: the budget's `amount` for it, a finite number >= 0.
+def amount_of(budget: Budget, arguments: dict[str, Any], principal: str, session: str, tool: str) -> Decimal:
+    """What this call spends: the budget's `amount` for it, a finite number >= 0, as an exact decimal.
 
     Anything else refuses the call (`invalid_arguments`): counting it as zero would let an
     unexpected argument spend without limit.
@@ -55,7 +59,12 @@ def amount_of(budget: Budget, arguments: dict[str, Any], principal: str, session
             f"budget {budget.name!r}: what this call spends ({expression.source!r}) must be a finite number "
             f">= 0, got {value!r}"
         )
-    return float(value)
+    try:
+        return exact(value)
+    except NotAnAmount as exc:
+        raise errors.invalid_arguments(
+            f"budget {budget.name!r}: what this call spends ({expression.source!r}) {exc}"
+        ) from None
 
 
 def _shown(value: Any) -> str:
@@ -64,34 +73,59 @@ def _shown(value: Any) -> str:
     return f"{text[:40]}{'...' if len(text) > 40 else ''} ({kind})"
 
 
-def check_for(budget: Budget, amount: float, tool: ToolPolicy, now: float) -> BudgetCheck:
-    """The claim's check. With `exceeded = "approval"` it carries the approval record a call that
-    does not fit waits with: the tool's own approval settings, or the defaults."""
+def check_for(budget: Budget, amount: Decimal, tool: ToolPolicy, now: float) -> BudgetCheck:
+    """The claim's (and the take's) check. With `exceeded = "approval"` it carries the approval record
+    a call that does not fit waits with: the tool's own timeout, decided by operators only."""
     policy = budget.policy
-    waits = approvals.record(approvals.settings_for(tool), now) if policy.exceeded == "approval" else None
-    return BudgetCheck(budget.name, policy.per, amount, float(policy.limit), policy.window, waits)
+    waits = approvals.record(approvals.overrun_settings(tool), now) if policy.exceeded == "approval" else None
+    return BudgetCheck(budget.name, policy.per, amount, policy.limit, policy.window, waits, policy.unit)
 
 
-def number(value: float) -> int | float:
-    """Whole amounts as integers, the way a policy writes them."""
-    return int(value) if float(value).is_integer() else value
-
-
-def exceeded(budget: Budget, amount: float, spent: float, principal: str, session: str) -> GateError:
-    """`budget_exceeded`: what the call would have spent, what is spent already, and what to do."""
+def exceeded(
+    budget: Budget, amount: Decimal, spent: Decimal, principal: str, session: str, *, recorded: bool = False
+) -> GateError:
+    """`budget_exceeded`: what the call would have spent, what is spent already, and what to do.
+    `recorded`: the operation was approved and refused when taken to run (it stays FAILED_FINAL)."""
     policy = budget.policy
     scope = {
         "principal": f"for principal {principal!r}",
         "session": f"for session {session!r} of principal {principal!r}",
         "all": "for all callers together",
     }[policy.per]
-    shown = {
+    shown: dict[str, Any] = {
         "name": budget.name,
         "limit": number(policy.limit),
         "spent": number(spent),
         "window": format_duration(policy.window),
     }
-    return errors.budget_exceeded(shown, amount, scope, max(0.0, float(policy.limit) - spent))
+    if policy.unit:
+        shown["unit"] = policy.unit
+    figures = {
+        "amount": with_unit(amount, policy.unit),
+        "limit": with_unit(policy.limit, policy.unit),
+        "spent": with_unit(spent, policy.unit),
+        "left": with_unit(left(policy.limit, spent), policy.unit),
+    }
+    return errors.budget_exceeded(shown, figures, scope, recorded=recorded)
+
+
+async def standing(ledger: Ledger, budget: Budget | None, op: Operation, now: float) -> dict[str, Any] | None:
+    """The figures a person deciding a budgeted call reads: `{name, limit, spent, amount, unit}`, what
+    its scope has spent within the window now. None: no budget, or the call waits past it already
+    (its record carries the figures it was sent to a person with)."""
+    if budget is None or approvals.over_budget(op) is not None:
+        return None
+    try:
+        spends = amount_of(budget, op.arguments, op.principal, op.session, op.tool)
+    except GateError:
+        return None
+    policy = budget.policy
+    principal, session = scope_of(policy.per, op.principal, op.session)
+    spans = await ledger.budget_spending(
+        budget.name, principal, session, now - policy.window, now, policy.window
+    )
+    spent = sum((s.spent for s in spans), ZERO)
+    return {"name": budget.name, "limit": policy.limit, "spent": spent, "amount": spends, "unit": policy.unit}
 
 
 def scope_label(budget: Budget, principal: str, session: str) -> str:
@@ -110,6 +144,7 @@ async def budget_report(ledger: Ledger, policy: Policy, now: float) -> list[dict
                 "name": name,
                 "amount": budget.amount.source,
                 "limit": number(budget.limit),
+                "unit": budget.unit,
                 "window": format_duration(budget.window),
                 "per": budget.per,
                 "exceeded": budget.exceeded,
@@ -120,7 +155,7 @@ async def budget_report(ledger: Ledger, policy: Policy, now: float) -> list[dict
                         "principal": s.principal,
                         "session": s.session,
                         "spent": number(s.spent),
-                        "left": number(max(0.0, budget.limit - s.spent)),
+                        "left": number(left(budget.limit, s.spent)),
                         "operations": s.operations,
                     }
                     for s in spent
@@ -154,4 +189,4 @@ async def spending_over_window(
     first, last = math.floor(since / span), math.floor(now / span)
     if found:  # an operation another process claimed just after `now` counts, so it is drawn too
         last = max(last, round(max(found) / span))
-    return [found.get(i * span, SpentIn(i * span, 0.0, 0)) for i in range(first, last + 1)]
+    return [found.get(i * span, SpentIn(i * span, ZERO, 0)) for i in range(first, last + 1)]

@@ -166,20 +166,36 @@ def approval_expired(op: Operation) -> GateError:
     )
 
 
-def budget_exceeded(budget: dict[str, Any], amount: float, scope: str, left: float) -> GateError:
-    """`budget` is `error.budget`: {name, limit, spent, window}; `scope` says whose spending it is."""
+def budget_exceeded(
+    budget: dict[str, Any], figures: dict[str, str], scope: str, *, recorded: bool = False
+) -> GateError:
+    """`budget` is `error.budget`: {name, limit, spent, window[, unit]}; `figures` the amount, limit,
+    spent and left as people read them (with the unit); `scope` says whose spending it is.
+    `recorded`: an approved operation refused when taken to run, recorded FAILED_FINAL."""
+    what = (
+        "Budget exceeded: nothing was executed. This call was approved, then refused when it was about to "
+        "run, and is recorded as failed: calling again with this key gives this same answer."
+        if recorded
+        else "Budget exceeded: nothing was executed or recorded."
+    )
     return GateError(
         ErrorCode.BUDGET_EXCEEDED,
-        f"Budget exceeded: nothing was executed or recorded. This call would spend {_number(amount)} from "
-        f"budget {budget['name']!r}, which allows {budget['limit']} {scope} within any {budget['window']}; "
-        f"{budget['spent']} is already spent in that window, so {_number(left)} is left. Calling again, with "
-        "this key or a new one, is refused the same way until earlier spending leaves the window or is "
-        "undone. Do not split the action into smaller calls to get around the limit: tell the user the "
-        "budget is used up, and ask a person to raise the limit if the action is needed.",
+        f"{what} This call would spend {figures['amount']} from budget {budget['name']!r}, which allows "
+        f"{figures['limit']} {scope} within any {budget['window']}; {figures['spent']} is already spent in "
+        f"that window, so {figures['left']} is left. Calling again is refused the same way until earlier spending leaves the window or is undone. Do not split the action into smaller "
+        "calls to get around the limit: tell the user the budget is used up, and ask a person to raise the "
+        "limit if the action is needed.",
         details={"budget": budget},
     )
 
 
-def _number(value: float) -> int | float:
-    """Whole amounts as integers, the way a policy writes them."""
-    return int(value) if float(value).is_integer() else value
+def budget_exceeded_recorded(op: Operation) -> GateError:
+    """The replay of an operation refused at its take: the message and budget it was recorded with."""
+    error = op.error or {}
+    budget = error.get("budget")
+    return GateError(
+        ErrorCode.BUDGET_EXCEEDED,
+        str(error.get("message") or "Budget exceeded: nothing was executed."),
+        op,
+        details={"budget": budget} if isinstance(budget, dict) else None,
+    )

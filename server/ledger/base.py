@@ -12,9 +12,11 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Protocol
 
+from commitgate.server.model.amounts import number
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -59,7 +61,9 @@ class DuplicateCheck:
 
 
 # States of an operation whose amount its budget counts: it happened, may have happened, or is
-# about to. Failed and compensated operations give their amount back.
+# about to. Failed and compensated operations give their amount back. An operation spends when it
+# is taken to run (its `budget_spent_at` is set then): one approved and still PENDING does not
+# count yet, and the take, not the creation, places it in the window.
 BUDGET_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN")
 
 
@@ -67,33 +71,53 @@ BUDGET_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN")
 class BudgetCheck:
     """Spend `amount` of a budget inside the claim, if it fits.
 
-    The ledger adds up the amounts of the budget's operations in scope created within the window
+    The ledger adds up the amounts of the budget's operations in scope that spent within the window
     (in BUDGET_STATES) and claims only when that sum plus `amount` stays within `limit`; the sum
     and the insert are one atomic step, so concurrent calls can never jointly overspend.
-    Otherwise `claim` raises `OverBudget` and records nothing.
+    Otherwise `claim` raises `OverBudget` and records nothing. The same check goes with the take of
+    an approved operation (`Transition.budget`): there too the sum and the take are one step.
     """
 
     name: str
     per: str  # "principal" | "session" | "all": which operations share the budget
-    amount: float
-    limit: float
+    amount: Decimal
+    limit: Decimal
     window_seconds: float
     # `exceeded = "approval"`: the approval record a call that does not fit waits with. The ledger
     # then records it AWAITING_APPROVAL instead of refusing it, adding `over_budget` (below)
     # to the record and to the audit, so the person deciding sees what approving overspends.
     approval: dict[str, Any] | None = None
+    unit: str | None = None
 
 
-def over_budget(check: BudgetCheck, spent: float) -> dict[str, Any]:
+def over_budget(check: BudgetCheck, spent: Decimal) -> dict[str, Any]:
     """What a person approving an over-budget call reads: the budget, its limit, what is spent, the call's amount."""
-    return {"name": check.name, "limit": check.limit, "spent": spent, "amount": check.amount}
+    shown = {
+        "name": check.name,
+        "limit": number(check.limit),
+        "spent": number(spent),
+        "amount": number(check.amount),
+    }
+    return {**shown, "unit": check.unit} if check.unit else shown
+
+
+def over_budget_wait(check: BudgetCheck, own: dict[str, Any] | None, spent: Decimal) -> dict[str, Any]:
+    """The approval record of a call that waits because it is past its budget: the tool's own record
+    if it needs approval anyway, else the budget's; either way decided by operators only (the agent's
+    client never approves its own overspend), with what approving overspends."""
+    assert check.approval is not None
+    return {
+        **(own or check.approval),
+        "deciders": check.approval["deciders"],
+        "over_budget": over_budget(check, spent),
+    }
 
 
 class OverBudget(Exception):
-    """The claim would take its budget past the limit; nothing was recorded."""
+    """The claim (or take) would take its budget past the limit; nothing was recorded (taken)."""
 
-    def __init__(self, spent: float) -> None:
-        super().__init__(f"already spent {spent:g}")
+    def __init__(self, spent: Decimal) -> None:
+        super().__init__(f"already spent {spent}")
         self.spent = spent
 
 
@@ -104,7 +128,7 @@ class Spent:
 
     principal: str | None
     session: str | None
-    spent: float
+    spent: Decimal
     operations: int
 
     @property
@@ -118,7 +142,7 @@ class SpentIn:
     of the span's length since the epoch, so spans fall on whole hours or UTC days)."""
 
     start: float
-    spent: float
+    spent: Decimal
     operations: int
 
 
@@ -188,6 +212,11 @@ class Transition:
     actor: str | None = None
     detail: dict[str, Any] | None = None
     approval: dict[str, Any] | None = None  # replaces the operation's approval record (a decision)
+    # The take of an approved (PENDING) operation of a budgeted tool: the ledger checks the budget
+    # with the take, atomically, and spends then; no room raises OverBudget and takes nothing. An
+    # operation approved because it was past its budget is not checked again (a person saw the
+    # figures), and one that spent already (a record from before spending moved to the take) neither.
+    budget: BudgetCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from commitgate.server.ledger.base import (
     BUDGET_STATES,
     LEASE_LOST,
     AuditEntry,
+    BudgetCheck,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -517,6 +518,202 @@ MIGRATIONS: list[str] = [
         RETURN QUERY SELECT c.kind, c.op, c.duplicate_of, v_spent;
     END $$;
     """,
+    # 6: budgets spend at the take and add exactly, and a duplicate is answered before the budget.
+    # `budget_spent_at` is when an operation spent (taken to run; NULL while it waits for a person or
+    # is approved and not yet taken) and places it in the window; existing records spent when they
+    # were created, as they counted then. Amounts are `numeric`. The take of an approved operation
+    # (`commitgate_take_budgeted`) queues on the same advisory lock as the claims of its budget
+    # scope, adds up what the scope spent and takes the operation only if its amount fits. A claim
+    # of a new key looks for a duplicate (under the duplicates lock) before it looks at the budget.
+    """
+    ALTER TABLE commitgate_operations ADD COLUMN budget_spent_at double precision;
+    UPDATE commitgate_operations SET budget_spent_at = created_at
+        WHERE budget IS NOT NULL AND state <> 'AWAITING_APPROVAL';
+    DROP INDEX commitgate_operations_budget;
+    ALTER TABLE commitgate_operations ALTER COLUMN budget_amount TYPE numeric
+        USING round(budget_amount::numeric, 9);
+    CREATE INDEX commitgate_operations_budget
+        ON commitgate_operations (budget, principal, session, budget_spent_at)
+        INCLUDE (state, budget_amount, expires_at) WHERE budget IS NOT NULL;
+
+    DROP FUNCTION commitgate_claim_budgeted(text, text, text, text, text, text, text, text, text,
+        double precision, double precision, double precision, text, boolean, double precision, boolean,
+        boolean, boolean, text, text, double precision, double precision, double precision, text,
+        double precision, text, double precision);
+
+    CREATE FUNCTION commitgate_budget_lock(p_budget text, p_per text, p_principal text, p_session text)
+    RETURNS void LANGUAGE sql AS $$
+        SELECT pg_advisory_xact_lock(hashtextextended('commitgate.budget:' || p_budget
+            || chr(31) || CASE WHEN p_per = 'all' THEN '' ELSE p_principal END
+            || chr(31) || CASE WHEN p_per = 'session' THEN p_session ELSE '' END, 0));
+    $$;
+
+    CREATE FUNCTION commitgate_budget_spent(p_budget text, p_per text, p_principal text, p_session text,
+        p_since double precision, p_now double precision)
+    RETURNS numeric LANGUAGE sql STABLE AS $$
+        SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o
+            WHERE o.budget = p_budget
+                AND (p_per = 'all' OR o.principal = p_principal)
+                AND (p_per <> 'session' OR o.session = p_session)
+                AND o.budget_spent_at > p_since
+                AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN')
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+    $$;
+
+    CREATE FUNCTION commitgate_claim_budgeted(
+        p_operation_id text, p_principal text, p_session text, p_step text, p_tool text,
+        p_class text, p_fingerprint text, p_arguments text, p_owner text,
+        p_lease double precision, p_retention double precision, p_now double precision,
+        p_lease_lost text, p_duplicates boolean, p_window double precision, p_any_session boolean,
+        p_reject boolean, p_confirmed boolean, p_budget text, p_per text, p_amount numeric,
+        p_limit numeric, p_budget_window double precision, p_approval text,
+        p_approval_expires_at double precision, p_over_approval text,
+        p_over_approval_expires_at double precision, p_unit text
+    ) RETURNS TABLE (kind text, op commitgate_operations, duplicate_of text, spent numeric)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        e commitgate_operations;
+        m commitgate_operations;
+        v_spent numeric;
+        v_may_spend boolean;
+        v_over jsonb;
+        c record;
+    BEGIN
+        SELECT o.* INTO e FROM commitgate_operations o
+            WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+        IF NOT FOUND AND p_duplicates AND p_reject AND NOT p_confirmed THEN
+            -- the same action already recorded is answered first, even when the budget has no room
+            PERFORM pg_advisory_xact_lock(hashtextextended('commitgate.duplicates:' || p_principal
+                || chr(31) || CASE WHEN p_any_session THEN '' ELSE p_session END
+                || chr(31) || p_fingerprint, 0));
+            SELECT o.* INTO m FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.fingerprint = p_fingerprint
+                    AND (p_any_session OR o.session = p_session)
+                    AND o.created_at > p_now - p_window
+                    AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'AWAITING_APPROVAL')
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now)
+                    AND NOT (o.session = p_session AND o.step = p_step)
+                ORDER BY o.created_at DESC LIMIT 1;
+            IF m.operation_id IS NOT NULL THEN
+                RETURN QUERY SELECT 'duplicate'::text, m, NULL::text, NULL::numeric;
+                RETURN;
+            END IF;
+            SELECT o.* INTO e FROM commitgate_operations o  -- claimed while this one waited?
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+        END IF;
+        v_may_spend := e.operation_id IS NULL OR e.state = 'FAILED_RETRYABLE';  -- this call may execute
+        IF v_may_spend THEN
+            PERFORM commitgate_budget_lock(p_budget, p_per, p_principal, p_session);
+            -- a concurrent call of the same key may have claimed it while this one waited
+            SELECT o.* INTO e FROM commitgate_operations o
+                WHERE o.principal = p_principal AND o.session = p_session AND o.step = p_step
+                    AND (o.expires_at IS NULL OR o.expires_at > p_now);
+            v_may_spend := NOT FOUND OR e.state = 'FAILED_RETRYABLE';
+        END IF;
+        IF v_may_spend THEN
+            v_spent := commitgate_budget_spent(p_budget, p_per, p_principal, p_session,
+                p_now - p_budget_window, p_now);
+            IF v_spent + p_amount > p_limit AND p_over_approval IS NULL THEN
+                RETURN QUERY SELECT 'over_budget'::text, NULL::commitgate_operations, NULL::text, v_spent;
+                RETURN;
+            ELSIF v_spent + p_amount > p_limit THEN  -- exceeded = "approval": an operator decides
+                v_over := jsonb_strip_nulls(jsonb_build_object('name', p_budget, 'limit', trim_scale(p_limit),
+                    'spent', trim_scale(v_spent), 'amount', trim_scale(p_amount), 'unit', p_unit));
+                p_approval := (p_over_approval::jsonb || jsonb_build_object('over_budget', v_over))::text;
+                p_approval_expires_at := p_over_approval_expires_at;
+                IF e.operation_id IS NOT NULL THEN  -- a retryable operation taken again waits instead
+                    UPDATE commitgate_operations AS o SET state = 'AWAITING_APPROVAL', lease_owner = NULL,
+                            lease_expires_at = NULL, approval = p_approval,
+                            approval_expires_at = p_approval_expires_at, updated_at = p_now,
+                            completed_at = NULL, expires_at = NULL, budget_spent_at = NULL
+                        WHERE o.operation_id = e.operation_id AND o.fence = e.fence
+                            AND o.state = 'FAILED_RETRYABLE'
+                        RETURNING o.* INTO e;
+                    IF FOUND THEN
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor)
+                        VALUES (e.operation_id, p_now, 'approval_requested', 'FAILED_RETRYABLE',
+                            'AWAITING_APPROVAL', e.fence, p_owner);
+                        INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor,
+                            detail)
+                        VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence,
+                            p_owner, v_over::text);
+                        RETURN QUERY SELECT 'awaiting'::text, e, NULL::text, v_spent;
+                        RETURN;
+                    END IF;
+                END IF;
+            END IF;
+        END IF;
+        IF p_approval IS NOT NULL THEN
+            SELECT * INTO c FROM commitgate_claim_awaiting(p_operation_id, p_principal, p_session, p_step,
+                p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
+                p_lease_lost, p_approval, p_approval_expires_at,
+                CASE WHEN p_duplicates THEN p_window END, p_any_session, p_reject, p_confirmed);
+        ELSIF p_duplicates THEN
+            SELECT * INTO c FROM commitgate_claim_checked(p_operation_id, p_principal, p_session, p_step,
+                p_tool, p_class, p_fingerprint, p_arguments, p_owner, p_lease, p_retention, p_now,
+                p_lease_lost, p_window, p_any_session, p_reject, p_confirmed);
+        ELSE
+            SELECT x.kind, x.op, NULL::text AS duplicate_of INTO c FROM commitgate_claim(p_operation_id,
+                p_principal, p_session, p_step, p_tool, p_class, p_fingerprint, p_arguments, p_owner,
+                p_lease, p_retention, p_now, p_lease_lost) x;
+        END IF;
+        IF c.kind IN ('new', 'awaiting') THEN  -- it spends now if it runs now; a wait spends at its take
+            UPDATE commitgate_operations AS o SET budget = p_budget, budget_amount = p_amount,
+                    budget_spent_at = CASE WHEN c.kind = 'new' THEN p_now END
+                WHERE o.operation_id = (c.op).operation_id
+                RETURNING o.* INTO e;
+            IF c.kind = 'awaiting' AND v_over IS NOT NULL THEN  -- waits because it is past its budget
+                INSERT INTO commitgate_audit (operation_id, at, event, from_state, to_state, fence, actor, detail)
+                VALUES (e.operation_id, p_now, 'budget_exceeded', NULL, 'AWAITING_APPROVAL', e.fence, p_owner,
+                    v_over::text);
+            END IF;
+            RETURN QUERY SELECT c.kind, e, c.duplicate_of, v_spent;
+            RETURN;
+        END IF;
+        RETURN QUERY SELECT c.kind, c.op, c.duplicate_of, v_spent;
+    END $$;
+
+    -- The take of an approved operation of a budgeted tool (PENDING -> RUNNING), its budget checked
+    -- in the same transaction under the budget scope's lock. Not checked again: an overspend an
+    -- operator approved, or a record that spent already. No room: 'over_budget', nothing taken.
+    CREATE FUNCTION commitgate_take_budgeted(
+        p_operation_id text, p_fence bigint, p_principal text, p_session text, p_event text,
+        p_lease_owner text, p_lease_expires_at double precision, p_actor text, p_detail text,
+        p_now double precision, p_budget text, p_per text, p_amount numeric, p_limit numeric,
+        p_budget_window double precision
+    ) RETURNS TABLE (kind text, op commitgate_operations, spent numeric)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        r commitgate_operations;
+        v_spent numeric;
+    BEGIN
+        PERFORM commitgate_budget_lock(p_budget, p_per, p_principal, p_session);
+        SELECT o.* INTO r FROM commitgate_operations o
+            WHERE o.operation_id = p_operation_id AND o.state = 'PENDING' AND o.fence = p_fence
+            FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        IF r.budget_spent_at IS NULL THEN
+            IF r.approval IS NULL OR NOT (r.approval::jsonb ? 'over_budget') THEN
+                v_spent := commitgate_budget_spent(p_budget, p_per, p_principal, p_session,
+                    p_now - p_budget_window, p_now);
+                IF v_spent + p_amount > p_limit THEN
+                    RETURN QUERY SELECT 'over_budget'::text, r, v_spent;
+                    RETURN;
+                END IF;
+            END IF;
+            UPDATE commitgate_operations AS o SET budget = p_budget, budget_amount = p_amount,
+                    budget_spent_at = p_now
+                WHERE o.operation_id = p_operation_id;
+        END IF;
+        SELECT * INTO r FROM commitgate_update(p_operation_id, 'RUNNING', ARRAY['PENDING'], p_fence, p_event,
+            NULL, NULL, NULL, true, p_lease_owner, p_lease_expires_at, false, p_actor, p_detail, p_now, NULL);
+        RETURN QUERY SELECT 'taken'::text, r, v_spent;
+    END $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -547,7 +744,12 @@ _CLAIM_AWAITING = (
 _UPDATE_LAZY = _UPDATE.replace("SELECT *", "SELECT *, set_config('synchronous_commit', 'off', true)")
 _CLAIM_BUDGETED = (
     "SELECT c.kind, c.duplicate_of, c.spent, (c.op).* FROM commitgate_claim_budgeted($1, $2, $3, $4, $5, $6,"
-    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27) c"
+    " $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27,"
+    " $28) c"
+)
+_TAKE_BUDGETED = (
+    "SELECT t.kind, t.spent, (t.op).* FROM commitgate_take_budgeted($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
+    " $11, $12, $13, $14, $15) t"
 )
 
 # RUNNING -> UNKNOWN for the rows `{which}` selects; each row moves once even with several sweepers.
@@ -809,9 +1011,13 @@ class PostgresLedger:
     async def _claim_budgeted(self, request: ClaimRequest, now: float) -> Claim:
         check, budget, approval = request.duplicates, request.budget, request.approval
         assert budget is not None
-        # Past its budget with `exceeded = "approval"`, the call waits with the tool's own approval
-        # record if it needs one anyway, else the budget's; the function adds `over_budget`.
-        over = (approval or budget.approval) if budget.approval is not None else None
+        # Past its budget with `exceeded = "approval"`, the call waits for an operator with the tool's
+        # own approval record if it needs one anyway, else the budget's; the function adds `over_budget`.
+        over = (
+            {**(approval or budget.approval), "deciders": budget.approval["deciders"]}
+            if budget.approval is not None
+            else None
+        )
         duplicates = (
             (False, 0.0, False, False, False)
             if check is None
@@ -830,9 +1036,10 @@ class PostgresLedger:
             approval.get("expires_at") if approval is not None else None,
             _dump(over),
             over.get("expires_at") if over is not None else None,
+            budget.unit,
         )
         if rows[0]["kind"] == "over_budget":
-            raise OverBudget(float(rows[0]["spent"]))
+            raise OverBudget(rows[0]["spent"])
         return await self._answer(rows, now)
 
     async def _answer(self, rows: list[asyncpg.Record], now: float) -> Claim:
@@ -854,6 +1061,11 @@ class PostgresLedger:
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
+        if change.budget is not None:  # the budget's scope is the operation's principal and session
+            known = current or await self.get_by_id(None, operation_id)
+            return (
+                await self._take_budgeted(operation_id, change, change.budget, known, now) if known else None
+            )
         lease = change.lease  # one statement checks and writes: `current` would save nothing
         lazy = self.lazy_outcomes and is_outcome(change)
         rows = await self._fetch(
@@ -876,6 +1088,36 @@ class PostgresLedger:
             _dump(change.approval),
         )
         return _decode(rows[0]) if rows else None
+
+    async def _take_budgeted(
+        self, operation_id: str, change: Transition, budget: BudgetCheck, current: Operation, now: float
+    ) -> Operation | None:
+        """The take of an approved operation with its budget checked in the same transaction."""
+        lease = change.lease
+        assert lease is not None and change.expect_fence is not None
+        rows = await self._fetch(
+            _TAKE_BUDGETED,
+            operation_id,
+            change.expect_fence,
+            current.principal,
+            current.session,
+            change.event,
+            lease.owner,
+            lease.expires_at,
+            change.actor,
+            _dump(change.detail),
+            now,
+            budget.name,
+            budget.per,
+            budget.amount,
+            budget.limit,
+            budget.window_seconds,
+        )
+        if not rows:
+            return None
+        if rows[0]["kind"] == "over_budget":
+            raise OverBudget(rows[0]["spent"])
+        return _decode(rows[0])
 
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
         status = await self._run(
@@ -971,14 +1213,14 @@ class PostgresLedger:
         }[per]
         rows = await self._fetch(
             f"SELECT {columns}, sum(budget_amount), count(*) FROM commitgate_operations"
-            " WHERE budget = $1 AND created_at > $2 AND state = ANY ($3::text[])"
+            " WHERE budget = $1 AND budget_spent_at > $2 AND state = ANY ($3::text[])"
             " AND (expires_at IS NULL OR expires_at > $4) GROUP BY 1, 2 ORDER BY 3 DESC",
             budget,
             since,
             list(BUDGET_STATES),
             now,
         )
-        return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows]
+        return [Spent(r[0], r[1], r[2], int(r[3])) for r in rows]
 
     async def budget_spending(
         self,
@@ -990,8 +1232,8 @@ class PostgresLedger:
         span_seconds: float,
     ) -> list[SpentIn]:
         rows = await self._fetch(
-            "SELECT floor(created_at / $1)::bigint, sum(budget_amount), count(*) FROM commitgate_operations"
-            " WHERE budget = $2 AND created_at > $3 AND state = ANY ($4::text[])"
+            "SELECT floor(budget_spent_at / $1)::bigint, sum(budget_amount), count(*) FROM commitgate_operations"
+            " WHERE budget = $2 AND budget_spent_at > $3 AND state = ANY ($4::text[])"
             " AND (expires_at IS NULL OR expires_at > $5)"
             " AND ($6::text IS NULL OR principal = $6) AND ($7::text IS NULL OR session = $7)"
             " GROUP BY 1 ORDER BY 1",
@@ -1003,7 +1245,7 @@ class PostgresLedger:
             principal,
             session if principal is not None else None,
         )
-        return [SpentIn(r[0] * span_seconds, float(r[1]), int(r[2])) for r in rows]
+        return [SpentIn(r[0] * span_seconds, r[1], int(r[2])) for r in rows]
 
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.

@@ -8,7 +8,7 @@ waits for a person to decide. Keyed tools name it with
 
 from __future__ import annotations
 
-import math
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +21,7 @@ from pydantic import (
     field_validator,
 )
 
+from commitgate.server.model.amounts import NotAnAmount, amount, number
 from commitgate.server.model.durations import (
     DURATION_PATTERN,
     format_duration,
@@ -42,8 +43,13 @@ class BudgetPolicy(BaseModel):
         json_schema_extra={"examples": ["arguments.amount_cents"]},
     )
     limit: Annotated[
-        float, PlainSerializer(lambda value: int(value) if value.is_integer() else value, when_used="json")
-    ] = Field(ge=0, description="The most that may be spent within the window, per scope.")
+        Decimal,
+        PlainSerializer(number, when_used="json"),
+        WithJsonSchema({"type": "number", "minimum": 0, "examples": [100000, 0.3]}),
+    ] = Field(
+        ge=0,
+        description="The most that may be spent within the window, per scope (exact decimals, up to 9 places).",
+    )
     window: Annotated[
         float,
         PlainSerializer(lambda seconds: format_duration(seconds), return_type=str, when_used="json"),
@@ -57,7 +63,14 @@ class BudgetPolicy(BaseModel):
     exceeded: Literal["reject", "approval"] = Field(
         "reject",
         description="'reject': answer budget_exceeded and execute nothing; 'approval': record the call "
-        "AWAITING_APPROVAL and let a person decide whether to spend past the limit.",
+        "AWAITING_APPROVAL and let an operator decide whether to spend past the limit.",
+    )
+    unit: str | None = Field(
+        None,
+        min_length=1,
+        max_length=40,
+        description="What the amounts count, shown with every figure of the budget, e.g. 'USD cents'.",
+        json_schema_extra={"examples": ["USD cents", "EUR", "tokens"]},
     )
 
     @field_validator("window", mode="before")
@@ -69,9 +82,12 @@ class BudgetPolicy(BaseModel):
     @field_validator("limit", mode="before")
     @classmethod
     def _number(cls, value: Any) -> Any:
+        if isinstance(value, Decimal):
+            return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             shown = f" (got {value!r})" if isinstance(value, str | bool) and len(str(value)) <= 40 else ""
             raise ValueError(f"must be a number, e.g. 100000{shown}")
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+        try:
+            return amount(value)
+        except NotAnAmount as exc:
+            raise ValueError(str(exc)) from None

@@ -56,7 +56,9 @@ def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | N
     operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
     if not is_error:
         return "ok", operation, None
-    error = (structured or {}).get("error") or {}
+    error = (structured or {}).get("error") if isinstance(structured, dict) else None
+    if not isinstance(error, dict):  # a tool's own error shape (or the fault plan's): said as it is
+        return "error", operation, None if error is None else str(error)
     return str(error.get("code") or "error"), operation, error.get("message")
 
 

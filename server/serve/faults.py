@@ -17,10 +17,13 @@ It also counts the tool's real invocations (attempts that reached the tool).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import hmac
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -81,7 +84,9 @@ class FaultPlan:
     def from_env(cls) -> FaultPlan | None:
         """The plan if this process was started with a fault token; the variable is then removed so
         that tools and child processes never see it."""
-        token = os.environ.pop(ENV_TOKEN, "")
+        token = os.environ.get(ENV_TOKEN, "")
+        _scrub(ENV_TOKEN)
+        os.environ.pop(ENV_TOKEN, None)
         return cls(token) if len(token) >= 16 else None
 
     def take(self, kind: str, tool: str) -> bool:
@@ -142,6 +147,19 @@ class FaultPlan:
             "invocations": dict(self.invocations),
             "armed": {kind: {t: n for t, n in armed.items() if n > 0} for kind, armed in self.armed.items()},
         }
+
+
+def _scrub(name: str) -> None:
+    """Overwrite the variable's value where the process received it: removing it from os.environ
+    leaves that copy readable in /proc/PID/environ (Linux) by anyone who may read the process."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_void_p
+        address = libc.getenv(name.encode())
+        if address:
+            ctypes.memset(address, 0, len(ctypes.string_at(address)))
 
 
 def _answer(value: dict[str, Any], *, error: bool = False) -> types.CallToolResult:

@@ -22,7 +22,7 @@ import httpx2
 import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from commitgate.server.core import approvals, duplicates, errors
+from commitgate.server.core import approvals, budgets, duplicates, errors
 from commitgate.server.core.boundary import (
     Answer,
     CallRequest,
@@ -306,7 +306,10 @@ class Gateway:
         served = self.served.get(op.tool)
         earlier_id = (op.approval or {}).get("duplicate_of")
         earlier = await self.ledger.get_by_id(op.principal, earlier_id) if earlier_id else None
-        return approvals.question(op, served.guard.policy if served else None, earlier)
+        budget = await budgets.standing(
+            self.ledger, served.guard.budget if served else None, op, self.boundary.clock()
+        )
+        return approvals.question(op, served.guard.policy if served else None, earlier, budget)
 
     async def _ask_now(self, request: CallRequest, op: Operation, channel: ClientChannel) -> Answer:
         """Handshake era: elicit during the call, while watching the ledger for another decider.

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -64,7 +65,7 @@ CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TC = ("tool", "idempotency_class")
 MAX_BUDGET_PRINCIPALS = 100  # spent series per budget: the principals who spent most
-NEAR_LIMIT = 0.9  # a session "near" its budget's limit has spent this share of it (the alert's threshold)
+NEAR_LIMIT = Decimal("0.9")  # a session "near" its budget's limit has spent this share of it (the alert's)
 
 # `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
 disable_created_metrics()
@@ -156,7 +157,7 @@ class Metrics:
         )
         self.budget_sessions_near = Gauge(
             "commitgate_budget_sessions_near_limit",
-            f'Sessions of a per = "session" budget that spent at least {NEAR_LIMIT:.0%} of its limit',
+            f'Sessions of a per = "session" budget that spent at least {float(NEAR_LIMIT):.0%} of its limit',
             ["budget"],
             registry=r,
         )
@@ -233,15 +234,17 @@ class Metrics:
                 with contextlib.suppress(KeyError):
                     metric.remove(name)
         for name, budget in budgets.items():
-            self._child(self.budget_limit, name).set(budget.limit)
+            self._child(self.budget_limit, name).set(float(budget.limit))
             self._limits.add(name)
             spent = await ledger.budget_spent(name, budget.per, now - budget.window, now)
             if budget.per == "session":
-                near = sum(1 for s in spent if s.spent >= NEAR_LIMIT * budget.limit)
+                near = len([s for s in spent if s.spent >= NEAR_LIMIT * budget.limit])
                 self._child(self.budget_sessions_near, name).set(near)
                 continue
             biggest = sorted((s for s in spent if s.spent > 0), key=lambda s: s.spent, reverse=True)
-            self._set_spent(name, {s.principal or "": s.spent for s in biggest[:MAX_BUDGET_PRINCIPALS]})
+            self._set_spent(
+                name, {s.principal or "": float(s.spent) for s in biggest[:MAX_BUDGET_PRINCIPALS]}
+            )
 
     def _set_spent(self, budget: str, spent: Mapping[str, float]) -> None:
         for principal in self._spent_labels.pop(budget, set()) - set(spent):

@@ -1,10 +1,10 @@
 """A LangGraph agent run from a venv holding only commitgate-client, mcp<2 and langchain-mcp-adapters.
 
-Run by tests/test_client_sdk1.py with that venv's Python (the Makefile builds `.venv-sdk1`); it
-prints one JSON object. The scripted model charges order 42, "loses" the answer and charges again
+Run by tests/test_client_sdk1.py with that venv's Python (the Makefile builds `.venv-sdk1`) with a
+JSON list of runs; it prints a JSON list of what each run's model read. The scripted model charges order 42, "loses" the answer and charges again
 under a new key and tool-call id; all calls go through one MCP session over stdio, so one server
 process serves the whole run. With a run id it goes through `commitgate.client.langchain` and
-then drives `Gate` on the same session: the client's own calls on the SDK's 1.x line.
+then (without a step) drives `Gate` on the same session: the client's own calls on the SDK's 1.x line.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from commitgate.client import Gate, PossibleDuplicate
+from commitgate.client.keys import by_arguments
 from commitgate.client.langchain import load_commitgate_tools
 
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
@@ -76,13 +77,16 @@ async def gate_calls(session: ClientSession) -> dict[str, Any]:
     }
 
 
-async def main(config: dict[str, Any]) -> dict[str, Any]:
+async def run(config: dict[str, Any]) -> dict[str, Any]:
     command = config["server"]
     params = StdioServerParameters(command=command[0], args=command[1:], env=config["env"])
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         run_id = config.get("run_id")
-        tools = await (load_commitgate_tools(session, run_id=run_id) if run_id else load_mcp_tools(session))
+        step = by_arguments if config.get("step") else None
+        tools = await (
+            load_commitgate_tools(session, run_id=run_id, step=step) if run_id else load_mcp_tools(session)
+        )
         state = await agent(tools, config["calls"]).ainvoke({"messages": [("user", "Charge order 42")]})
         seen = [m for m in state["messages"] if isinstance(m, ToolMessage)]
         out: dict[str, Any] = {
@@ -90,9 +94,14 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
             "read": [text_of(m) for m in seen],
             "status": [m.status for m in seen],
         }
-        if run_id:
+        if run_id and not step:
             out["gate"] = await gate_calls(session)
     return out
+
+
+async def main(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several runs side by side, each with its own server process."""
+    return list(await asyncio.gather(*(run(config) for config in configs)))
 
 
 if __name__ == "__main__":

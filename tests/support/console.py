@@ -12,6 +12,7 @@ import json
 import re
 import time
 from collections.abc import Iterator, Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from commitgate.server.core import approvals
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.loading import load_policy
@@ -144,7 +146,7 @@ async def spend(
                 owner="elsewhere:1:aaaa",
                 lease_seconds=60.0,
                 retention_seconds=WINDOWS[budget],
-                budget=BudgetCheck(budget, PER[budget], amount, 1e12, WINDOWS[budget]),
+                budget=BudgetCheck(budget, PER[budget], exact(amount), Decimal(10**12), WINDOWS[budget]),
             )
             op = (await ledger.claim(request, at)).operation
             if state is not State.RUNNING:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from starlette.requests import Request
@@ -19,8 +20,9 @@ from starlette.routing import Route
 
 from commitgate.server.console.pages.base import Page, identity_of, ledger_of, now, policy_of
 from commitgate.server.console.rendering import render
-from commitgate.server.core.budgets import budget_report, number, span_for, spending_over_window
+from commitgate.server.core.budgets import budget_report, span_for, spending_over_window
 from commitgate.server.ledger.base import Ledger, SpentIn
+from commitgate.server.model.amounts import ZERO, amount, grouped, number
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.budgets import BudgetPolicy
 
@@ -63,10 +65,9 @@ class ScopeView:
     chart: Chart
 
 
-def figure(value: float) -> str:
-    """An amount as people read it: thousands separated, whole amounts without decimals."""
-    shown = number(value)
-    return f"{shown:,}" if isinstance(shown, int) else f"{shown:,.2f}"
+def figure(value: Decimal | int | float, unit: str | None = None) -> str:
+    """An amount as people read it: thousands separated, exact, with the budget's unit."""
+    return grouped(value, unit)
 
 
 def share(percent: float, over: bool) -> str:
@@ -91,12 +92,12 @@ def span_label(start: float, seconds: float) -> str:
     return at.strftime("%Y-%m-%d" if seconds >= 86400 else "%Y-%m-%d %H:%M") + " UTC"
 
 
-def chart_of(spans: list[SpentIn], span: float, whose: str) -> Chart:
+def chart_of(spans: list[SpentIn], span: float, whose: str, unit: str | None = None) -> Chart:
     """Bars scaled to the busiest span (not the limit: small spending must still show)."""
-    top = max((s.spent for s in spans), default=0.0)
+    top = float(max((s.spent for s in spans), default=ZERO))  # drawing units: a float is exact enough
     bars = []
     for i, s in enumerate(spans):
-        height = 0.0 if top <= 0 else max(CHART_HEIGHT * s.spent / top, 1.0 if s.spent > 0 else 0.0)
+        height = 0.0 if top <= 0 else max(CHART_HEIGHT * float(s.spent) / top, 1.0 if s.spent > 0 else 0.0)
         label = span_label(s.start, span)
         bars.append(Bar(i * BAR_STEP, CHART_HEIGHT - height, height, number(s.spent), s.operations, label))
     name = span_name(span)
@@ -106,7 +107,7 @@ def chart_of(spans: list[SpentIn], span: float, whose: str) -> Chart:
     else:
         summary = (
             f"{whose} per {name} over the window, {len(spans)} bars; the most, "
-            f"{figure(busiest.spent)}, in the {name} from {span_label(busiest.start, span)}."
+            f"{figure(busiest.spent, unit)}, in the {name} from {span_label(busiest.start, span)}."
         )
     return Chart(
         bars, max(len(spans) * BAR_STEP - (BAR_STEP - BAR_WIDTH), BAR_WIDTH), CHART_HEIGHT, name, summary
@@ -126,22 +127,21 @@ async def scope_view(
     own = None
     if budget.per == "all" and viewer is not None:
         spans = await own_spending(ledger, name, budget, viewer, at)
-        own = number(sum(s.spent for s in spans))
+        own = number(sum((s.spent for s in spans), ZERO))
         operations, whose = None, "Your spending"
     else:
         spans = await spending_over_window(ledger, name, budget, row["principal"], row["session"], at)
         operations, whose = row["operations"], "Spending"
-    spent = float(row["spent"])
-    limit = float(budget.limit)
+    spent, limit = amount(row["spent"]), budget.limit
     return ScopeView(
         scope=row["scope"],
         spent=row["spent"],
         left=row["left"],
         operations=operations,
-        percent=100.0 if limit <= 0 else min(100.0, 100.0 * spent / limit),
+        percent=100.0 if limit <= 0 else min(100.0, float(100 * spent / limit)),
         over=spent > limit,
         own=own,
-        chart=chart_of(spans, span, whose),
+        chart=chart_of(spans, span, whose, budget.unit),
     )
 
 
@@ -151,7 +151,7 @@ async def own_spending(
     """What the viewer's principals spent of a shared budget, span by span (their spans coincide)."""
     each = [await spending_over_window(ledger, name, budget, p, None, at) for p in sorted(viewer)]
     return [
-        SpentIn(spans[0].start, sum(s.spent for s in spans), sum(s.operations for s in spans))
+        SpentIn(spans[0].start, sum((s.spent for s in spans), ZERO), sum(s.operations for s in spans))
         for spans in zip(*each, strict=True)
     ]
 

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from commitgate.server.console.pages.base import policy_of, visible
-from commitgate.server.core import approvals
+from commitgate.server.console.pages.base import ledger_of, policy_of, visible
+from commitgate.server.core import approvals, budgets
+from commitgate.server.core.budgets import Budget
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.masking import mask_values
 
+NOTES = ("Possible duplicate of ", "Budget ", "Over budget ")  # what the question says beyond the facts
 VIA = "operator"  # the console is an operator's surface: a policy's `via = ["operator"]` covers it
 
 
@@ -50,7 +52,11 @@ async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     if record.get("duplicate_of"):
         earlier = await visible(request, str(record["duplicate_of"]))
     policy = policy_of(request)
-    text = approvals.question(op, policy.tools.get(op.tool) if policy else None, earlier).text
+    tool = policy.tools.get(op.tool) if policy else None
+    declared = policy.budget_of(op.tool) if policy else None
+    budget = Budget(tool.budget, declared) if tool and tool.budget and declared else None
+    figures = await budgets.standing(ledger_of(request), budget, op, at)
+    text = approvals.question(op, tool, earlier, figures).text
     lines = str(mask_values(text)).splitlines()  # card numbers in free text, too
     requested = record.get("requested_at")
     requested_at = float(requested) if isinstance(requested, int | float) else op.created_at
@@ -60,7 +66,7 @@ async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     return Waiting(
         op=op,
         prompt=lines[0] if lines else "",
-        notes=[line for line in lines if line.startswith("Possible duplicate of ")],
+        notes=[line for line in lines if line.startswith(NOTES)],
         requested_at=requested_at,
         expires_at=expires_at,
         waited=duration(at - requested_at),

@@ -69,6 +69,7 @@ from commitgate.server.ledger.sqlite._schema import (
 )
 from commitgate.server.ledger.sqlite._writer import Writer
 from commitgate.server.ledger.sqlite._writes import SETTLED, ClaimWrite, OutcomeWrite, to_unknown
+from commitgate.server.model.amounts import joined
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -274,6 +275,8 @@ class SQLiteLedger:
         # over: never run twice. Such a write may wait for the next sync when the policy says so.
         write.lazy = self._writer.lazy_outcomes and is_outcome(change)
         updated = await self._write(write, alone=alone)
+        if isinstance(updated, OverBudget):  # a take whose budget has no room: nothing was taken
+            raise updated
         if updated is not None:
             if updated.state is State.RUNNING:
                 self._open.add(operation_id)
@@ -360,12 +363,14 @@ class SQLiteLedger:
     async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
         columns = {"all": "NULL, NULL", "principal": "principal, NULL", "session": "principal, session"}[per]
         rows = await self._read(
-            f"SELECT {columns}, sum(budget_amount), count(*) FROM operations INDEXED BY operations_budget"
-            f" WHERE budget = ? AND created_at > ? AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
-            " AND (expires_at IS NULL OR expires_at > ?) GROUP BY 1, 2 ORDER BY 3 DESC",
+            f"SELECT {columns}, sum(budget_units), sum(budget_nanos), count(*) FROM operations"
+            " INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
+            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            " AND (expires_at IS NULL OR expires_at > ?) GROUP BY 1, 2",
             (budget, since, now),
         )
-        return [Spent(r[0], r[1], float(r[2]), int(r[3])) for r in rows if r[3]]
+        spent = [Spent(r[0], r[1], joined(r[2], r[3]), int(r[4])) for r in rows if r[4]]
+        return sorted(spent, key=lambda s: s.spent, reverse=True)
 
     async def budget_spending(
         self,
@@ -381,15 +386,15 @@ class SQLiteLedger:
             scope, params = " AND principal = ?", [*params, principal]
             if session is not None:
                 scope, params = scope + " AND session = ?", [*params, session]
-        # created_at > since > 0, so the cast's truncation is the floor: whole spans since the epoch
+        # budget_spent_at > since > 0, so the cast's truncation is the floor: whole spans since the epoch
         rows = await self._read(
-            "SELECT CAST(created_at / ? AS INTEGER), sum(budget_amount), count(*) FROM operations"
-            " INDEXED BY operations_budget WHERE budget = ? AND created_at > ?"
+            "SELECT CAST(budget_spent_at / ? AS INTEGER), sum(budget_units), sum(budget_nanos), count(*)"
+            " FROM operations INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
             f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
             f" AND (expires_at IS NULL OR expires_at > ?){scope} GROUP BY 1 ORDER BY 1",
             params,
         )
-        return [SpentIn(r[0] * span_seconds, float(r[1]), int(r[2])) for r in rows]
+        return [SpentIn(r[0] * span_seconds, joined(r[1], r[2]), int(r[3])) for r in rows]
 
     async def check_writable(self) -> None:
         self.check_identity()

@@ -101,6 +101,24 @@ MIGRATIONS: list[str] = [
     DROP TABLE audit;
     ALTER TABLE audit_by_operation RENAME TO audit;
     """,
+    # 7: budgets spend at the take and add exactly. `budget_spent_at` is when an operation spent
+    # (taken to run; NULL while it waits for a person or is approved and not yet taken): it places
+    # the operation in the window. Existing records spent when they were created, as they counted
+    # then. Amounts are whole units plus billionths, two integers whose sums are exact.
+    """
+    ALTER TABLE operations ADD COLUMN budget_spent_at REAL;
+    ALTER TABLE operations ADD COLUMN budget_units INTEGER;
+    ALTER TABLE operations ADD COLUMN budget_nanos INTEGER;
+    UPDATE operations SET
+        budget_spent_at = CASE WHEN state <> 'AWAITING_APPROVAL' THEN created_at END,
+        budget_units = CAST(budget_amount AS INTEGER),
+        budget_nanos = CAST(round((budget_amount - CAST(budget_amount AS INTEGER)) * 1000000000) AS INTEGER)
+        WHERE budget IS NOT NULL;
+    DROP INDEX operations_budget;
+    ALTER TABLE operations DROP COLUMN budget_amount;
+    CREATE INDEX operations_budget ON operations (budget, principal, session, budget_spent_at, state, budget_units,
+        budget_nanos, expires_at) WHERE budget IS NOT NULL;
+    """,
 ]
 
 _COLUMNS = (
@@ -116,14 +134,14 @@ TOOL, FINGERPRINT, STATE, EXPIRES_AT = (
 INSERT_AWAITING = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
     " state, attempts, fence, arguments, retention, created_at, updated_at, approval, approval_expires_at,"
-    " budget, budget_amount)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_APPROVAL', 0, 0, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " budget, budget_units, budget_nanos)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_APPROVAL', 0, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
     " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
-    " budget, budget_amount)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " budget, budget_units, budget_nanos, budget_spent_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # An entry numbered after the operation's last one (a seek on the page the insert writes anyway).
 AUDIT = (

@@ -13,12 +13,14 @@ import functools
 import json
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
+from decimal import Decimal
 from typing import Any
 
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     DUPLICATE_STATES,
     LEASE_LOST,
+    BudgetCheck,
     Claim,
     ClaimKind,
     ClaimRequest,
@@ -26,7 +28,7 @@ from commitgate.server.ledger.base import (
     OverBudget,
     Transition,
     lease_over,
-    over_budget,
+    over_budget_wait,
     scope_of,
 )
 from commitgate.server.ledger.sqlite._ids import new_operation_id
@@ -40,6 +42,7 @@ from commitgate.server.ledger.sqlite._schema import (
     decode,
     dump,
 )
+from commitgate.server.model.amounts import joined, split
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -166,7 +169,7 @@ class OutcomeWrite:
         self.row, self.audit_row = self._row(), self._audit_row()
         self.after = _outcome(current, change, now) if known and current is not None else None
 
-    def __call__(self, conn: sqlite3.Connection) -> Operation | None:
+    def __call__(self, conn: sqlite3.Connection) -> Operation | OverBudget | None:
         if self.current is None:
             return _apply(conn, self.operation_id, self.change, self.now)
         # The WHERE clause makes exactly `_apply`'s checks for such a change; whatever else may
@@ -338,10 +341,10 @@ def _claim_unseen(
     insert's unique index tells whether it is still new. None when anything is unusual (the key
     was taken meanwhile, a duplicate matched, the budget does not fit): then nothing was written
     and `_claim` decides, reading the key as always."""
+    if request.duplicates is not None and find_duplicate(conn, request, now) is not None:
+        return None
     check = request.budget
     if check is not None and budget_spent(conn, request, now) + check.amount > check.limit:
-        return None
-    if request.duplicates is not None and find_duplicate(conn, request, now) is not None:
         return None
     if conn.execute(INSERT + _UNLESS_TAKEN, _insert_row(new, request)).rowcount != 1:
         return None
@@ -365,24 +368,29 @@ def _claim_again(
             )
     lease = Lease(request.owner, now + request.lease_seconds)
     taken = _apply(conn, op.operation_id, _retake(lease), now)
-    return Claim(ClaimKind.NEW, taken) if taken is not None else Claim(ClaimKind.EXISTING, op)
+    if not isinstance(taken, Operation):
+        return Claim(ClaimKind.EXISTING, op)
+    if request.budget is not None:  # it spends again, now
+        _spend(conn, taken.operation_id, request.budget, now)
+    return Claim(ClaimKind.NEW, taken)
 
 
 def _claim_new(
     conn: sqlite3.Connection, request: ClaimRequest, now: float, new: Operation | None = None
 ) -> Claim | OverBudget:
     """A key not seen before: claimed, unless the same action is recorded under another key, or
-    its amount does not fit its budget (with `exceeded = "approval"` it then waits for a person)."""
+    its amount does not fit its budget (with `exceeded = "approval"` it then waits for a person).
+    The duplicate is answered first: a repeat of an action that spent must hear that it happened."""
+    check = request.duplicates
+    match = find_duplicate(conn, request, now) if check is not None else None
+    if match is not None and check is not None and check.reject and not check.confirmed:
+        return Claim(ClaimKind.DUPLICATE, match)
     if request.budget is not None:
         spent = budget_spent(conn, request, now)
         if spent + request.budget.amount > request.budget.limit:
             if request.budget.approval is None:
                 return OverBudget(spent)
             request = _over_budget_request(request, spent)
-    check = request.duplicates
-    match = find_duplicate(conn, request, now) if check is not None else None
-    if match is not None and check is not None and check.reject and not check.confirmed:
-        return Claim(ClaimKind.DUPLICATE, match)
     kind = ClaimKind.NEW if request.approval is None else ClaimKind.AWAITING
     op = _insert(conn, request, now, new) if kind is ClaimKind.NEW else _insert_awaiting(conn, request, now)
     if match is not None and check is not None:  # allowed or confirmed: the match goes in the audit
@@ -402,13 +410,11 @@ def _claim_new(
     return Claim(kind, op, match.operation_id if match is not None else None)
 
 
-def _over_budget_request(request: ClaimRequest, spent: float) -> ClaimRequest:
-    """The request of a call past its budget that waits for a person: the tool's own approval
-    record if this call needs one anyway, else the budget's, with what approving overspends."""
+def _over_budget_request(request: ClaimRequest, spent: Decimal) -> ClaimRequest:
+    """The request of a call past its budget that waits for an operator (`over_budget_wait`)."""
     check = request.budget
-    assert check is not None and check.approval is not None
-    record = {**(request.approval or check.approval), "over_budget": over_budget(check, spent)}
-    return dataclasses.replace(request, approval=record)
+    assert check is not None
+    return dataclasses.replace(request, approval=over_budget_wait(check, request.approval, spent))
 
 
 def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float) -> None:
@@ -427,8 +433,8 @@ def _await_over_budget(
     approval = request.approval or {}
     moved = conn.execute(
         "UPDATE operations SET state = 'AWAITING_APPROVAL', lease_owner = NULL, lease_expires_at = NULL,"
-        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL"
-        " WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
+        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL,"
+        " budget_spent_at = NULL WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
         (dump(approval), approval.get("expires_at"), now, op.operation_id, op.fence),
     ).rowcount
     if moved != 1:
@@ -531,8 +537,8 @@ def _lookup_row(request: ClaimRequest, now: float) -> tuple[Any, ...]:
 
 _BUDGET_SUM = (
     # INDEXED BY: the covering index answers the sum without reading a single row.
-    "SELECT coalesce(sum(budget_amount), 0) FROM operations INDEXED BY operations_budget"
-    " WHERE budget = ? {scope} AND created_at > ?"
+    "SELECT coalesce(sum(budget_units), 0), coalesce(sum(budget_nanos), 0) FROM operations"
+    " INDEXED BY operations_budget WHERE budget = ? {scope} AND budget_spent_at > ?"
     f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
     " AND (expires_at IS NULL OR expires_at > ?)"
 )
@@ -543,14 +549,47 @@ BUDGET_SUMS = {
 }
 
 
-def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> float:
+def budget_spent(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Decimal:
     """What the request's budget scope spent within the window, as this transaction sees it."""
-    check = request.budget
-    assert check is not None
-    principal, session = scope_of(check.per, request.principal, request.session)
-    scope = tuple(v for v in (principal, session) if v is not None)
+    assert request.budget is not None
+    return spent_in(conn, request.budget, request.principal, request.session, now)
+
+
+def spent_in(
+    conn: sqlite3.Connection, check: BudgetCheck, principal: str, session: str, now: float
+) -> Decimal:
+    """What the scope of a call of `principal` and `session` spent of `check`'s budget within its window."""
+    scope = tuple(v for v in scope_of(check.per, principal, session) if v is not None)
     params = (check.name, *scope, now - check.window_seconds, now)
-    return float(conn.execute(BUDGET_SUMS[check.per], params).fetchone()[0])
+    units, nanos = conn.execute(BUDGET_SUMS[check.per], params).fetchone()
+    return joined(units, nanos)
+
+
+def _spend(conn: sqlite3.Connection, operation_id: str, check: BudgetCheck, now: float) -> None:
+    """The operation spends `check`'s amount now: from now on it counts, placed in the window here."""
+    conn.execute(
+        "UPDATE operations SET budget = ?, budget_units = ?, budget_nanos = ?, budget_spent_at = ?"
+        " WHERE operation_id = ?",
+        (check.name, *split(check.amount), now, operation_id),
+    )
+
+
+def _take_spends(
+    conn: sqlite3.Connection, op: Operation, check: BudgetCheck, now: float
+) -> OverBudget | None:
+    """The take of an approved operation spends, if its budget has room now (OverBudget: none, nothing
+    written). Not checked again: an overspend a person approved, or a record that spent already."""
+    (spent_at,) = conn.execute(
+        "SELECT budget_spent_at FROM operations WHERE operation_id = ?", (op.operation_id,)
+    ).fetchone()
+    if spent_at is not None:
+        return None
+    if "over_budget" not in (op.approval or {}):
+        spent = spent_in(conn, check, op.principal, op.session, now)
+        if spent + check.amount > check.limit:
+            return OverBudget(spent)
+    _spend(conn, op.operation_id, check, now)
+    return None
 
 
 def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool:
@@ -559,7 +598,7 @@ def _budgets_fit(conn: sqlite3.Connection, writes: Sequence[ClaimWrite]) -> bool
     Claims that see one budget differently (a policy reloaded between them: another `per` or
     window) cannot share a running sum: False, so they run one by one."""
     shapes: dict[str, tuple[str, float]] = {}
-    spent: dict[tuple[str | None, ...], float] = {}
+    spent: dict[tuple[str | None, ...], Decimal] = {}
     for write in writes:
         request, check = write.request, write.request.budget
         if check is None:
@@ -626,13 +665,14 @@ def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.created_at,
         op.updated_at,
         *_budget_columns(request),
+        op.created_at if request.budget is not None else None,  # it runs, so it spends, now
     )
 
 
-def _budget_columns(request: ClaimRequest) -> tuple[str | None, float | None]:
-    """The budget a new operation spends from and its amount (both None for a tool without one)."""
+def _budget_columns(request: ClaimRequest) -> tuple[str | None, int | None, int | None]:
+    """The budget a new operation spends from and its amount (None for a tool without one)."""
     check = request.budget
-    return (check.name, check.amount) if check is not None else (None, None)
+    return (check.name, *split(check.amount)) if check is not None else (None, None, None)
 
 
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
@@ -670,7 +710,9 @@ def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float
     return op
 
 
-def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now: float) -> Operation | None:
+def _apply(
+    conn: sqlite3.Connection, operation_id: str, change: Transition, now: float
+) -> Operation | OverBudget | None:
     row = conn.execute(f"{SELECT} WHERE operation_id = ?", (operation_id,)).fetchone()
     if row is None:
         return None
@@ -679,6 +721,10 @@ def _apply(conn: sqlite3.Connection, operation_id: str, change: Transition, now:
         return None
     if change.expect_fence is not None and op.fence != change.expect_fence:
         return None
+    if change.budget is not None:
+        refused = _take_spends(conn, op, change.budget, now)
+        if refused is not None:
+            return refused
     from_state = _transition(op, change, now)
     conn.execute(
         "UPDATE operations SET state = ?, attempts = ?, fence = ?, lease_owner = ?, lease_expires_at = ?,"
