@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import html
 import json
 import socket
 import time
@@ -1310,3 +1311,27 @@ def test_a_spending_chart_has_at_most_48_bars_of_whole_minutes_hours_or_days(
     from commitgate.server.core.budgets import MAX_SPANS, span_for
 
     assert span_for(window) == span and window / span <= MAX_SPANS and round(window / span) == bars
+
+
+def test_the_question_of_a_budgeted_call_shows_its_budget_with_the_unit(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    asking = BUDGETS.replace('per = "principal"\n', 'per = "principal"\nunit = "USD cents"\n', 1) + (
+        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.tools.demo:charge_card"\n'
+        'approval = { via = ["operator"] }\nbudget = "payments"\n'
+    )
+    policy = write_policy(tmp_path, asking)
+    spent = asyncio.run(call(policy, "pay", "p1", card="4242", amount_cents=2500, description="first"))
+    assert not spent.is_error, spent.content
+    waiting = asyncio.run(call(policy, "pay_ask", "p2", card="4242", amount_cents=4000, description="second"))
+    assert error_code(waiting) == "approval_pending", waiting.content
+    op_id = str(waiting.structured_content["error"]["operation"]["operation_id"])
+    line = (
+        "Budget 'payments': limit 1000000 USD cents, spent 2500 USD cents, left 997500 USD cents; "
+        "this call spends 4000 USD cents."
+    )
+    with console_client(f"sqlite:///{tmp_path / 'ledger.db'}", loopback_access(), policy=policy) as client:
+        assert line in html.unescape(client.get("/approvals").text)
+        assert line in html.unescape(client.get(f"/operations/{op_id}").text)
+        budgets = html.unescape(client.get("/budgets").text)
+        assert "2,500 USD cents</strong> of 1,000,000 USD cents spent" in budgets

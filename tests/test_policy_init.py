@@ -8,6 +8,8 @@ the servers' own effect log. Reading configs (VS Code's form, references, errors
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -32,14 +34,12 @@ SECRETS = {
 }
 
 
-def init(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CONSOLE_SCRIPT), "policy", "init", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env={**os.environ, **(env or {})},
-    )
+def init(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`commitgate policy init ARGS` in this process (the servers it starts are real processes)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["policy", "init", *map(str, args)])
+    return subprocess.CompletedProcess(["commitgate", "policy", "init"], code, out.getvalue(), err.getvalue())
 
 
 def printed_entry(out: str) -> dict[str, Any]:
@@ -220,21 +220,18 @@ def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Set
     config, out = tmp_path / "claude_desktop_config.json", tmp_path / "mine.toml"
     config.write_text(setup.original, encoding="utf-8")
     out.write_text("# hand-written\n", encoding="utf-8")
-    wrap = ("--server", "notes", "--server", "tasks", "-o", out, "--force", "--write-config")
-    result = init("--from-config", config, *wrap)
+    result = init("--from-config", config, "--server", "notes", "-o", out, "--force", "--write-config")
     assert result.returncode == 0, result.stderr
-    assert set(tomllib.loads(out.read_text())["tools"]) == {
-        "read_notes", "notes__write", "plain_notes", "read_tasks", "tasks__write", "plain_tasks",
-    }  # fmt: skip
+    assert set(tomllib.loads(out.read_text())["tools"]) == {"read_notes", "write", "plain_notes"}
     assert (tmp_path / "claude_desktop_config.json.bak").read_text() == setup.original
     written = json.loads(config.read_text())
     servers = written["mcpServers"]
-    assert list(servers) == ["commitgate", "web", "gone", "guard"]  # in the first wrapped one's place
+    assert list(servers) == ["commitgate", "tasks", "web", "gone", "guard"]  # in the wrapped one's place
     assert written["globalShortcut"] == "Ctrl+Space"
     entry = servers["commitgate"]
     assert entry["args"] == ["serve", "--policy", str(out.resolve())]
     # The secrets stay where they already were, in the client's config, now for commitgate to pass on.
-    assert entry["env"] == {"API_TOKEN": "s3cret-notes", "TASKS_API_TOKEN": "s3cret-tasks"}
+    assert entry["env"] == {"API_TOKEN": "s3cret-notes"}
 
 
 # --- reading configs (no process) ---------------------------------------------------------------------

@@ -384,6 +384,8 @@ class UpstreamPolicy(_Strict):
     def _one_target(self) -> UpstreamPolicy:
         if (self.command is None) == (self.url is None):
             raise ValueError("an upstream has exactly one of `command` or `url`")
+        if self.default_class is not None and self.tools != "all":
+            raise ValueError('`default_class` is only used with `tools = "all"`')
         return self
 
     @field_validator("default_class")

@@ -368,7 +368,7 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
             served = build_tools(policy, policy_dir, gateway.collaborators(policy), kept)
         except ToolBuildError as exc:  # e.g. it no longer offers a declared tool: keep what serves
             log.error(
-                "an upstream's tools changed and no longer fit the policy; keeping the current tools.\n%s",
+                "the tools an upstream offers do not fit the policy; the current tools keep serving.\n%s",
                 exc,
             )
             return False
