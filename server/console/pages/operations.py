@@ -8,7 +8,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch
+from commitgate.server.console.pages.base import (
+    Page,
+    find_visible,
+    ledger_of,
+    now,
+    sole_principal,
+    touch,
+    visible,
+)
 from commitgate.server.console.pages.questions import waiting
 from commitgate.server.console.rendering import (
     dated,
@@ -31,9 +39,8 @@ SEARCH_FIELDS = ("tool", "state", "session", "key", "principal")
 def _search(request: Request) -> tuple[dict[str, str], OperationFilter]:
     """The search form's values as typed, and the filter they make (a bad value is a clear 400)."""
     typed = {name: request.query_params.get(name, "").strip() for name in SEARCH_FIELDS}
-    scope = scope_of(request)
-    if scope is not None:
-        typed["principal"] = ""  # a principal's token sees only its own operations
+    if sole_principal(request) is not None:
+        typed["principal"] = ""  # a token that sees one principal has nothing to choose
     state = None
     if typed["state"]:
         try:
@@ -44,7 +51,7 @@ def _search(request: Request) -> tuple[dict[str, str], OperationFilter]:
     limit = int(limit_text) if limit_text.isdigit() and int(limit_text) in LIMITS else LIMITS[0]
     typed["limit"] = str(limit)
     where = OperationFilter(
-        principal=scope if scope is not None else typed["principal"] or None,
+        principal=typed["principal"] or None,
         session=typed["session"] or None,
         state=state,
         tool=typed["tool"] or None,
@@ -58,7 +65,7 @@ async def operations_page(request: Request) -> Response:
     typed, where = _search(request)
     ledger = ledger_of(request)
     await touch(ledger, now())
-    found = await ledger.find(where)
+    found = await find_visible(request, where)
     return render(
         request,
         "operations.html",
@@ -68,7 +75,7 @@ async def operations_page(request: Request) -> Response:
         limits=LIMITS,
         operations=found,
         searched=any(typed[name] for name in SEARCH_FIELDS),
-        all_principals=scope_of(request) is None,
+        all_principals=sole_principal(request) is None,
     )
 
 
@@ -84,7 +91,7 @@ async def operation_page(
     """One operation: its facts, arguments, outcome, status check and full audit history; a form to
     resolve it while it is UNKNOWN."""
     ledger = ledger_of(request)
-    op = await ledger.get_by_id(scope_of(request), operation_id)
+    op = await visible(request, operation_id)
     if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
     at = now()
