@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import html
 import json
 import socket
 import time
@@ -597,15 +598,15 @@ def _policy_tokens() -> Access:
     table = load_tokens(
         AuthPolicy(
             tokens=[
-                AuthToken(principal="alice", token_sha256=alice),
-                AuthToken(principal="bob", token_sha256=bob),
+                AuthToken(principal="ops-alice", role="operator", principals=["alice"], token_sha256=alice),
+                AuthToken(principal="ops-bob", role="operator", principals=["bob"], token_sha256=bob),
             ]
         )
     )
     return Access.for_bind("0.0.0.0", 8766, table, operator="nobody")
 
 
-def test_bound_elsewhere_a_policy_token_signs_in_and_sees_only_its_principal(
+def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -634,12 +635,12 @@ def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
     monkeypatch.setattr("commitgate.server.serve.http.listen", never_listen)  # refused before binding
-    with pytest.raises(ConsoleRefused, match="without authentication"):
+    with pytest.raises(ConsoleRefused, match="without an operator's token"):
         Access.for_bind("0.0.0.0", 8766, load_tokens(None), "alice")
     assert main(["console", "--policy", str(policy), "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert "refusing to serve the console on '0.0.0.0' without authentication" in err
-    assert "[[auth.tokens]]" in err and "Traceback" not in err
+    assert "refusing to serve the console on '0.0.0.0' without an operator's token" in err
+    assert 'role = "operator"' in err and "[[auth.tokens]]" in err and "Traceback" not in err
 
 
 def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1081,7 +1082,7 @@ def test_markup_in_a_waiting_call_is_shown_escaped_and_secrets_masked(
             assert "Send &#39;pay with •••• 4242" in text, path  # the prompt, masked too
 
 
-def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
+def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_call(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -1112,7 +1113,7 @@ def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
             await ledger.close()
 
     decided = asyncio.run(approval_of(mine))
-    assert decided is not None and decided["by"] == "alice" and decided["via"] == "operator"
+    assert decided is not None and decided["by"] == "ops-alice" and decided["via"] == "operator"
 
 
 @pytest.mark.parametrize(
@@ -1310,3 +1311,27 @@ def test_a_spending_chart_has_at_most_48_bars_of_whole_minutes_hours_or_days(
     from commitgate.server.core.budgets import MAX_SPANS, span_for
 
     assert span_for(window) == span and window / span <= MAX_SPANS and round(window / span) == bars
+
+
+def test_the_question_of_a_budgeted_call_shows_its_budget_with_the_unit(
+    tmp_path: Path, sandbox: Path
+) -> None:
+    asking = BUDGETS.replace('per = "principal"\n', 'per = "principal"\nunit = "USD cents"\n', 1) + (
+        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.tools.demo:charge_card"\n'
+        'approval = { via = ["operator"] }\nbudget = "payments"\n'
+    )
+    policy = write_policy(tmp_path, asking)
+    spent = asyncio.run(call(policy, "pay", "p1", card="4242", amount_cents=2500, description="first"))
+    assert not spent.is_error, spent.content
+    waiting = asyncio.run(call(policy, "pay_ask", "p2", card="4242", amount_cents=4000, description="second"))
+    assert error_code(waiting) == "approval_pending", waiting.content
+    op_id = str(waiting.structured_content["error"]["operation"]["operation_id"])
+    line = (
+        "Budget 'payments': limit 1000000 USD cents, spent 2500 USD cents, left 997500 USD cents; "
+        "this call spends 4000 USD cents."
+    )
+    with console_client(f"sqlite:///{tmp_path / 'ledger.db'}", loopback_access(), policy=policy) as client:
+        assert line in html.unescape(client.get("/approvals").text)
+        assert line in html.unescape(client.get(f"/operations/{op_id}").text)
+        budgets = html.unescape(client.get("/budgets").text)
+        assert "2,500 USD cents</strong> of 1,000,000 USD cents spent" in budgets

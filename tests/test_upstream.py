@@ -229,7 +229,7 @@ async def test_a_tool_the_upstream_does_not_offer_is_reported_once_it_connects(
         assert await refresh_upstream_tools(gateway, announce) is False
     finally:
         await gateway.close()
-    (problem,) = [r.getMessage() for r in caplog.records if "no longer fit the policy" in r.getMessage()]
+    (problem,) = [r.getMessage() for r in caplog.records if "do not fit the policy" in r.getMessage()]
     assert "tools.forget_entities.upstream_tool" in problem
     assert "no tool 'delete_entity'" in problem and "delete_entities" in problem
 

@@ -549,11 +549,11 @@ async def inventory(policy: Policy, connect_timeout: float | None = None) -> lis
     try:
         await manager.connect(policy.upstreams)
         lookup = manager.lookup(policy)
-        served = {
-            (t.upstream, t.upstream_tool or n): (n, t)
-            for n, t in {**policy.tools, **implied_entries(policy, lookup)}.items()
-            if t.upstream
-        }
+        served: dict[tuple[str, str], tuple[str, ToolPolicy]] = {}
+        for n, t in {**policy.tools, **implied_entries(policy, lookup)}.items():
+            key = (t.upstream or "", t.upstream_tool or n)
+            if t.upstream and (key not in served or not served[key][1].expose):
+                served[key] = (n, t)  # a tool served under two names is shown under the first
         return [
             _inventory_of(name, connection, policy, served)
             for name in sorted(policy.upstreams)
