@@ -598,15 +598,15 @@ def _policy_tokens() -> Access:
     table = load_tokens(
         AuthPolicy(
             tokens=[
-                AuthToken(principal="alice", token_sha256=alice),
-                AuthToken(principal="bob", token_sha256=bob),
+                AuthToken(principal="ops-alice", role="operator", principals=["alice"], token_sha256=alice),
+                AuthToken(principal="ops-bob", role="operator", principals=["bob"], token_sha256=bob),
             ]
         )
     )
     return Access.for_bind("0.0.0.0", 8766, table, operator="nobody")
 
 
-def test_bound_elsewhere_a_policy_token_signs_in_and_sees_only_its_principal(
+def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -635,12 +635,12 @@ def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
     monkeypatch.setattr("commitgate.server.serve.http.listen", never_listen)  # refused before binding
-    with pytest.raises(ConsoleRefused, match="without authentication"):
+    with pytest.raises(ConsoleRefused, match="without an operator's token"):
         Access.for_bind("0.0.0.0", 8766, load_tokens(None), "alice")
     assert main(["console", "--policy", str(policy), "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert "refusing to serve the console on '0.0.0.0' without authentication" in err
-    assert "[[auth.tokens]]" in err and "Traceback" not in err
+    assert "refusing to serve the console on '0.0.0.0' without an operator's token" in err
+    assert 'role = "operator"' in err and "[[auth.tokens]]" in err and "Traceback" not in err
 
 
 def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1082,7 +1082,7 @@ def test_markup_in_a_waiting_call_is_shown_escaped_and_secrets_masked(
             assert "Send &#39;pay with •••• 4242" in text, path  # the prompt, masked too
 
 
-def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
+def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_call(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -1113,7 +1113,7 @@ def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
             await ledger.close()
 
     decided = asyncio.run(approval_of(mine))
-    assert decided is not None and decided["by"] == "alice" and decided["via"] == "operator"
+    assert decided is not None and decided["by"] == "ops-alice" and decided["via"] == "operator"
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,10 @@ class Guard(BaseHTTPMiddleware):
 def _sign_in_hint(access: Access) -> str:
     if access.loopback:
         return "Sign in with the link the console printed when it started (it ends in ?token=…)."
-    return "Sign in with a token of the policy's [[auth.tokens]]: open this page with ?token=YOUR_TOKEN."
+    return (
+        "Sign in with an operator's token of the policy's [[auth.tokens]] (role = \"operator\"): open this"
+        " page with ?token=YOUR_TOKEN."
+    )
 
 
 def _refusal(request: Request, denied: Denied, access: Access) -> Response:

@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         " search, budgets to watch",
         description="Serve the operator's console over the ledger, beside any running server."
         " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
-        " [[auth.tokens]] in the policy.",
+        ' an operator\'s token in the policy ([[auth.tokens]] with role = "operator").',
     )
     console.add_argument(
         "--policy",
@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--host",
         type=host_address,
         default="127.0.0.1",
-        help="address to listen on; a non-loopback one needs [[auth.tokens]] (default: 127.0.0.1)",
+        help="address to listen on; a non-loopback one needs an operator's token in [[auth.tokens]]"
+        " (default: 127.0.0.1)",
     )
     console.add_argument(
         "--port",
@@ -137,7 +138,8 @@ def _print_sign_in(sock: socket.socket, access: Access) -> None:
     else:
         print(f"commitgate: console at http://{shown_host}:{port}/", flush=True)
         print(
-            "commitgate: sign in with ?token=YOUR_TOKEN (a token of [[auth.tokens]]) or a bearer header",
+            "commitgate: sign in with ?token=YOUR_TOKEN (an operator's token of [[auth.tokens]]) or a"
+            " bearer header",
             flush=True,
         )
 
