@@ -18,12 +18,19 @@ from commitgate.server.console.pages.base import (
     visible,
 )
 from commitgate.server.console.pages.questions import waiting
-from commitgate.server.console.rendering import history_rows, render, shown_json, shown_result, status_check
+from commitgate.server.console.rendering import (
+    dated,
+    history_rows,
+    render,
+    shown_json,
+    shown_result,
+    status_check,
+)
 from commitgate.server.console.security import Denied
 from commitgate.server.core import approvals
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
-from commitgate.server.model.facts import State
+from commitgate.server.model.facts import IdempotencyClass, State
 
 LIMITS = (50, 200, 1000)
 SEARCH_FIELDS = ("tool", "state", "session", "key", "principal")
@@ -80,9 +87,10 @@ async def operation_page(
     problem: str | None = None,
     problem_field: str | None = None,
     typed: dict[str, str] | None = None,
+    notice: str | None = None,
 ) -> Response:
     """One operation: its facts, arguments, outcome, status check and full audit history; a form to
-    resolve it while it is UNKNOWN."""
+    resolve it while it is UNKNOWN (with *Check again* when its tool has a status check)."""
     ledger = ledger_of(request)
     op = await visible(request, operation_id)
     if op is None:
@@ -95,14 +103,16 @@ async def operation_page(
         "arguments": shown_json(op.arguments),
         "result": shown_result(op.result),
         "error": shown_json(op.error) if op.error is not None else None,
-        "reconciliation": shown_json(op.reconciliation) if op.reconciliation is not None else None,
+        "reconciliation": shown_json(dated(op.reconciliation)) if op.reconciliation is not None else None,
         "status_check": status_check(op),
         # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
         "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),
-        "history": history_rows(history),
+        "history": history_rows(history, op.principal),
         "approval": approvals.status(op),
         "waiting": await waiting(request, op, at) if op.state is State.AWAITING_APPROVAL else None,
         "problem": problem,
+        "notice": notice,
+        "can_check": op.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK,
         "problem_field": problem_field,
         "typed": {"reason": "", "result": "", "approval_reason": "", **(typed or {})},
     }
