@@ -21,6 +21,11 @@ class CommitgateError(Exception):
         self.operation = operation
         self.details = details
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Durable engines record a failed step's exception by pickling it (DBOS does) and raise it
+        # again on replay: it must come back whole, not fail for want of `message`.
+        return (type(self), (self.code, self.message, self.operation), self.__dict__)
+
 
 class OutcomeUnknown(CommitgateError):
     """It may or may not have taken effect; it was not run again. Ask a person, or poll later."""

@@ -483,11 +483,11 @@ async def test_records_of_a_budgeted_tool_are_kept_for_the_whole_window(
     assert answer.operation is not None and answer.operation.retention == 30 * 86400.0
 
 
-# --- metrics: limits, and spent per scope this process served ---------------------------------------
+# --- metrics: limits, and spent per principal ---------------------------------------------------------
 
 
 @pytest.mark.anyio
-async def test_metrics_export_limits_and_what_each_served_scope_spent(
+async def test_metrics_export_limits_and_what_each_principal_spent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from prometheus_client.parser import text_string_to_metric_families
@@ -522,8 +522,8 @@ async def test_metrics_export_limits_and_what_each_served_scope_spent(
             ).is_error
         assert (await gateway.call_tool("charge_card", charge("a2", 50000), {}, "alice")).is_error
         scraped = await scrape()
-        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("scope", "alice")))] == 60000
-        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("scope", "bob")))] == 30000
+        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("principal", "alice")))] == 60000
+        assert scraped[("commitgate_budget_spent", (("budget", "payments"), ("principal", "bob")))] == 30000
         assert (
             scraped[
                 (
@@ -637,7 +637,7 @@ async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
     async def on_applied() -> None:
         return None
 
-    reloader = PolicyReloader(gateway, path, on_applied)
+    reloader = PolicyReloader(gateway, path, on_applied, quiet=0.0)
     await reloader.prime()
 
     def charge(key: str) -> dict[str, object]:
@@ -649,6 +649,9 @@ async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
         assert refused.structured_content is not None
         assert refused.structured_content["error"]["budget"]["limit"] == 1000
         path.write_text(POLICY.replace("limit = 100000", "limit = 2000") + ledger, encoding="utf-8")
+        assert (
+            await reloader.reload()
+        ).status is ReloadStatus.WAITING  # a raised limit waits for a quiet file
         assert (await reloader.reload()).status is ReloadStatus.APPLIED
         assert not (await gateway.call_tool("charge_card", charge("k2"), None, "alice")).is_error
     finally:

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import html
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -210,6 +211,37 @@ def test_an_unknown_charge_shows_that_its_status_check_could_not_tell(
         assert op_id in listed and "the status check could not tell" in listed
         page = client.get(f"/operations/{op_id}").text
         assert "the status check could not tell" in page and "cannot_tell" in page  # and its full note
+
+
+def test_check_again_asks_the_status_check_and_offers_the_result_it_found(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "charge_card.lose_ack=100%,find_charge.fail_before=100%")
+    result = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        page = client.get(f"/operations/{op_id}").text
+        assert f'action="/operations/{op_id}/check"' in page and "Check again</button>" in page
+        form = {"csrf_token": csrf_of(page)}
+        still = client.post(f"/operations/{op_id}/check", data=form)  # the check still fails
+        assert still.status_code == 200 and "The status check could not tell" in still.text
+        monkeypatch.delenv(demo.ENV_FAULTS)
+        found = client.post(f"/operations/{op_id}/check", data=form)
+        assert found.status_code == 200 and "The status check found it" in found.text
+        prefilled = re.search(r'<textarea id="r-result"[^>]*>([^<]*)</textarea>', found.text)
+        assert prefilled is not None
+        offered = json.loads(html.unescape(prefilled.group(1)))
+        assert offered["status"] == "succeeded" and offered["amount_cents"] == 1299
+        assert state_of(ledger_url, op_id) is State.UNKNOWN  # a person decides, with the result offered
+        history = client.get(f"/operations/{op_id}").text
+        assert history.count("reconcile_undecided") == 2 and "the status check found it" in history
+        resolved = client.post(
+            f"/operations/{op_id}/resolve",
+            data={**form, "finding": "succeeded", "reason": "", "result": json.dumps(offered)},
+        )
+        assert resolved.status_code == 303
+    retry = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    assert retry.structured_content == offered and demo.count("charges") == 1
 
 
 def test_a_running_operation_whose_owner_died_is_listed_as_unknown(
@@ -598,15 +630,15 @@ def _policy_tokens() -> Access:
     table = load_tokens(
         AuthPolicy(
             tokens=[
-                AuthToken(principal="alice", token_sha256=alice),
-                AuthToken(principal="bob", token_sha256=bob),
+                AuthToken(principal="ops-alice", role="operator", principals=["alice"], token_sha256=alice),
+                AuthToken(principal="ops-bob", role="operator", principals=["bob"], token_sha256=bob),
             ]
         )
     )
     return Access.for_bind("0.0.0.0", 8766, table, operator="nobody")
 
 
-def test_bound_elsewhere_a_policy_token_signs_in_and_sees_only_its_principal(
+def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -635,12 +667,12 @@ def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
     monkeypatch.setattr("commitgate.server.serve.http.listen", never_listen)  # refused before binding
-    with pytest.raises(ConsoleRefused, match="without authentication"):
+    with pytest.raises(ConsoleRefused, match="without an operator's token"):
         Access.for_bind("0.0.0.0", 8766, load_tokens(None), "alice")
     assert main(["console", "--policy", str(policy), "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert "refusing to serve the console on '0.0.0.0' without authentication" in err
-    assert "[[auth.tokens]]" in err and "Traceback" not in err
+    assert "refusing to serve the console on '0.0.0.0' without an operator's token" in err
+    assert 'role = "operator"' in err and "[[auth.tokens]]" in err and "Traceback" not in err
 
 
 def test_the_console_never_creates_a_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1082,7 +1114,7 @@ def test_markup_in_a_waiting_call_is_shown_escaped_and_secrets_masked(
             assert "Send &#39;pay with •••• 4242" in text, path  # the prompt, masked too
 
 
-def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
+def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_call(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
@@ -1113,7 +1145,7 @@ def test_a_principals_sign_in_cannot_see_or_decide_another_principals_call(
             await ledger.close()
 
     decided = asyncio.run(approval_of(mine))
-    assert decided is not None and decided["by"] == "alice" and decided["via"] == "operator"
+    assert decided is not None and decided["by"] == "ops-alice" and decided["via"] == "operator"
 
 
 @pytest.mark.parametrize(

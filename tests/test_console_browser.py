@@ -321,3 +321,80 @@ async def test_a_reviewer_denies_with_a_reason_and_the_retry_is_told_no_effect(t
         assert "not to outside addresses" in error(answer)["message"]
         assert operation(answer)["state"] == "FAILED_FINAL"
     assert deployment.count("emails") == 0  # nothing sent
+
+
+# Words of table headers and state badges that the layout broke across lines ("Princi pal").
+BROKEN_WORDS = """() => {
+  const broken = [];
+  for (const element of document.querySelectorAll('th, .state')) {
+    const walker = document.createTreeWalker(element, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const word of node.data.matchAll(/\\S+/g)) {
+        const range = document.createRange();
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        if (lines.size > 1) broken.push(word[0]);
+      }
+    }
+  }
+  return broken;
+}"""
+BIDI = "\u202etxt.exe\u202c"
+
+
+async def test_an_operator_reads_dates_people_and_plain_text_and_is_told_what_a_retry_gets(
+    tmp_path: Path,
+) -> None:
+    import getpass
+    import re
+
+    from commitgate.server.serve.gateway import local_principal
+
+    deployment = with_approvals(tmp_path)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    body = f"attached: {BIDI}\u200b"
+    async with serve(deployment, faults="send_email.lose_ack=1x") as server:
+        op_id = await lost_email(server, "details-1", body=body)
+        await waiting_mail(server, "details-2")
+        with console_process(deployment.ledger, deployment.policy) as link:
+            base = link.split("/?")[0]
+            async with chromium() as browser:
+                page = await browser.new_page(viewport={"width": 1280, "height": 900})
+                await page.goto(link)
+                await page.goto(f"{base}/operations/{op_id}")
+                main = await page.locator("main").inner_text()
+                assert "\u202e" not in main and "\u200b" not in main
+                assert "attached: \\u202etxt.exe\\u202c\\u200b" in main  # as `ops show` prints it
+                buttons = [text.strip() for text in await page.locator(".choices button").all_inner_texts()]
+                assert buttons == [
+                    "It took effect: a retry gets this result",
+                    "It did not take effect: a retry is refused, nothing runs",
+                    "It did not happen: a retry runs it again",
+                ]
+                promised = json.loads(await page.locator("#result-empty code").inner_text())
+                await page.screenshot(path=str(shots / "unknown-1280.png"), full_page=True)
+                await page.fill("#r-reason", "it is in the outbox")
+                await page.locator("button[value='succeeded']").click()
+                await page.wait_for_url("**/unknown?resolved=*")
+
+                await page.goto(f"{base}/operations/{op_id}")
+                note = await page.locator("h2:text-is('Reconciliation') + pre").inner_text()
+                assert re.search(r'"at": "\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"', note), note
+                by = set(await page.locator("td[data-label='By']").all_inner_texts())
+                assert by == {local_principal(), getpass.getuser()}, by  # people and principals only
+                for path in ("/operations", f"/operations/{op_id}", "/approvals"):
+                    await page.goto(base + path)
+                    assert await page.evaluate(BROKEN_WORDS) == [], path
+                    name = path.strip("/").replace("/", "-")
+                    await page.screenshot(path=str(shots / f"{name}-1280.png"), full_page=True)
+                    await page.set_viewport_size({"width": 390, "height": 844})
+                    await page.screenshot(path=str(shots / f"{name}-390.png"), full_page=True)
+                    await page.set_viewport_size({"width": 1280, "height": 900})
+
+        retry = await server.call(
+            "send_email", {**EMAIL, "body": body, "idempotency_key": "details-1"}, session="s1"
+        )
+    assert retry.structured_content == {**promised, "reason": "it is in the outbox"}  # what the page said
+    assert deployment.count("emails", idempotency_key="details-1") == 1

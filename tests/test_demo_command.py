@@ -3,6 +3,7 @@ speak plainly: what each step did, what happened, why that is good, and what to 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,11 @@ def test_demo_quick_runs_and_every_step_holds() -> None:
     assert "refused with budget_exceeded (spent $6,000 of $10,000 within 1d)" in words
     assert "nothing was charged: 1 charge on that card" in words and "commitgate ops budgets" in words
     assert "charges, 0 extra" in out  # through commitgate
+    # and why the agent did not need to retry there: each lost answer was looked up for it
+    assert re.search(
+        r"0 retries: for each of the [1-9]\d* lost answers? commitgate asked the payments store", words
+    )
+    assert not [line for line in done.stderr.splitlines() if "warning" in line.lower()], done.stderr
     assert "the problem" in out  # the direct calls are the baseline, not a passed check
     assert "What to try next" in out and "commitgate claude-config" in out
     assert not [word for word in JARGON if word in out]

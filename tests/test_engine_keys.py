@@ -1,13 +1,16 @@
-"""Keys from engine identity (commitgate.client.keys, .dbos, .langgraph), without any process."""
+"""Keys from engine identity (commitgate.client.keys, .dbos, .langgraph) and errors an engine can record; no process."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
 
+from commitgate.client import CommitgateError, OperationFailed, PossibleDuplicate
 from commitgate.client import dbos as cg_dbos
 from commitgate.client import langgraph as cg_langgraph
+from commitgate.client.errors import error_for
 from commitgate.client.keys import step_key
 
 KEY = re.compile(r"[A-Za-z0-9._:@/+=\-]{1,255}")  # the server's key pattern (docs/contract.md)
@@ -55,3 +58,22 @@ def test_langgraph_identity_is_the_thread_and_the_tool_call() -> None:
         cg_langgraph.identity({}, "call_Jx9")
     with pytest.raises(ValueError, match="InjectedToolCallId"):
         cg_langgraph.identity(config, "")
+
+
+@pytest.mark.parametrize(
+    "code", ["possible_duplicate", "operation_failed", "budget_exceeded", "something_new"]
+)
+def test_errors_survive_the_pickling_an_engine_records_a_failed_step_with(code: str) -> None:
+    operation = {"operation_id": "op-1", "state": "FAILED_FINAL"}
+    error = error_for(
+        {"code": code, "message": "card declined", "operation": operation, "duplicate_of": {"x": 1}}
+    )
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and isinstance(again, CommitgateError)
+    assert (again.code, again.message, again.operation, again.details) == (
+        code, "card declined", operation, {"duplicate_of": {"x": 1}},
+    )  # fmt: skip
+    assert str(again) == str(error) == f"[{code}] card declined"
+    assert isinstance(pickle.loads(pickle.dumps(OperationFailed("operation_failed", "no"))), OperationFailed)
+    if isinstance(again, PossibleDuplicate):
+        assert again.duplicate_of == {"x": 1}

@@ -9,14 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import KILLS, commitgate_server, run_worker, shipments
+from support.engines import KILLS, run_kill_points, shipments
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_resumed_tool_node_ships_once_through_commitgate_and_twice_without(tmp_path: Path) -> None:
-    with commitgate_server(tmp_path) as served:
-        summary = run_worker("langgraph", served, tmp_path)
+    summary = run_kill_points("langgraph", tmp_path)
     modes = summary["modes"]
     assert all(summary["crash"][order] == "signal 9" for order in modes), summary["crash"]
     assert all(summary["resume"][order] == "exit 0" for order in modes), summary["stderr"][-5000:]

@@ -120,12 +120,20 @@ async def reloader_for(path: Path) -> AsyncIterator[tuple[Gateway, PolicyReloade
     async def on_applied() -> None:
         announced.append(len(names(gateway)))
 
-    reloader = PolicyReloader(gateway, path, on_applied)
+    reloader = PolicyReloader(gateway, path, on_applied, quiet=0.0)
     await reloader.prime()
     try:
         yield gateway, reloader, announced
     finally:
         await gateway.close()
+
+
+async def settled(reloader: PolicyReloader) -> Any:
+    """A reload, read twice when the edit weakens a guard (it applies on the second read)."""
+    result = await reloader.reload()
+    if result.status is ReloadStatus.WAITING:
+        result = await reloader.reload()
+    return result
 
 
 def ledger_table(path: Path) -> str:
@@ -142,7 +150,7 @@ async def test_valid_edits_apply_for_new_calls_and_announce_only_real_changes(po
         email_source = gateway.served["send_email"].guard.source
 
         write_policy(policy_path, ledger_table(policy_path), EMAIL, BALANCE, TICKET)
-        result = await reloader.reload()
+        result = await settled(reloader)
         assert (result.status, result.announced) == (ReloadStatus.APPLIED, True)
         assert names(gateway) == {"send_email", "get_balance", "create_ticket"}
         assert gateway.served["send_email"].guard.source is email_source  # unchanged tools are kept
@@ -188,7 +196,7 @@ async def test_an_invalid_edit_is_rejected_with_the_messages_of_check(
         ).status is ReloadStatus.UNCHANGED  # the same bad text is not re-logged
         assert caplog.text == ""
         write_policy(policy_path, ledger_table(policy_path), EMAIL, TICKET)
-        assert (await reloader.reload()).status is ReloadStatus.APPLIED
+        assert (await settled(reloader)).status is ReloadStatus.APPLIED
         assert names(gateway) == {"send_email", "create_ticket"}
         assert announced == [2]
 
@@ -245,10 +253,10 @@ async def test_an_emptied_file_and_an_edit_before_watching(policy_path: Path) ->
         async def nothing() -> None:
             return None
 
-        reloader = PolicyReloader(gateway, policy_path, nothing)
+        reloader = PolicyReloader(gateway, policy_path, nothing, quiet=0.0)
         await reloader.prime()
         assert reloader.changed_on_disk()
-        assert (await reloader.reload()).status is ReloadStatus.APPLIED
+        assert (await settled(reloader)).status is ReloadStatus.APPLIED
         assert names(gateway) == {"create_ticket"}
     finally:
         await gateway.close()
@@ -446,7 +454,7 @@ async def test_an_edit_can_add_and_remove_an_upstream_server(policy_path: Path, 
     """
     async with reloader_for(policy_path) as (gateway, reloader, _):
         write_policy(policy_path, ledger_table(policy_path), EMAIL, upstream)
-        assert (await reloader.reload()).status is ReloadStatus.APPLIED
+        assert (await settled(reloader)).status is ReloadStatus.APPLIED
         assert names(gateway) == {"send_email", "add_note"}
         noted = await gateway.call_tool("add_note", {"text": "hi", "idempotency_key": "n1"}, None, None)
         assert not noted.is_error and "HI" in noted.content[0].text  # type: ignore[union-attr]

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commitgate.server.cli.arguments import host_address, port_number
@@ -32,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         " search, budgets to watch",
         description="Serve the operator's console over the ledger, beside any running server."
         " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
-        " [[auth.tokens]] in the policy.",
+        ' an operator\'s token in the policy ([[auth.tokens]] with role = "operator").',
     )
     console.add_argument(
         "--policy",
@@ -46,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--host",
         type=host_address,
         default="127.0.0.1",
-        help="address to listen on; a non-loopback one needs [[auth.tokens]] (default: 127.0.0.1)",
+        help="address to listen on; a non-loopback one needs an operator's token in [[auth.tokens]]"
+        " (default: 127.0.0.1)",
     )
     console.add_argument(
         "--port",
@@ -91,7 +93,12 @@ def cmd_console(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     access = Access.for_bind(args.host, sock.getsockname()[1], tokens, local_operator())
     _print_sign_in(sock, access)
-    app = create_app(ledger_opener(url), access, policy=prompt_policy(policy, path, args.ledger))
+    app = create_app(
+        ledger_opener(url),
+        access,
+        policy=prompt_policy(policy, path, args.ledger),
+        policy_dir=Path(path).expanduser().resolve().parent if path else None,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
@@ -137,7 +144,8 @@ def _print_sign_in(sock: socket.socket, access: Access) -> None:
     else:
         print(f"commitgate: console at http://{shown_host}:{port}/", flush=True)
         print(
-            "commitgate: sign in with ?token=YOUR_TOKEN (a token of [[auth.tokens]]) or a bearer header",
+            "commitgate: sign in with ?token=YOUR_TOKEN (an operator's token of [[auth.tokens]]) or a"
+            " bearer header",
             flush=True,
         )
 

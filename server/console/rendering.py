@@ -9,6 +9,7 @@ their last four digits).
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,33 @@ def status_check(op: Operation) -> str | None:
     return f"no status check: a {op.idempotency_class.value} tool cannot be asked, so a person decides"
 
 
-def history_rows(entries: list[AuditEntry]) -> list[dict[str, Any]]:
+def dated(value: Any) -> Any:
+    """`value` with every time the ledger keeps as seconds (`at`, `decided_at`...) as a UTC date."""
+    if isinstance(value, dict):
+        return {
+            key: moment(item)
+            if (key == "at" or str(key).endswith("_at")) and isinstance(item, int | float)
+            else dated(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [dated(item) for item in value]
+    return value
+
+
+# A lease owner, "host:pid:nonce": the server process that acted, not anyone a person knows.
+_OWNER_ID = re.compile(r".+:\d+:[0-9a-f]+")
+
+
+def actor_of(entry: AuditEntry, principal: str) -> str:
+    """Who acted: the person (an operator, a reviewer) or, for the server's own steps, the principal
+    it acted for; never the internal owner id of a server process."""
+    if not entry.actor or _OWNER_ID.fullmatch(entry.actor):
+        return principal
+    return entry.actor
+
+
+def history_rows(entries: list[AuditEntry], principal: str) -> list[dict[str, Any]]:
     return [
         {
             "at": moment(entry.at),
@@ -110,8 +137,8 @@ def history_rows(entries: list[AuditEntry]) -> list[dict[str, Any]]:
             "event": entry.event,
             "change": " → ".join(s for s in (entry.from_state, entry.to_state) if s),
             "attempt": entry.fence,
-            "actor": entry.actor or "",
-            "detail": compact_json(entry.detail) if entry.detail else "",
+            "actor": actor_of(entry, principal),
+            "detail": compact_json(dated(entry.detail)) if entry.detail else "",
         }
         for entry in entries
     ]

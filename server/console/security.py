@@ -5,9 +5,11 @@ Two ways in, chosen by the address the console listens on:
   Jupyter does. The first visit with `?token=` sets a signed cookie and redirects to the same
   page without the token, so it leaves the address bar and the history. Whoever holds it is an
   operator of the whole ledger, like a person with `commitgate ops` on this machine.
-- any other address: only `[[auth.tokens]]` of the policy, as a bearer token or once in the URL.
-  The console then acts for that token's principal and sees only that principal's operations.
-  Without tokens it refuses to start (`ConsoleRefused`).
+- any other address: only operator tokens of the policy (`[[auth.tokens]]` with
+  `role = "operator"`), as a bearer token or once in the URL. The console then decides in that
+  operator's name and sees only the operations of the principals the token lists. Without an
+  operator token it refuses to start (`ConsoleRefused`).
+On either, an agent's token is refused (403): an agent must never approve or resolve its own calls.
 
 Every page is sent with a strict Content-Security-Policy (no inline script or style, nothing from
 elsewhere, no framing); every form POST carries a CSRF token bound to the signed-in session, and
@@ -30,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from commitgate.server.model.errors import UserFacingError
-from commitgate.server.policy.tokens import TokenTable
+from commitgate.server.policy.tokens import Holder, TokenTable
 
 CSRF_FIELD = "csrf_token"
 COOKIE_LIFETIME = 12 * 3600.0
@@ -52,18 +54,6 @@ class ConsoleRefused(UserFacingError):
     """The console will not start as asked; the message says why and what to do."""
 
 
-def check_bind(host: str, tokens: TokenTable) -> None:
-    """Before binding: a non-loopback address needs the policy's tokens (ConsoleRefused otherwise)."""
-    if tokens or is_loopback(host):
-        return
-    raise ConsoleRefused(
-        f"refusing to serve the console on {host!r} without authentication: anyone who can reach"
-        " that address could approve or resolve operations. Add [[auth.tokens]] to the policy given with"
-        " --policy (principal + token_env or token_sha256), or bind a loopback address such as"
-        " 127.0.0.1 (the default) and open the link the console prints."
-    )
-
-
 class Denied(Exception):
     """A request the console refuses: `status` and a sentence for the person."""
 
@@ -81,18 +71,40 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+AGENT_REFUSED = (
+    "This is an agent's token: agents call MCP, they cannot use the console. Sign in with an"
+    ' operator\'s token (an [[auth.tokens]] entry with role = "operator").'
+)
+
+
+def check_bind(host: str, tokens: TokenTable) -> None:
+    """A console bound elsewhere than loopback needs an operator's token: ConsoleRefused otherwise."""
+    if not is_loopback(host) and not tokens.has("operator"):
+        raise ConsoleRefused(
+            f"refusing to serve the console on {host!r} without an operator's token: there, only"
+            " operators sign in (agents' tokens are refused, so that no agent approves or resolves its own"
+            ' calls). Add role = "operator" to an [[auth.tokens]] entry of the'
+            ' policy given with --policy (a principal name of its own, e.g. "ops-alice", with token_env'
+            " or token_sha256), or bind a loopback address such as 127.0.0.1 (the default) and open the"
+            " link the console prints."
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is signed in: `name` is recorded as the decider; `principal` None sees every principal."""
+    """Who is signed in: `name` is recorded as the decider; `principals` None sees every principal."""
 
     name: str
-    principal: str | None
+    principals: frozenset[str] | None
     session: str  # a per-sign-in value the CSRF token is bound to
+
+    def sees(self, principal: str) -> bool:
+        return self.principals is None or principal in self.principals
 
 
 @dataclass
 class Access:
-    """The console's way in: its own random token (loopback) or the policy's `[[auth.tokens]]`."""
+    """The console's way in: its own random token (loopback) and the policy's operator tokens."""
 
     operator: str  # who decides when signed in with the console's own token
     console_token: str | None = None
@@ -103,29 +115,35 @@ class Access:
 
     @classmethod
     def for_bind(cls, host: str, port: int, tokens: TokenTable, operator: str) -> Access:
-        """Loopback: a fresh console token. Elsewhere: the policy's tokens, or ConsoleRefused."""
+        """Loopback: a fresh console token. Elsewhere: the policy's operator tokens, or ConsoleRefused."""
         cookie = f"commitgate_console_{port}"  # cookies ignore ports: two consoles must not clash
         if is_loopback(host):
-            return cls(operator, console_token=secrets.token_urlsafe(32), cookie=cookie)
+            return cls(operator, console_token=secrets.token_urlsafe(32), tokens=tokens, cookie=cookie)
         check_bind(host, tokens)
         return cls(operator, tokens=tokens, loopback=False, cookie=cookie)
 
     # --- tokens and cookies ------------------------------------------------------------------
 
     def identity_for_token(self, token: str) -> Identity | None:
+        """The identity a token signs in as; None for no known token; Denied(403) for an agent's."""
         session = hashlib.sha256(token.encode("utf-8")).hexdigest()
-        if self.console_token is not None:
-            if hmac.compare_digest(token.encode("utf-8"), self.console_token.encode("utf-8")):
-                return Identity(self.operator, None, session)
+        if self.console_token is not None and hmac.compare_digest(
+            token.encode("utf-8"), self.console_token.encode("utf-8")
+        ):
+            return Identity(self.operator, None, session)
+        holder: Holder | None = self.tokens.holder_of(token)
+        if holder is None:
             return None
-        principal = self.tokens.principal_for(token)
-        return None if principal is None else Identity(principal, principal, session)
+        if holder.role != "operator":
+            raise Denied(403, AGENT_REFUSED)
+        return Identity(holder.principal, holder.sees, session)
 
     def _sign(self, payload: str) -> str:
         return hmac.new(self.secret, payload.encode("ascii"), hashlib.sha256).hexdigest()
 
     def cookie_value(self, identity: Identity, now: float) -> str:
-        body = json.dumps({"n": identity.name, "p": identity.principal, "x": now + COOKIE_LIFETIME})
+        seen = None if identity.principals is None else sorted(identity.principals)
+        body = json.dumps({"n": identity.name, "p": seen, "x": now + COOKIE_LIFETIME})
         payload = base64.urlsafe_b64encode(body.encode("utf-8")).decode("ascii")
         session = secrets.token_hex(16)
         return f"{payload}.{session}.{self._sign(payload + '.' + session)}"
@@ -143,7 +161,8 @@ class Access:
             return None
         if not isinstance(data, dict) or float(data.get("x", 0)) < now:
             return None
-        return Identity(str(data["n"]), data["p"], session)
+        seen = data.get("p")
+        return Identity(str(data["n"]), None if seen is None else frozenset(map(str, seen)), session)
 
     def csrf_token(self, identity: Identity) -> str:
         return self._sign("csrf." + identity.session)
@@ -178,7 +197,11 @@ class Access:
         """A visit with `?token=`: set the cookie and go to the same page without the token."""
         identity = self.identity_for_token(request.query_params.get("token", ""))
         if identity is None:
-            raise Denied(401, "That token is not valid for this console: open the link the console printed.")
+            raise Denied(
+                401,
+                "That token is not valid for this console: open the link the console printed, or use an"
+                " operator's token of the policy.",
+            )
         rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
         # Only a path of this console: "//host/x" or "/\\host/x" would leave it (an open redirect).
         target = "/" + request.url.path.lstrip("/\\") + ("?" + urlencode(rest) if rest else "")

@@ -192,6 +192,7 @@ class CommitBoundary:
             idempotency_class=tool.idempotency_class,
             fingerprint=digest,
             arguments_json=arguments_json,
+            arguments=request.arguments,
             owner=self.owner,
             lease_seconds=self.settings.lease,
             # A budget adds up its window: every record in it must still be there.

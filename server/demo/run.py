@@ -288,8 +288,22 @@ async def double_charge(box: Sandbox, bookings: int, guarded: bool) -> dict[str,
                 arguments["idempotency_key"] = f"booking-{n}"
             while (await client.call_tool("charge_card", arguments)).is_error:
                 retries += 1  # the agent did not see success: it tries again
+        checked = await _checked_answers(client, bookings) if guarded else 0
     charges = sum(box.count("charges", card=f"{card_prefix}-{n}") for n in range(bookings))
-    return {"bookings": bookings, "charges": charges, "duplicates": charges - bookings, "retries": retries}
+    return {
+        "bookings": bookings,
+        "charges": charges,
+        "duplicates": charges - bookings,
+        "retries": retries,
+        "checked": checked,
+    }
+
+
+async def _checked_answers(client: Any, bookings: int) -> int:
+    """Charges whose answer was lost and that commitgate found by asking the payments store."""
+    listed = await client.call_tool("list_operations", {"tool": "charge_card", "limit": bookings})
+    operations = (listed.structured_content or {}).get("operations", [])
+    return sum(1 for op in operations if (op.get("reconciliation") or {}).get("verdict") == "found")
 
 
 async def run_demo(quick: bool = False) -> int:
@@ -317,8 +331,10 @@ async def run_demo(quick: bool = False) -> int:
             "hears back.",
             f"directly: {naive['charges']} charges for {bookings} bookings, "
             f"{times(naive['duplicates'], 'extra charge')}; through commitgate: {guarded['charges']} charges, "
-            f"{times(guarded['duplicates'], 'extra charge')}.",
-            "agents retry; with commitgate the retries are free of double charges.",
+            f"{times(guarded['duplicates'], 'extra charge')}, and {times(guarded['retries'], 'retry')}: for "
+            f"each of the {times(guarded['checked'], 'lost answer')} commitgate asked the payments store "
+            "whether the charge exists, found it, and gave the agent its answer.",
+            "agents retry; with commitgate the retries are free of double charges, and most are not needed.",
         )
         steps.append(
             Step(
@@ -332,7 +348,8 @@ async def run_demo(quick: bool = False) -> int:
         steps.append(
             Step(
                 f"{bookings} bookings through commitgate",
-                f"{times(guarded['retries'], 'retry')}",
+                f"{times(guarded['retries'], 'retry')} ({guarded['checked']} lost answers checked with the"
+                " payments store)",
                 f"{guarded['charges']} charges, {guarded['duplicates']} extra",
                 guarded["duplicates"] == 0,
             )

@@ -177,6 +177,9 @@ class ClaimRequest:
     # (no attempt, no lease) with this record, whose `expires_at` ends the wait.
     approval: dict[str, Any] | None = None
     budget: BudgetCheck | None = None
+    # `arguments_json` decoded, when the caller holds it: the new operation takes it instead of
+    # decoding the text that was just encoded from it.
+    arguments: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -303,7 +303,20 @@ class LedgerPolicy(_Strict):
 class AuthToken(_Strict):
     """A bearer token for HTTP transports, never written in clear."""
 
-    principal: str = Field(min_length=1, description="Who calls with this token.")
+    principal: str = Field(
+        min_length=1,
+        description="Who calls with this token (an agent), or the operator's name recorded on decisions.",
+    )
+    role: Literal["agent", "operator"] = Field(
+        "agent",
+        description="'agent': calls MCP, nothing else. 'operator': signs in to the console and reads"
+        " /metrics; refused on MCP.",
+    )
+    principals: list[str] | Literal["*"] | None = Field(
+        None,
+        description='Operator tokens: the principals whose operations it sees and decides (default "*":'
+        " every principal).",
+    )
     token_env: str | None = Field(None, description="Name of an environment variable holding the token.")
     token_sha256: str | None = Field(
         None, pattern=r"^[0-9a-fA-F]{64}$", description="Hex SHA-256 digest of the token."
@@ -320,7 +333,18 @@ class AuthToken(_Strict):
     def _one_secret(self) -> AuthToken:
         if (self.token_env is None) == (self.token_sha256 is None):
             raise ValueError("each token has exactly one of `token_env` or `token_sha256`")
+        if self.principals is not None and self.role != "operator":
+            raise ValueError('`principals` is for operator tokens only (add role = "operator")')
+        if self.principals == []:
+            raise ValueError('`principals` lists at least one principal, or is "*" for every principal')
         return self
+
+    @property
+    def sees(self) -> frozenset[str] | None:
+        """The principals an operator token sees; None: every principal."""
+        if self.principals is None or self.principals == "*" or "*" in self.principals:
+            return None
+        return frozenset(self.principals)
 
 
 class AuthPolicy(_Strict):

@@ -57,6 +57,45 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
     for name, raw in tools.items():
         problems += _tool_problems(name, raw, tools, upstreams or {})
         problems += _budget_problems(f"tools.{toml_key(name)}", raw, budgets or {})
+    server = data.get("server") if isinstance(data.get("server"), dict) else {}
+    return problems + _token_role_problems(data.get("auth"), (server or {}).get("principal"))
+
+
+def _token_role_problems(auth: Any, stdio_principal: Any) -> list[Problem]:
+    """Operators are not agents: an operator's name is no agent's principal, and the principals it
+    sees are agents' principals (or "*")."""
+    tokens = auth.get("tokens") if isinstance(auth, dict) else None
+    if not isinstance(tokens, list):
+        return []
+    entries = [(i, t) for i, t in enumerate(tokens) if isinstance(t, dict)]
+    agents = {t.get("principal") for _, t in entries if t.get("role", "agent") == "agent"}
+    known_principals = agents | ({stdio_principal} if isinstance(stdio_principal, str) else set())
+    problems: list[Problem] = []
+    for i, token in entries:
+        if token.get("role") != "operator":
+            continue
+        where = f"auth.tokens[{i}]"
+        name = token.get("principal")
+        if name in known_principals:
+            problems.append(
+                Problem(
+                    f"{where}.principal",
+                    f"{name!r} is also an agent's principal; an operator's name must differ from every"
+                    " agent principal, so that a decision never names the agent it was about",
+                )
+            )
+        seen = token.get("principals")
+        if isinstance(seen, list):
+            known = ", ".join(sorted(str(a) for a in known_principals if a)) or "none"
+            problems += [
+                Problem(
+                    f"{where}.principals",
+                    f"{p!r} is no agent's principal (agents: {known}); name agent principals or"
+                    ' "*" for every principal',
+                )
+                for p in seen
+                if p != "*" and p not in known_principals
+            ]
     return problems
 
 

@@ -5,6 +5,9 @@ load time, a `token_sha256` entry is its digest already. A presented token is
 hashed and compared with every entry by `hmac.compare_digest`, without an early
 exit, so the time taken says nothing about which entry (or how much of one)
 matched. The HTTP transports and the console both check tokens with this table.
+
+Each entry has a role: an agent's token calls MCP, an operator's token signs in to the
+console and reads `/metrics` (docs/policy.md#auth); each surface refuses the other role.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from commitgate.server.policy.models import AuthPolicy
+
+Role = Literal["agent", "operator"]
 
 MIN_TOKEN_LENGTH = 16
 TOKEN_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -30,9 +36,18 @@ class AuthConfigError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a token: an agent's principal, or an operator and the principals it sees (None: all)."""
+
+    principal: str
+    role: Role = "agent"
+    sees: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class _Entry:
     digest: bytes
-    principal: str
+    holder: Holder
 
 
 def digest(token: str) -> bytes:
@@ -46,13 +61,16 @@ class TokenTable:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def principal_for(self, token: str) -> str | None:
+    def holder_of(self, token: str) -> Holder | None:
         presented = digest(token)
-        found: str | None = None
+        found: Holder | None = None
         for entry in self.entries:  # no early exit: every entry is compared every time
             if hmac.compare_digest(presented, entry.digest) and found is None:
-                found = entry.principal
+                found = entry.holder
         return found
+
+    def has(self, role: Role) -> bool:
+        return any(entry.holder.role == role for entry in self.entries)
 
 
 def load_tokens(auth: AuthPolicy | None, environ: Mapping[str, str] | None = None) -> TokenTable:
@@ -62,7 +80,7 @@ def load_tokens(auth: AuthPolicy | None, environ: Mapping[str, str] | None = Non
     environ = os.environ if environ is None else environ
     problems: list[str] = []
     entries: list[_Entry] = []
-    owners: dict[bytes, str] = {}
+    owners: dict[bytes, Holder] = {}
     for i, item in enumerate(auth.tokens):
         where = f"auth.tokens[{i}]"
         if not item.principal.strip():
@@ -85,12 +103,13 @@ def load_tokens(auth: AuthPolicy | None, environ: Mapping[str, str] | None = Non
                 )
                 continue
             value = digest(secret)
+        holder = Holder(item.principal, item.role, item.sees)
         other = owners.get(value)
-        if other is not None and other != item.principal:
-            problems.append(f"{where}: the same token is also given to principal {other!r}")
+        if other is not None and other != holder:
+            problems.append(f"{where}: the same token is also given to {other.role} {other.principal!r}")
             continue
-        owners[value] = item.principal
-        entries.append(_Entry(value, item.principal))
+        owners[value] = holder
+        entries.append(_Entry(value, holder))
     if problems:
         raise AuthConfigError(problems)
     return TokenTable(tuple(entries))

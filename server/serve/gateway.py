@@ -12,7 +12,7 @@ import getpass
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -146,6 +146,31 @@ META_TOOLS: dict[str, types.Tool] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What new calls are served from: one policy and its tools, built once and swapped whole on a
+    reload (a call keeps the generation it started with)."""
+
+    policy: Policy
+    served: Mapping[str, ServedTool]
+    meta: frozenset[str]  # the meta tools offered beside them
+    listed: tuple[types.Tool, ...]  # what tools/list answers
+
+    @classmethod
+    def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
+        # compensate_session only where something can be compensated: a model should not try it in vain.
+        compensable = any(
+            s.guard.policy.idempotency_class is IdempotencyClass.COMPENSABLE for s in served.values()
+        )
+        meta = [name for name in META_TOOLS if compensable or name != "compensate_session"]
+        exposed = [s.definition for s in served.values() if s.exposed]
+        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)))
+
+    def offers(self, name: str) -> bool:
+        served = self.served.get(name)
+        return name in self.meta or (served is not None and served.exposed)
+
+
 def local_principal() -> str:
     try:
         return getpass.getuser()
@@ -159,9 +184,8 @@ class Gateway:
     guarded tools; the gateway owns what sources borrow (the pooled HTTP client, the upstream
     connections) and closes it."""
 
-    policy: Policy
+    generation: Generation
     boundary: CommitBoundary
-    served: dict[str, ServedTool]
     http: httpx2.AsyncClient
     upstreams: UpstreamManager
     policy_path: Path | None = None
@@ -205,11 +229,20 @@ class Gateway:
         tools = {name: s.guard for name, s in served.items()}
         boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
-        return cls(policy, boundary, served, http, upstreams, policy_path, principal, faults=faults)
+        generation = Generation.of(policy, served)
+        return cls(generation, boundary, http, upstreams, policy_path, principal, faults=faults)
 
     @property
     def ledger(self) -> Ledger:
         return self.boundary.ledger
+
+    @property
+    def policy(self) -> Policy:
+        return self.generation.policy
+
+    @property
+    def served(self) -> Mapping[str, ServedTool]:
+        return self.generation.served
 
     def collaborators(self, policy: Policy) -> Collaborators:
         """What the sources of `policy` borrow from this gateway."""
@@ -224,27 +257,17 @@ class Gateway:
         """Serve a new policy for new calls; calls in flight keep the tool they started with."""
         if self.faults is not None:
             served = self.faults.wrap(served)
-        self.policy, self.served = policy, served
+        self.generation = Generation.of(policy, served)
         self.boundary.settings = policy.server
         self.boundary.tools = {name: s.guard for name, s in served.items()}
 
     # --- MCP requests -------------------------------------------------------------------------
 
     def list_tools(self) -> list[types.Tool]:
-        exposed = [s.definition for s in self.served.values() if s.exposed]
-        return exposed + [META_TOOLS[name] for name in self._meta_tools()]
+        return list(self.generation.listed)
 
     def has_tool(self, name: str) -> bool:
-        if name in self._meta_tools() or (name in self.served and self.served[name].exposed):
-            return True
-        return self.faults is not None and name == CONTROL_TOOL
-
-    def _meta_tools(self) -> list[str]:
-        """compensate_session only where something can be compensated: a model should not try it in vain."""
-        compensable = any(
-            s.guard.policy.idempotency_class is IdempotencyClass.COMPENSABLE for s in self.served.values()
-        )
-        return [name for name in META_TOOLS if compensable or name != "compensate_session"]
+        return self.generation.offers(name) or (self.faults is not None and name == CONTROL_TOOL)
 
     def handler(self) -> CallTool:
         """What answers tools/call: `call_tool`, seen through the fault plan on a test server.
@@ -261,18 +284,14 @@ class Gateway:
     ) -> types.CallToolResult:
         principal = principal or self.default_principal
         meta = meta or {}
+        generation = self.generation  # the whole call is served from the tools it started with
         try:
             session = self._session(meta)
             args = dict(arguments or {})
-            if name == "get_operation_status":
-                status = await self._get_operation_status(args, session, principal)
-                return _structured(status, None if status["found"] else _not_found_advice(args, session))
-            if name == "list_operations":
-                return _structured(await self._list_operations(args, principal))
-            if name == "compensate_session":
-                return _structured(await self._compensate_session(args, session, principal))
-            served = self.served[name]
-            request = self._request(served, args, meta, session, principal)
+            answer_meta = _META_ANSWERS.get(name)
+            if answer_meta is not None:
+                return await answer_meta(self, args, session, principal)
+            request = self._request(generation, generation.served[name], args, meta, session, principal)
             return await self._guarded_call(request, asking.CHANNEL.get())
         except GateError as exc:
             return render_error(exc, replayed=False)
@@ -392,7 +411,13 @@ class Gateway:
         return check_session(session, f"_meta[{SESSION_META!r}]")
 
     def _request(
-        self, served: ServedTool, args: dict[str, Any], meta: Mapping[str, Any], session: str, principal: str
+        self,
+        generation: Generation,
+        served: ServedTool,
+        args: dict[str, Any],
+        meta: Mapping[str, Any],
+        session: str,
+        principal: str,
     ) -> CallRequest:
         tool = served.guard
         key = args.pop("idempotency_key", None)
@@ -411,7 +436,7 @@ class Gateway:
             raise errors.invalid_arguments(str(exc)) from None
         # Encoded once: this text is what the size limit measures, the fingerprint hashes and the ledger keeps.
         arguments_json = canonical_json(validated)
-        size, limit = len(arguments_json.encode()), self.policy.server.limits.max_argument_bytes
+        size, limit = len(arguments_json.encode()), generation.policy.server.limits.max_argument_bytes
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
         return CallRequest(
@@ -423,6 +448,20 @@ class Gateway:
     def _forwards_key(self, op: Operation) -> bool:
         served = self.served.get(op.tool)
         return bool(served and served.guard.policy.forwards_key)
+
+    async def _answer_status(
+        self, args: dict[str, Any], session: str, principal: str
+    ) -> types.CallToolResult:
+        status = await self._get_operation_status(args, session, principal)
+        return _structured(status, None if status["found"] else _not_found_advice(args, session))
+
+    async def _answer_list(self, args: dict[str, Any], session: str, principal: str) -> types.CallToolResult:
+        return _structured(await self._list_operations(args, principal))
+
+    async def _answer_compensate(
+        self, args: dict[str, Any], session: str, principal: str
+    ) -> types.CallToolResult:
+        return _structured(await self._compensate_session(args, session, principal))
 
     async def _get_operation_status(
         self, args: dict[str, Any], session: str, principal: str
@@ -461,6 +500,15 @@ class Gateway:
         return await saga.compensate(
             principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
         )
+
+
+MetaAnswer = Callable[[Gateway, dict[str, Any], str, str], Awaitable[types.CallToolResult]]
+# What answers each meta tool (the table of META_TOOLS), given (arguments, session, principal).
+_META_ANSWERS: dict[str, MetaAnswer] = {
+    "get_operation_status": Gateway._answer_status,
+    "list_operations": Gateway._answer_list,
+    "compensate_session": Gateway._answer_compensate,
+}
 
 
 def _asks_client(answer: Answer) -> bool:

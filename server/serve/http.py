@@ -2,7 +2,8 @@
 
 Both MCP protocol eras are served at once (the SDK routes each request). Next
 to MCP: `/healthz` (process up and ledger writable; no auth, for probes) and
-`/metrics` (Prometheus text; needs a token when `[auth]` has tokens).
+`/metrics` (Prometheus text; needs an operator's token when `[auth]` has tokens;
+an agent's token is refused there, and an operator's token on MCP).
 
 Safety rules enforced here, before anything listens:
 - a non-loopback bind needs `[auth]` tokens (ServeRefused says why otherwise);
@@ -53,7 +54,7 @@ from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier
+from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier, RoleGate
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import extra
 from commitgate.server.serve.metrics import CONTENT_TYPE, Metrics
@@ -305,6 +306,8 @@ def build_app(
         )
     else:
         app = _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)
+    if verifier is not None:
+        app.add_middleware(RoleGate, verifier=verifier)
     app.add_middleware(_HostCase)  # outermost of ours: every route's Host check sees lower case
     return app
 

@@ -7,11 +7,14 @@ prometheus_client's own, no I/O. Operations by state are not counted as they
 happen (several processes may share one ledger): they are read from
 `ledger.counts()` when `/metrics` is scraped.
 
-Label values are bounded: tools and budgets come from the policy, classes, codes,
-states, outcomes and verdicts from fixed sets, and budget scopes are only those
-this process served recently (at most MAX_BUDGET_SCOPES per budget), dropped once
-their spending has left the window. A call to a tool the policy does not
-serve is counted as `tool="(unknown)"` so clients cannot grow the series.
+Label values are bounded and never carry what a client chose: tools and budgets
+come from the policy, classes, codes, states, outcomes and verdicts from fixed
+sets, principals from the policy's tokens (at most MAX_BUDGET_PRINCIPALS per
+budget, the biggest spenders). No label carries a session id, a key or an
+argument value (docs/policy.md#budgets): a `per = "session"` budget exports its
+limit and how many sessions are near it, not what each spent. A call to a tool
+the policy does not serve is counted as `tool="(unknown)"` so clients cannot
+grow the series.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Mapping, Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -61,7 +64,8 @@ UNKNOWN_TOOL = "(unknown)"
 CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TC = ("tool", "idempotency_class")
-MAX_BUDGET_SCOPES = 100  # spent series per budget: the scopes served most recently
+MAX_BUDGET_PRINCIPALS = 100  # spent series per budget: the principals who spent most
+NEAR_LIMIT = Decimal("0.9")  # a session "near" its budget's limit has spent this share of it (the alert's)
 
 # `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
 disable_created_metrics()
@@ -143,17 +147,22 @@ class Metrics:
         )
         self.budget_spent = Gauge(
             "commitgate_budget_spent",
-            "What a budget's scope spent within the window, read from the ledger at scrape time"
-            " (the scopes this process served recently)",
-            ["budget", "scope"],
+            "What a budget spent within the window, read from the ledger at scrape time: per principal"
+            ' for per = "principal" budgets, principal="" for per = "all" ones',
+            ["budget", "principal"],
             registry=r,
         )
         self.budget_limit = Gauge(
             "commitgate_budget_limit", "A budget's limit, for each of its scopes", ["budget"], registry=r
         )
-        # budget -> scopes this process served, newest last: the only spent series it exports, so the
-        # series stay few even for per-session budgets.
-        self._scopes: dict[str, OrderedDict[str, None]] = {}
+        self.budget_sessions_near = Gauge(
+            "commitgate_budget_sessions_near_limit",
+            f'Sessions of a per = "session" budget that spent at least {float(NEAR_LIMIT):.0%} of its limit',
+            ["budget"],
+            registry=r,
+        )
+        # budget -> the principal labels exported for it at the last scrape (to drop the stale ones)
+        self._spent_labels: dict[str, set[str]] = {}
         self._limits: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
 
@@ -176,12 +185,6 @@ class Metrics:
             if spec is None:
                 return
             counter, extra = spec
-            if (
-                event in (Event.BUDGET_SPENT, Event.BUDGET_EXCEEDED)
-                and "budget" in fields
-                and "scope" in fields
-            ):
-                self._saw_scope(str(fields["budget"]), str(fields["scope"]))
             labels = (tool, cls.value, str(fields.get(extra, ""))) if extra else (tool, cls.value)
             self._child(counter, *labels).inc()
             seconds = fields.get("seconds")
@@ -217,45 +220,41 @@ class Metrics:
                 self._child(self.ledger_events, event).set(value)
         return generate_latest(self.registry)
 
-    def _saw_scope(self, budget: str, scope: str) -> None:
-        scopes = self._scopes.setdefault(budget, OrderedDict())
-        scopes[scope] = None
-        scopes.move_to_end(scope)
-        while len(scopes) > MAX_BUDGET_SCOPES:
-            self._forget(budget, scopes.popitem(last=False)[0])
-
-    def _forget(self, budget: str, scope: str) -> None:
-        self._children.pop((id(self.budget_spent), budget, scope), None)
-        with contextlib.suppress(KeyError):
-            self.budget_spent.remove(budget, scope)
-
     async def _refresh_budgets(self, ledger: Ledger, budgets: Mapping[str, BudgetPolicy]) -> None:
-        """Each declared budget's limit, and what each scope served recently spent. A scope whose
-        spending has left the window is dropped, as is a budget no longer declared."""
+        """Each declared budget's limit and what it spent: per principal, in total, or (per session)
+        how many sessions are near the limit. Series of a budget no longer declared, or of a principal
+        whose spending has left the window, are dropped."""
         now = time.time()
-        for name in [n for n in self._scopes if n not in budgets]:
-            for scope in self._scopes.pop(name):
-                self._forget(name, scope)
+        for name in [n for n in self._spent_labels if n not in budgets]:
+            self._set_spent(name, {})
         for name in list(self._limits - set(budgets)):
             self._limits.discard(name)
-            self._children.pop((id(self.budget_limit), name), None)
-            self.budget_limit.remove(name)
+            for metric in (self.budget_limit, self.budget_sessions_near):
+                self._children.pop((id(metric), name), None)
+                with contextlib.suppress(KeyError):
+                    metric.remove(name)
         for name, budget in budgets.items():
-            self._child(self.budget_limit, name).set(budget.limit)
+            self._child(self.budget_limit, name).set(float(budget.limit))
             self._limits.add(name)
-            scopes = self._scopes.get(name)
-            if not scopes:
+            spent = await ledger.budget_spent(name, budget.per, now - budget.window, now)
+            if budget.per == "session":
+                near = len([s for s in spent if s.spent >= NEAR_LIMIT * budget.limit])
+                self._child(self.budget_sessions_near, name).set(near)
                 continue
-            spent = {
-                s.scope: s.spent
-                for s in await ledger.budget_spent(name, budget.per, now - budget.window, now)
-            }
-            for scope in list(scopes):
-                if spent.get(scope, 0.0) > 0:
-                    self._child(self.budget_spent, name, scope).set(spent[scope])
-                else:
-                    del scopes[scope]
-                    self._forget(name, scope)
+            biggest = sorted((s for s in spent if s.spent > 0), key=lambda s: s.spent, reverse=True)
+            self._set_spent(
+                name, {s.principal or "": float(s.spent) for s in biggest[:MAX_BUDGET_PRINCIPALS]}
+            )
+
+    def _set_spent(self, budget: str, spent: Mapping[str, float]) -> None:
+        for principal in self._spent_labels.pop(budget, set()) - set(spent):
+            self._children.pop((id(self.budget_spent), budget, principal), None)
+            with contextlib.suppress(KeyError):
+                self.budget_spent.remove(budget, principal)
+        for principal, value in spent.items():
+            self._child(self.budget_spent, budget, principal).set(value)
+        if spent:
+            self._spent_labels[budget] = set(spent)
 
     def attach(self, gateway: Gateway) -> None:
         """Observe a gateway that was opened without these metrics, and time its ledger."""

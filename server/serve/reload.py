@@ -9,6 +9,13 @@ way; a removed tool's records stay in the ledger and stay answerable.
 Changes arrive through `watchfiles` (inotify and friends); a slow tick
 compares the file's stat signature too, so an edit made while the watcher was
 starting, or on a filesystem without notifications, is not lost.
+
+An edit that weakens a guard (policy/guards.py) applies only once the file has
+stayed unchanged for QUIET_SECONDS and reads the same twice: an editor writing
+in place may leave, for a moment, a prefix that is valid on its own but lacks a
+line the full text keeps. Until then the running policy serves; a timer re-reads
+the file when the wait is over, so no further file event is needed. Edits that
+only tighten apply at once.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import mcp.types as types
 from mcp.server import Server, ServerRequestContext
 from mcp.server.context import CallNext, HandlerResult
@@ -31,6 +40,7 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
+from commitgate.server.policy.guards import weakenings
 from commitgate.server.policy.loading import PolicyReport, analyse_text, read_policy_file
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import Problem, with_lines
@@ -42,6 +52,7 @@ from commitgate.tools.base import ToolBuildError, ToolSource
 log = logging.getLogger("commitgate.reload")
 
 OnApplied = Callable[[], Awaitable[None]]
+QUIET_SECONDS = 2.0  # how long a weakening edit must leave the file unchanged before it applies
 
 
 # --- announcing the change -------------------------------------------------------------------
@@ -93,6 +104,7 @@ class ReloadStatus(StrEnum):
     REJECTED = "rejected"
     UNCHANGED = "unchanged"
     UNREADABLE = "unreadable"
+    WAITING = "waiting"  # a weakening edit, not quiet yet: read the file again in `reread_in` seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +112,7 @@ class ReloadResult:
     status: ReloadStatus
     problems: list[Problem] = field(default_factory=list)
     announced: bool = False
+    reread_in: float | None = None
 
 
 @dataclass
@@ -109,9 +122,12 @@ class PolicyReloader:
     gateway: Gateway
     path: Path
     on_applied: OnApplied
+    quiet: float = QUIET_SECONDS
     _text: str | None = None
     _stat: tuple[int, int, int] | None = None
     _file_ledger: Any = None
+    _waiting: tuple[str, tuple[int, int, int] | None] | None = None  # a weakening edit: text, signature
+    _waiting_since: float = 0.0
 
     def _signature(self) -> tuple[int, int, int] | None:
         try:
@@ -148,25 +164,49 @@ class PolicyReloader:
             log.warning("cannot read policy %s (%s); the current policy keeps serving", self.path, exc)
             return ReloadResult(ReloadStatus.UNREADABLE)
         if text == self._text:
+            self._waiting = None  # edited back: nothing waits any more
             return ReloadResult(ReloadStatus.UNCHANGED)
         if not text.strip():  # an editor truncating before it writes: wait for the content
             log.info("policy %s is empty; the current policy keeps serving", self.path)
             return ReloadResult(ReloadStatus.UNREADABLE)
-        self._text = text
         async with self.gateway.rebuilding:
             policy, served, problems = await self._validate(text)
             if policy is None or served is None:
+                self._text, self._waiting = text, None
                 await self._retire_upstreams(self.gateway.policy)  # whatever the rejected edit connected
                 log.error(
                     "policy edit rejected; the previous policy keeps serving.\n%s",
                     format_report(str(self.path), problems),
                 )
                 return ReloadResult(ReloadStatus.REJECTED, problems)
+            reread_in = self._still_to_wait(text, weakenings(self.gateway.policy, policy))
+            if reread_in is not None:
+                await self._retire_upstreams(self.gateway.policy)  # built again once it may apply
+                return ReloadResult(ReloadStatus.WAITING, reread_in=reread_in)
+            self._text, self._waiting = text, None
             changed = self._apply(policy, served)
             await self._retire_upstreams(policy)
         if changed:
             await _announce(self.on_applied)
         return ReloadResult(ReloadStatus.APPLIED, [], changed)
+
+    def _still_to_wait(self, text: str, weaker: list[str]) -> float | None:
+        """None when the edit may apply now; else the seconds until the file may have been quiet long
+        enough. A weakening edit applies once the same text (and file) was read twice, `quiet` apart."""
+        if not weaker:
+            return None
+        now, seen = time.monotonic(), (text, self._stat)
+        if self._waiting != seen:
+            self._waiting, self._waiting_since = seen, now
+            log.warning(
+                "policy %s weakens a guard (%s); it applies once the file stays unchanged for %gs,"
+                " until then the current policy keeps serving",
+                self.path,
+                "; ".join(weaker),
+                self.quiet,
+            )
+        waited = now - self._waiting_since
+        return None if waited >= self.quiet and self._waiting_since < now else self.quiet - waited
 
     async def _validate(self, text: str) -> tuple[Policy | None, dict[str, ServedTool] | None, list[Problem]]:
         report = analyse_text(text, str(self.path))
@@ -251,23 +291,53 @@ async def watch_policy(
         return Path(changed) == target
 
     log.info("watching %s for policy edits", target)
-    # Polled, not inotify: the directory may also hold the ledger, whose every commit would wake
-    # the watcher (about 0.15 ms of a 2-core machine per guarded call, measured).
-    async for changes in awatch(
-        target.parent,
-        watch_filter=ours,
-        stop_event=stop,
-        rust_timeout=max(1, int(tick * 1000)),
-        yield_on_timeout=True,
-        recursive=False,
-        force_polling=True,
-        poll_delay_ms=max(50, int(tick * 500)),
-    ):
-        if changes or reloader.changed_on_disk():
+    async with anyio.create_task_group() as tasks:
+        rereads = _Rereads(reloader, tasks)
+        # Polled, not inotify: the directory may also hold the ledger, whose every commit would wake
+        # the watcher (about 0.15 ms of a 2-core machine per guarded call, measured).
+        async for changes in awatch(
+            target.parent,
+            watch_filter=ours,
+            stop_event=stop,
+            rust_timeout=max(1, int(tick * 1000)),
+            yield_on_timeout=True,
+            recursive=False,
+            force_polling=True,
+            poll_delay_ms=max(50, int(tick * 500)),
+        ):
+            if changes or reloader.changed_on_disk():
+                await rereads.reload()
+        tasks.cancel_scope.cancel()
+
+
+@dataclass
+class _Rereads:
+    """Reloads one at a time, and the timer that re-reads the file once a waiting edit may apply."""
+
+    reloader: PolicyReloader
+    tasks: anyio.abc.TaskGroup
+    _lock: anyio.Lock = field(default_factory=anyio.Lock)
+    _timer: anyio.CancelScope | None = None
+
+    async def reload(self) -> None:
+        async with self._lock:
             try:
-                await reloader.reload()
+                result = await self.reloader.reload()
             except Exception:  # an unexpected failure rejects this edit, not the watching
-                log.exception("reloading %s failed; the current policy keeps serving", target)
+                log.exception("reloading %s failed; the current policy keeps serving", self.reloader.path)
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if result.reread_in is not None:
+                self._timer = anyio.CancelScope()
+                self.tasks.start_soon(self._reread, self._timer, result.reread_in)
+
+    async def _reread(self, timer: anyio.CancelScope, delay: float) -> None:
+        with timer:  # only the wait is cancelled: a reload under way always finishes
+            await anyio.sleep(delay + 0.01)
+        if not timer.cancel_called:
+            await self.reload()
 
 
 async def _announce(on_applied: OnApplied) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import engine_common as common
@@ -45,11 +47,27 @@ def gate() -> Iterator[None]:
         yield
 
 
+def database(root: Path, order: str) -> Path:
+    return root / f"dbos-{order}.sqlite"
+
+
+def seed(root: Path, template: str, orders: Iterable[str]) -> None:
+    """Starts each run's system database as a copy of one DBOS has already set up (as any restarted
+    application finds it): its schema, and the finished calibration run, which recovery skips."""
+    with contextlib.closing(sqlite3.connect(database(root, template))) as source:
+        for order in orders:
+            with contextlib.closing(sqlite3.connect(database(root, order))) as target:
+                source.backup(target)
+
+
 def run(phase: str) -> None:
     order = common.CURRENT.order
-    database = common.CURRENT.root / f"dbos-{order}.sqlite"
     dbos = DBOS(
-        config={"name": "engines", "system_database_url": f"sqlite:///{database}", "log_level": "WARNING"}
+        config={
+            "name": "engines",
+            "system_database_url": f"sqlite:///{database(common.CURRENT.root, order)}",
+            "log_level": "WARNING",
+        }
     )
     with gate():
         DBOS.launch()  # on resume: recovers the workflow the crash left PENDING

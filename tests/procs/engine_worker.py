@@ -14,6 +14,7 @@ The process imports everything once, then forks one child per run, so each run s
    server, kills the worker, whose answer is lost); n > 0 = the n-th call event after the answer,
    spread over the calibrated window, the last one as the engine starts writing;
 3. one child per kill point (all at once) resumes the run from the engine's durable state.
+It starts once a line arrives on stdin (the server it calls is ready).
 
 Prints one JSON line: per order, its kill point, how its crash run ended and its resume's exit code.
 """
@@ -85,6 +86,7 @@ def spread(window: int, kills: int) -> list[int]:
 
 def main() -> None:
     engine, modes, kills = CONFIG["engine"], CONFIG["modes"], int(CONFIG["kills"])
+    sys.stdin.readline()  # imported: wait for the commitgate server to be ready
     gc.freeze()  # the children share the imported modules' pages instead of copying them
     started = time.monotonic()
     timings: dict[str, float] = {}
@@ -101,6 +103,8 @@ def main() -> None:
         for i, point in enumerate(spread(window, kills)):
             order = f"{engine}-{mode}-{i:02d}"
             points[order], runs[order] = point, mode
+    if hasattr(ENGINE, "seed"):
+        ENGINE.seed(ROOT, f"{engine}-{modes[0]}-calibrate", points)
     crash = fork_all([("crash", runs[o], o, p) for o, p in points.items()])
     lap("crash")
     resume = fork_all([("resume", runs[o], o, None) for o in points])

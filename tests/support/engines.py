@@ -1,7 +1,7 @@
 """The durable-engine kill-point tests: one commitgate server over HTTP, a worker that forks the runs.
 
-tests/procs/engine_worker.py does the runs (see its docstring); this side starts the server the
-worker's "gate" runs call, runs the worker, and counts shipments in the system of record.
+tests/procs/engine_worker.py does the runs (see its docstring); this side starts the server that
+the worker's "gate" runs call, runs the worker, and counts shipments in the system of record.
 """
 
 from __future__ import annotations
@@ -10,14 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tools_e2e import engines
 
-from support.http_servers import Served, running
+from support.http_servers import free_port, running
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 WORKER = TESTS_DIR / "procs" / "engine_worker.py"
@@ -48,38 +46,40 @@ def engines_env(root: Path) -> dict[str, str]:
     return {engines.ENV_DIR: str(root), "PYTHONPATH": str(TESTS_DIR), "PYTHONUNBUFFERED": "1"}
 
 
-@contextmanager
-def commitgate_server(root: Path) -> Iterator[Served]:
-    """`commitgate serve` over streamable HTTP with the `ship` tool, its record in `root`."""
+def run_kill_points(engine: str, root: Path, kills: int = KILLS) -> dict[str, Any]:
+    """Runs the engine's kill points without and through commitgate; the worker's summary.
+
+    The worker imports its engine while the server starts, and begins once the server is ready."""
     root.mkdir(parents=True, exist_ok=True)
     policy = root / "policy.toml"
     policy.write_text(POLICY, encoding="utf-8")
-    with running(
-        root, policy, "streamable-http", ledger=root / "ledger.db", sandbox=root / "sandbox.db",
-        env=engines_env(root), log_level="warning",
-    ) as served:  # fmt: skip
-        yield served
-
-
-def run_worker(engine: str, served: Served, root: Path, kills: int = KILLS) -> dict[str, Any]:
-    """Runs the engine's kill points without and through commitgate; the worker's summary."""
+    port = free_port()
     config = {
-        "engine": engine,
-        "modes": ["direct", "gate"],
-        "kills": kills,
-        "root": str(root),
-        "url": served.endpoint,
-    }
-    done = subprocess.run(
-        [sys.executable, str(WORKER), json.dumps(config)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, **engines_env(root)},
-    )  # fmt: skip
-    assert done.returncode == 0, f"worker failed:\n{done.stderr[-5000:]}"
-    summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    summary["stderr"] = done.stderr
+        "engine": engine, "modes": ["direct", "gate"], "kills": kills, "root": str(root),
+        "url": f"http://127.0.0.1:{port}/mcp",
+    }  # fmt: skip
+    with (root / "worker.stderr").open("w+", encoding="utf-8") as stderr:
+        worker = subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=stderr, text=True, env={**os.environ, **engines_env(root)},
+        )  # fmt: skip
+        try:
+            with running(
+                root, policy, "streamable-http", ledger=root / "ledger.db", sandbox=root / "sandbox.db",
+                env=engines_env(root), log_level="warning", port=port,
+            ):  # fmt: skip
+                out, _ = worker.communicate("go\n", timeout=240)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        stderr.seek(0)
+        errors = stderr.read()
+    assert worker.returncode == 0, f"worker failed:\n{errors[-5000:]}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    summary["stderr"] = errors
     return summary
 
 
 def shipments(root: Path) -> dict[str, int]:
-    os.environ[engines.ENV_DIR] = str(root)
-    return engines.shipments()
+    return engines.shipments(root)

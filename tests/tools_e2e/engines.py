@@ -14,8 +14,8 @@ from pathlib import Path
 ENV_DIR = "COMMITGATE_ENGINES_DIR"  # the directory of the record and the kill files
 
 
-def record_path() -> Path:
-    return Path(os.environ[ENV_DIR]) / "record.db"
+def record_path(root: Path | None = None) -> Path:
+    return (root or Path(os.environ[ENV_DIR])) / "record.db"
 
 
 def ship(order: str) -> dict:
@@ -36,13 +36,13 @@ def ship(order: str) -> dict:
     return {"order": order, "shipment_id": shipment}
 
 
-def shipments(order: str | None = None) -> dict[str, int]:
-    """Rows per order in the system of record."""
-    conn = sqlite3.connect(record_path(), timeout=30)
+def shipments(root: Path) -> dict[str, int]:
+    """Rows per order in the system of record kept in `root`."""
+    conn = sqlite3.connect(record_path(root), timeout=30)
     try:
         rows = conn.execute("SELECT order_id, COUNT(*) FROM shipments GROUP BY order_id").fetchall()
     except sqlite3.OperationalError:
         rows = []
     finally:
         conn.close()
-    return {order_id: n for order_id, n in rows if order is None or order_id == order}
+    return dict(rows)

@@ -12,11 +12,13 @@ from starlette.routing import Route
 
 from commitgate.server.console.pages.base import (
     Page,
+    find_visible,
     identity_of,
     ledger_of,
     now,
-    scope_of,
+    sole_principal,
     touch,
+    visible,
 )
 from commitgate.server.console.pages.operations import operation_page
 from commitgate.server.console.pages.questions import VIA, waiting
@@ -36,14 +38,12 @@ async def _entries(request: Request) -> dict[str, Any]:
     ledger = ledger_of(request)
     at = now()
     await touch(ledger, at)  # a wait that ran out is expired here, as the sweep would, not listed
-    found = await ledger.find(
-        OperationFilter(scope_of(request), state=State.AWAITING_APPROVAL, limit=SHOWN + 1)
-    )
+    found = await find_visible(request, OperationFilter(None, state=State.AWAITING_APPROVAL, limit=SHOWN + 1))
     return {
         "entries": [await waiting(request, op, at) for op in found[:SHOWN]],
         "more": len(found) > SHOWN,
         "shown": SHOWN,
-        "all_principals": scope_of(request) is None,
+        "all_principals": sole_principal(request) is None,
     }
 
 
@@ -51,7 +51,7 @@ async def approvals_page(request: Request, *, status_code: int = 200, problem: s
     decided = None
     decided_id = request.query_params.get("decided")
     if decided_id:  # said from the ledger, never from the address: a link cannot fake a decision
-        decided = await ledger_of(request).get_by_id(scope_of(request), decided_id)
+        decided = await visible(request, decided_id)
     return render(
         request,
         "approvals.html",
@@ -97,7 +97,8 @@ async def decide_route(request: Request) -> Response:
     reason = str(form.get("reason") or "").strip()
     back = "operation" if form.get("from") == "operation" else "list"
     ledger = ledger_of(request)
-    if await ledger.get_by_id(scope_of(request), operation_id) is None:
+    op = await visible(request, operation_id)
+    if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
     problem = None
     if decision not in DECISIONS:
@@ -117,7 +118,7 @@ async def decide_route(request: Request) -> Response:
             via=VIA,
             reason=reason or None,
             now=now(),
-            principal=scope_of(request),
+            principal=op.principal,
         )
     except approvals.ApprovalRefused as exc:  # decided already, expired, or not ours to decide
         said = str(exc)

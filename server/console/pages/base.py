@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.routing import BaseRoute
@@ -14,6 +14,7 @@ from commitgate.server.core import approvals
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.ledger.base import Ledger, lease_over
 from commitgate.server.model.facts import State
+from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
 
 
@@ -36,9 +37,28 @@ def identity_of(request: Request) -> Identity:
     return identity
 
 
-def scope_of(request: Request) -> str | None:
-    """The principal whose operations this person sees; None: every principal (the console's own token)."""
-    return identity_of(request).principal
+def sole_principal(request: Request) -> str | None:
+    """The one principal this person sees, when it sees exactly one (the pages then hide the column)."""
+    seen = identity_of(request).principals
+    return next(iter(seen)) if seen is not None and len(seen) == 1 else None
+
+
+async def visible(request: Request, operation_id: str) -> Operation | None:
+    """The operation, if this person may see it: another principal's is as absent as a purged one."""
+    op = await ledger_of(request).get_by_id(None, operation_id)
+    return op if op is not None and identity_of(request).sees(op.principal) else None
+
+
+async def find_visible(request: Request, where: OperationFilter) -> list[Operation]:
+    """`where` over the operations this person sees (its principal field is replaced), newest first."""
+    ledger, seen = ledger_of(request), identity_of(request).principals
+    if seen is None:
+        return await ledger.find(where)
+    if where.principal is not None:
+        return await ledger.find(where) if where.principal in seen else []
+    found = [op for p in sorted(seen) for op in await ledger.find(replace(where, principal=p))]
+    found.sort(key=lambda op: op.created_at, reverse=True)
+    return found[: where.limit]
 
 
 def policy_of(request: Request) -> Policy | None:

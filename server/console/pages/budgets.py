@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from commitgate.server.console.pages.base import Page, ledger_of, now, policy_of, scope_of
+from commitgate.server.console.pages.base import Page, identity_of, ledger_of, now, policy_of
 from commitgate.server.console.rendering import render
 from commitgate.server.core.budgets import budget_report, span_for, spending_over_window
 from commitgate.server.ledger.base import Ledger, SpentIn
@@ -115,13 +115,18 @@ def chart_of(spans: list[SpentIn], span: float, whose: str, unit: str | None = N
 
 
 async def scope_view(
-    ledger: Ledger, name: str, budget: BudgetPolicy, row: dict[str, Any], viewer: str | None, at: float
+    ledger: Ledger,
+    name: str,
+    budget: BudgetPolicy,
+    row: dict[str, Any],
+    viewer: frozenset[str] | None,
+    at: float,
 ) -> ScopeView:
-    """One scope's figures and chart. `viewer`: the signed-in principal (None: every principal)."""
+    """One scope's figures and chart. `viewer`: the principals signed in for (None: every principal)."""
     span = span_for(budget.window)
     own = None
     if budget.per == "all" and viewer is not None:
-        spans = await spending_over_window(ledger, name, budget, viewer, None, at)
+        spans = await own_spending(ledger, name, budget, viewer, at)
         own = number(sum((s.spent for s in spans), ZERO))
         operations, whose = None, "Your spending"
     else:
@@ -140,18 +145,29 @@ async def scope_view(
     )
 
 
-def visible(rows: list[dict[str, Any]], per: str, viewer: str | None) -> list[dict[str, Any]]:
-    """The scopes this sign-in may see: all of them, or its principal's (and the "all" total)."""
+async def own_spending(
+    ledger: Ledger, name: str, budget: BudgetPolicy, viewer: frozenset[str], at: float
+) -> list[SpentIn]:
+    """What the viewer's principals spent of a shared budget, span by span (their spans coincide)."""
+    each = [await spending_over_window(ledger, name, budget, p, None, at) for p in sorted(viewer)]
+    return [
+        SpentIn(spans[0].start, sum((s.spent for s in spans), ZERO), sum(s.operations for s in spans))
+        for spans in zip(*each, strict=True)
+    ]
+
+
+def visible(rows: list[dict[str, Any]], per: str, viewer: frozenset[str] | None) -> list[dict[str, Any]]:
+    """The scopes this sign-in may see: all of them, or its principals' (and the "all" total)."""
     if viewer is None or per == "all":
         return rows
-    return [row for row in rows if row["principal"] == viewer]
+    return [row for row in rows if row["principal"] in viewer]
 
 
 async def budgets_page(request: Request) -> Response:
     policy = policy_of(request)
     if policy is None or not policy.budgets:
         return render(request, "budgets.html", title="Budgets", budgets=[], has_policy=policy is not None)
-    ledger, viewer, at = ledger_of(request), scope_of(request), now()
+    ledger, viewer, at = ledger_of(request), identity_of(request).principals, now()
     shown = []
     for entry in await budget_report(ledger, policy, at):
         budget = policy.budgets[entry["name"]]

@@ -8,14 +8,29 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from commitgate.server.console.pages.base import Page, ledger_of, now, scope_of, touch
+from commitgate.server.console.pages.base import (
+    Page,
+    find_visible,
+    ledger_of,
+    now,
+    sole_principal,
+    touch,
+    visible,
+)
 from commitgate.server.console.pages.questions import waiting
-from commitgate.server.console.rendering import history_rows, render, shown_json, shown_result, status_check
+from commitgate.server.console.rendering import (
+    dated,
+    history_rows,
+    render,
+    shown_json,
+    shown_result,
+    status_check,
+)
 from commitgate.server.console.security import Denied
 from commitgate.server.core import approvals
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
-from commitgate.server.model.facts import State
+from commitgate.server.model.facts import IdempotencyClass, State
 
 LIMITS = (50, 200, 1000)
 SEARCH_FIELDS = ("tool", "state", "session", "key", "principal")
@@ -24,9 +39,8 @@ SEARCH_FIELDS = ("tool", "state", "session", "key", "principal")
 def _search(request: Request) -> tuple[dict[str, str], OperationFilter]:
     """The search form's values as typed, and the filter they make (a bad value is a clear 400)."""
     typed = {name: request.query_params.get(name, "").strip() for name in SEARCH_FIELDS}
-    scope = scope_of(request)
-    if scope is not None:
-        typed["principal"] = ""  # a principal's token sees only its own operations
+    if sole_principal(request) is not None:
+        typed["principal"] = ""  # a token that sees one principal has nothing to choose
     state = None
     if typed["state"]:
         try:
@@ -37,7 +51,7 @@ def _search(request: Request) -> tuple[dict[str, str], OperationFilter]:
     limit = int(limit_text) if limit_text.isdigit() and int(limit_text) in LIMITS else LIMITS[0]
     typed["limit"] = str(limit)
     where = OperationFilter(
-        principal=scope if scope is not None else typed["principal"] or None,
+        principal=typed["principal"] or None,
         session=typed["session"] or None,
         state=state,
         tool=typed["tool"] or None,
@@ -51,7 +65,7 @@ async def operations_page(request: Request) -> Response:
     typed, where = _search(request)
     ledger = ledger_of(request)
     await touch(ledger, now())
-    found = await ledger.find(where)
+    found = await find_visible(request, where)
     return render(
         request,
         "operations.html",
@@ -61,7 +75,7 @@ async def operations_page(request: Request) -> Response:
         limits=LIMITS,
         operations=found,
         searched=any(typed[name] for name in SEARCH_FIELDS),
-        all_principals=scope_of(request) is None,
+        all_principals=sole_principal(request) is None,
     )
 
 
@@ -73,11 +87,12 @@ async def operation_page(
     problem: str | None = None,
     problem_field: str | None = None,
     typed: dict[str, str] | None = None,
+    notice: str | None = None,
 ) -> Response:
     """One operation: its facts, arguments, outcome, status check and full audit history; a form to
-    resolve it while it is UNKNOWN."""
+    resolve it while it is UNKNOWN (with *Check again* when its tool has a status check)."""
     ledger = ledger_of(request)
-    op = await ledger.get_by_id(scope_of(request), operation_id)
+    op = await visible(request, operation_id)
     if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
     at = now()
@@ -88,14 +103,16 @@ async def operation_page(
         "arguments": shown_json(op.arguments),
         "result": shown_result(op.result),
         "error": shown_json(op.error) if op.error is not None else None,
-        "reconciliation": shown_json(op.reconciliation) if op.reconciliation is not None else None,
+        "reconciliation": shown_json(dated(op.reconciliation)) if op.reconciliation is not None else None,
         "status_check": status_check(op),
         # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
         "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),
-        "history": history_rows(history),
+        "history": history_rows(history, op.principal),
         "approval": approvals.status(op),
         "waiting": await waiting(request, op, at) if op.state is State.AWAITING_APPROVAL else None,
         "problem": problem,
+        "notice": notice,
+        "can_check": op.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK,
         "problem_field": problem_field,
         "typed": {"reason": "", "result": "", "approval_reason": "", **(typed or {})},
     }

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from commitgate.server.console.pages.base import ledger_of, policy_of, scope_of
+from commitgate.server.console.pages.base import ledger_of, policy_of, visible
 from commitgate.server.core import approvals, budgets
 from commitgate.server.core.budgets import Budget
 from commitgate.server.model.records import Operation
@@ -50,7 +50,7 @@ async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     record = op.approval or {}
     earlier = None
     if record.get("duplicate_of"):
-        earlier = await ledger_of(request).get_by_id(scope_of(request), str(record["duplicate_of"]))
+        earlier = await visible(request, str(record["duplicate_of"]))
     policy = policy_of(request)
     tool = policy.tools.get(op.tool) if policy else None
     declared = policy.budget_of(op.tool) if policy else None

@@ -639,7 +639,7 @@ def _new_operation(request: ClaimRequest, now: float) -> Operation:
         state=State.RUNNING,
         attempts=1,
         fence=1,
-        arguments=json.loads(request.arguments_json),
+        arguments=request.arguments if request.arguments is not None else json.loads(request.arguments_json),
         created_at=now,
         updated_at=now,
         lease_owner=request.owner,
