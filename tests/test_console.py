@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import html
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -210,6 +211,37 @@ def test_an_unknown_charge_shows_that_its_status_check_could_not_tell(
         assert op_id in listed and "the status check could not tell" in listed
         page = client.get(f"/operations/{op_id}").text
         assert "the status check could not tell" in page and "cannot_tell" in page  # and its full note
+
+
+def test_check_again_asks_the_status_check_and_offers_the_result_it_found(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "charge_card.lose_ack=100%,find_charge.fail_before=100%")
+    result = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        page = client.get(f"/operations/{op_id}").text
+        assert f'action="/operations/{op_id}/check"' in page and "Check again</button>" in page
+        form = {"csrf_token": csrf_of(page)}
+        still = client.post(f"/operations/{op_id}/check", data=form)  # the check still fails
+        assert still.status_code == 200 and "The status check could not tell" in still.text
+        monkeypatch.delenv(demo.ENV_FAULTS)
+        found = client.post(f"/operations/{op_id}/check", data=form)
+        assert found.status_code == 200 and "The status check found it" in found.text
+        prefilled = re.search(r'<textarea id="r-result"[^>]*>([^<]*)</textarea>', found.text)
+        assert prefilled is not None
+        offered = json.loads(html.unescape(prefilled.group(1)))
+        assert offered["status"] == "succeeded" and offered["amount_cents"] == 1299
+        assert state_of(ledger_url, op_id) is State.UNKNOWN  # a person decides, with the result offered
+        history = client.get(f"/operations/{op_id}").text
+        assert history.count("reconcile_undecided") == 2 and "the status check found it" in history
+        resolved = client.post(
+            f"/operations/{op_id}/resolve",
+            data={**form, "finding": "succeeded", "reason": "", "result": json.dumps(offered)},
+        )
+        assert resolved.status_code == 303
+    retry = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    assert retry.structured_content == offered and demo.count("charges") == 1
 
 
 def test_a_running_operation_whose_owner_died_is_listed_as_unknown(
