@@ -7,6 +7,7 @@ server of the 1.x SDK (from `.venv-sdk1`) shows the handshake raises no validati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ respond_within = "20s"
 [ledger]
 url = "sqlite:///{ledger}"
 """
+STUCK = 'upstream_tool = "note"\ntimeout = "1s"\nretry = { attempts = 1 }'
 WARNING = "note is served as safe-retry, but its server does not declare it read-only"
 
 
@@ -189,6 +191,8 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         SERVER.format(ledger=tmp_path / "ledger.db")
         + upstream(tmp_path, "slow", 'tools = "all"\ndefault_class = "key-required"', HINTED_SLOW="3")
         + tool("note", "key-required", upstream="slow")
+        + upstream(tmp_path, "stuck", HINTED_SLOW="600")  # never answers within the call's timeout
+        + tool("stuck_note", "key-required", STUCK, upstream="stuck")
     )
     ready = tmp_path / "slow.pid.ready"
     note = {"text": "early", "idempotency_key": "early-1"}
@@ -202,7 +206,14 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert ready.exists()
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
+        stuck = await call(client, "stuck_note", {"text": "never", "idempotency_key": "stuck-1"})
+        sleeper = int((tmp_path / "stuck.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):  # a client that stops the server at once may orphan it
+        os.kill(sleeper, signal.SIGKILL)
     assert keyed(tools, "lookup")  # default_class wins over its read-only annotation
+    # still connecting after the tool's timeout: a retryable failure, nothing sent
+    assert operation(stuck)["state"] == "FAILED_RETRYABLE" and "not connected" in text(stuck)
+    assert effects(tmp_path, "stuck") == []
     assert not first.is_error, text(first)
     assert operation(first)["attempts"] == 1 and operation(again)["replayed"] is True
     assert effects(tmp_path, "slow") == [{"tool": "note", "text": "early"}]

@@ -216,12 +216,12 @@ class UpstreamConnection:
         self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
         if self._task is None:
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), 10.0)
-        except TimeoutError:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if not self.connecting:  # a slow start is not waited out: there is nothing to end gracefully
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), 10.0)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
     async def _supervise(self) -> None:
         delay = BACKOFF_INITIAL
