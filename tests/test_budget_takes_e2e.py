@@ -64,6 +64,15 @@ def deployment(
     return made
 
 
+NOTES = """
+[tools.send_note]
+class = "key-required"
+python = "commitgate.tools.demo:send_email"
+duplicates = { action = "approval" }
+"""
+NOTE = {"to": "ann@example.com", "subject": "Ticket", "body": "The printer is out of paper"}
+
+
 def charge(key: str, cents: int) -> dict[str, Any]:
     return {"card": "4242", "amount_cents": cents, "description": key, "idempotency_key": key}
 
@@ -162,12 +171,6 @@ async def test_a_charge_approved_after_its_window_counts_from_its_take(
         await backdate(ledger_url, 7200.0)  # it waited two hours, twice the window
         await approve_all(ledger_url, [error(late)["operation"]["operation_id"]])
         assert not (await server.call("charge_card", charge("late", 1000), session="s")).is_error
-        # its repeat under a fresh key hears that it happened, though the budget has no room left
-        again = await server.call(
-            "charge_card", {**charge("late", 1000), "idempotency_key": "fresh"}, session="s"
-        )
-        assert error_code(again) == "possible_duplicate", text(again)
-        assert error(again)["duplicate_of"]["idempotency_key"] == "late"
         beside = await server.call("charge_card", charge("beside", 999), session="s")
         assert error_code(beside) == "budget_exceeded", text(beside)
         assert error(beside)["budget"]["spent"] == 1000
@@ -179,13 +182,14 @@ async def test_a_charge_approved_after_its_window_counts_from_its_take(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("mode", ["legacy", "auto"])  # handshake era (elicitation/create), 2026-07-28
-async def test_a_client_that_accepts_everything_cannot_approve_its_own_overspend(
+async def test_a_client_that_accepts_everything_cannot_approve_its_own_overspend_or_duplicates(
     tmp_path: Path, mode: str
 ) -> None:
     d = deployment(
         tmp_path,
         exceeded="approval",
-        extra='approval = { when = "arguments.amount_cents >= 500", via = ["client", "operator"] }',
+        extra='approval = { when = "arguments.amount_cents >= 500", via = ["client", "operator"] }\n'
+        + NOTES,  # a tool without an approval table whose duplicates go to a person
     )
     asked: list[str] = []
     async with serve(d, mode=mode, elicitation_callback=person("accept", asked)) as server:
@@ -204,22 +208,13 @@ async def test_a_client_that_accepts_everything_cannot_approve_its_own_overspend
         assert status["approval"]["over_budget"] == {
             "name": "payments", "limit": 1000, "spent": 1000, "amount": 700, "unit": "USD cents",
         }  # fmt: skip
-    assert d.count("charges") == 2
-
-
-@pytest.mark.anyio
-async def test_a_client_that_accepts_everything_cannot_approve_its_own_duplicates(tmp_path: Path) -> None:
-    d = deployment(tmp_path, limit="100000", extra='duplicates = { action = "approval" }')
-    asked: list[str] = []
-    async with serve(d, elicitation_callback=person("accept", asked)) as server:
-        for key in ("t1", "t2", "t3"):
-            result = await server.call(
-                "charge_card", {**charge("ticket", 100), "idempotency_key": key}, session="s"
-            )
+        for key in ("n1", "n2", "n3"):  # the same note under fresh keys: the repeats wait for an operator
+            result = await server.call("send_note", {**NOTE, "idempotency_key": key}, session="s")
             assert (result.is_error, error_code(result)) == (
-                (False, None) if key == "t1" else (True, "approval_pending")
+                (False, None) if key == "n1" else (True, "approval_pending")
             ), text(result)
-    assert asked == [] and d.count("charges") == 1
+        assert len(asked) == 1
+    assert d.count("charges") == 2 and d.count("emails") == 1
 
 
 # --- exact decimals, with the unit ------------------------------------------------------------------------

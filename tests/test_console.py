@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import html
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -210,6 +211,37 @@ def test_an_unknown_charge_shows_that_its_status_check_could_not_tell(
         assert op_id in listed and "the status check could not tell" in listed
         page = client.get(f"/operations/{op_id}").text
         assert "the status check could not tell" in page and "cannot_tell" in page  # and its full note
+
+
+def test_check_again_asks_the_status_check_and_offers_the_result_it_found(
+    policy: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(demo.ENV_FAULTS, "charge_card.lose_ack=100%,find_charge.fail_before=100%")
+    result = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    op_id = result.structured_content["error"]["operation"]["operation_id"]
+    with console_client(ledger_url, loopback_access(), policy=policy) as client:
+        page = client.get(f"/operations/{op_id}").text
+        assert f'action="/operations/{op_id}/check"' in page and "Check again</button>" in page
+        form = {"csrf_token": csrf_of(page)}
+        still = client.post(f"/operations/{op_id}/check", data=form)  # the check still fails
+        assert still.status_code == 200 and "The status check could not tell" in still.text
+        monkeypatch.delenv(demo.ENV_FAULTS)
+        found = client.post(f"/operations/{op_id}/check", data=form)
+        assert found.status_code == 200 and "The status check found it" in found.text
+        prefilled = re.search(r'<textarea id="r-result"[^>]*>([^<]*)</textarea>', found.text)
+        assert prefilled is not None
+        offered = json.loads(html.unescape(prefilled.group(1)))
+        assert offered["status"] == "succeeded" and offered["amount_cents"] == 1299
+        assert state_of(ledger_url, op_id) is State.UNKNOWN  # a person decides, with the result offered
+        history = client.get(f"/operations/{op_id}").text
+        assert history.count("reconcile_undecided") == 2 and "the status check found it" in history
+        resolved = client.post(
+            f"/operations/{op_id}/resolve",
+            data={**form, "finding": "succeeded", "reason": "", "result": json.dumps(offered)},
+        )
+        assert resolved.status_code == 303
+    retry = asyncio.run(call(policy, "charge_card", "order-8", card="4242", amount_cents=1299))
+    assert retry.structured_content == offered and demo.count("charges") == 1
 
 
 def test_a_running_operation_whose_owner_died_is_listed_as_unknown(
@@ -628,6 +660,22 @@ def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals
         signed = client.get("/unknown?token=bob-token-0123456789ab", headers={"Host": "console.example"})
         assert signed.status_code == 303 and "token" not in signed.headers["location"]
     assert state_of(ledger_url, mine) is State.FAILED_FINAL and state_of(ledger_url, theirs) is State.UNKNOWN
+
+
+def test_on_loopback_the_printed_link_sees_every_principal_and_an_agents_token_is_refused(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    theirs = asyncio.run(claim(tmp_path / "ledger.db", principal="bob", step="b-1"))
+    agent = hashlib.sha256(b"agent-token-0123456789").hexdigest()
+    tokens = load_tokens(AuthPolicy(tokens=[AuthToken(principal="alice", token_sha256=agent)]))
+    access = Access.for_bind("127.0.0.1", 8766, tokens, operator="nobody")
+    with console_client(ledger_url, access) as client:
+        assert theirs in client.get("/unknown").text  # the printed link: an operator of every principal
+    with console_client(ledger_url, access, sign_in=False) as client:
+        refused = client.get("/unknown", headers={"Authorization": "Bearer agent-token-0123456789"})
+        assert refused.status_code == 403 and "agent&#39;s token" in refused.text
+        assert client.get("/unknown?token=agent-token-0123456789").status_code == 403
 
 
 def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(

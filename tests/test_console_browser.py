@@ -11,7 +11,9 @@ with 10,000 operations in the ledger.
 
 from __future__ import annotations
 
+import getpass
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from support.browser import (
 from support.console import BUDGETS, seed, seed_budgets, spend_in_every_budget, write_policy
 from support.e2e import Deployment, Server, error, error_code, operation, policy_toml, serve
 
+from commitgate.server.serve.gateway import local_principal
+
 pytestmark = [pytest.mark.browser, pytest.mark.anyio]
 
 EMAIL = {"to": "ann@example.com", "subject": "Your receipt", "body": "Thanks"}
@@ -42,6 +46,24 @@ duplicates = false
 approval = { when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{arguments.subject}' to {arguments.to}?" }
 """
 LOAD_BUDGET_MS = 3000.0  # far above what a healthy page takes here (see docs/results.md)
+# Words of table headers and state badges that the layout broke across lines ("Princi pal").
+BROKEN_WORDS = """() => {
+  const broken = [];
+  for (const element of document.querySelectorAll('th, .state')) {
+    const walker = document.createTreeWalker(element, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const word of node.data.matchAll(/\\S+/g)) {
+        const range = document.createRange();
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        if (lines.size > 1) broken.push(word[0]);
+      }
+    }
+  }
+  return broken;
+}"""
+BIDI = "\u202etxt.exe\u202c"  # reads "exe.txt" when shown raw
 
 
 @pytest.fixture(autouse=True)
@@ -70,13 +92,22 @@ async def waiting_mail(server: Server, key: str, **changes: str) -> str:
 
 
 async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(tmp_path: Path) -> None:
-    deployment = Deployment.create(tmp_path)
+    """Also what the reviewer reads on the way: invisible and bidirectional characters escaped, UTC
+    dates, people and principals as who acted, buttons that say what a retry does, what an empty
+    result replays (and the retry gets exactly that), and headers and badges never broken inside a
+    word; screenshots at 1280 and 390 px go to the test's folder."""
+    deployment = with_approvals(tmp_path)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    body = f"attached: {BIDI}\u200b"
     async with serve(deployment, faults="send_email.lose_ack=2x") as server:
         first = await lost_email(server, "receipt-1")
+        await waiting_mail(server, "waits-1")  # an AWAITING_APPROVAL badge in the list
         assert deployment.count("emails", idempotency_key="receipt-1") == 1
         with console_process(deployment.ledger) as link:
+            base = link.split("/?")[0]
             async with chromium() as browser:
-                page = await browser.new_page()
+                page = await browser.new_page(viewport={"width": 1280, "height": 900})
                 dialogs: list[str] = []
                 page.on("dialog", lambda dialog: dialogs.append(dialog.message))
                 await page.goto(link)
@@ -86,7 +117,7 @@ async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(t
 
                 # A new entry shows without a reload (the page polls its list).
                 await page.evaluate("() => { window.stayedOnPage = true; }")
-                later = await lost_email(server, "receipt-2", subject="Your second receipt")
+                later = await lost_email(server, "receipt-2", subject="Your second receipt", body=body)
                 await page.locator(f"[id='op-{later}']").wait_for(timeout=15_000)
                 assert await page.evaluate("() => window.stayedOnPage") is True
                 assert "2 operations to decide." in await page.locator(".count").inner_text()
@@ -105,11 +136,49 @@ async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(t
                 assert dialogs == []
                 print(f"\nclicks to resolve an unknown outcome from the list: {clicks}")
 
+                # The second, resolved with no result: the page says what a retry receives then.
+                await page.goto(f"{base}/operations/{later}")
+                main = await page.locator("main").inner_text()
+                assert "\u202e" not in main and "\u200b" not in main
+                assert "attached: \\u202etxt.exe\\u202c\\u200b" in main  # as `ops show` prints it
+                buttons = [text.strip() for text in await page.locator(".choices button").all_inner_texts()]
+                assert buttons == [
+                    "It took effect: a retry gets this result",
+                    "It did not take effect: a retry is refused, nothing runs",
+                    "It did not happen: a retry runs it again",
+                ]
+                promised = json.loads(await page.locator("#result-empty code").inner_text())
+                await page.screenshot(path=str(shots / "unknown-1280.png"), full_page=True)
+                await page.fill("#r-reason", "it is in the outbox too")
+                await page.locator("button[value='succeeded']").click()
+                await page.wait_for_url(f"**/unknown?resolved={later}")
+
+                await page.goto(f"{base}/operations/{later}")
+                note = await page.locator("h2:text-is('Reconciliation') + pre").inner_text()
+                assert re.search(r'"at": "\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"', note), note
+                by = set(await page.locator("td[data-label='By']").all_inner_texts())
+                assert by == {local_principal(), getpass.getuser()}, by  # people and principals only
+                for path in ("/operations", f"/operations/{later}", "/approvals"):
+                    await page.goto(base + path)
+                    assert await page.evaluate(BROKEN_WORDS) == [], path
+                    name = path.strip("/").replace("/", "-")
+                    await page.screenshot(path=str(shots / f"{name}-1280.png"), full_page=True)
+                    await page.set_viewport_size({"width": 390, "height": 844})
+                    await page.screenshot(path=str(shots / f"{name}-390.png"), full_page=True)
+                    await page.set_viewport_size({"width": 1280, "height": 900})
+
         retry = await server.call("send_email", {**EMAIL, "idempotency_key": "receipt-1"}, session="s1")
         assert not retry.is_error, retry.content
         assert retry.structured_content == {"message_id": "msg_from_outbox"}
         assert operation(retry)["replayed"] is True and operation(retry)["state"] == "SUCCEEDED"
+        again = await server.call(
+            "send_email",
+            {**EMAIL, "subject": "Your second receipt", "body": body, "idempotency_key": "receipt-2"},
+            session="s1",
+        )
+        assert again.structured_content == {**promised, "reason": "it is in the outbox too"}  # as said
     assert deployment.count("emails", idempotency_key="receipt-1") == 1  # exactly one email, ever
+    assert deployment.count("emails", idempotency_key="receipt-2") == 1
 
 
 async def test_a_script_in_an_argument_stays_inert_and_shows_as_text(tmp_path: Path) -> None:
@@ -321,80 +390,3 @@ async def test_a_reviewer_denies_with_a_reason_and_the_retry_is_told_no_effect(t
         assert "not to outside addresses" in error(answer)["message"]
         assert operation(answer)["state"] == "FAILED_FINAL"
     assert deployment.count("emails") == 0  # nothing sent
-
-
-# Words of table headers and state badges that the layout broke across lines ("Princi pal").
-BROKEN_WORDS = """() => {
-  const broken = [];
-  for (const element of document.querySelectorAll('th, .state')) {
-    const walker = document.createTreeWalker(element, NodeFilter.SHOW_TEXT);
-    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
-      for (const word of node.data.matchAll(/\\S+/g)) {
-        const range = document.createRange();
-        range.setStart(node, word.index);
-        range.setEnd(node, word.index + word[0].length);
-        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
-        if (lines.size > 1) broken.push(word[0]);
-      }
-    }
-  }
-  return broken;
-}"""
-BIDI = "\u202etxt.exe\u202c"
-
-
-async def test_an_operator_reads_dates_people_and_plain_text_and_is_told_what_a_retry_gets(
-    tmp_path: Path,
-) -> None:
-    import getpass
-    import re
-
-    from commitgate.server.serve.gateway import local_principal
-
-    deployment = with_approvals(tmp_path)
-    shots = tmp_path / "screenshots"
-    shots.mkdir()
-    body = f"attached: {BIDI}\u200b"
-    async with serve(deployment, faults="send_email.lose_ack=1x") as server:
-        op_id = await lost_email(server, "details-1", body=body)
-        await waiting_mail(server, "details-2")
-        with console_process(deployment.ledger, deployment.policy) as link:
-            base = link.split("/?")[0]
-            async with chromium() as browser:
-                page = await browser.new_page(viewport={"width": 1280, "height": 900})
-                await page.goto(link)
-                await page.goto(f"{base}/operations/{op_id}")
-                main = await page.locator("main").inner_text()
-                assert "\u202e" not in main and "\u200b" not in main
-                assert "attached: \\u202etxt.exe\\u202c\\u200b" in main  # as `ops show` prints it
-                buttons = [text.strip() for text in await page.locator(".choices button").all_inner_texts()]
-                assert buttons == [
-                    "It took effect: a retry gets this result",
-                    "It did not take effect: a retry is refused, nothing runs",
-                    "It did not happen: a retry runs it again",
-                ]
-                promised = json.loads(await page.locator("#result-empty code").inner_text())
-                await page.screenshot(path=str(shots / "unknown-1280.png"), full_page=True)
-                await page.fill("#r-reason", "it is in the outbox")
-                await page.locator("button[value='succeeded']").click()
-                await page.wait_for_url("**/unknown?resolved=*")
-
-                await page.goto(f"{base}/operations/{op_id}")
-                note = await page.locator("h2:text-is('Reconciliation') + pre").inner_text()
-                assert re.search(r'"at": "\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"', note), note
-                by = set(await page.locator("td[data-label='By']").all_inner_texts())
-                assert by == {local_principal(), getpass.getuser()}, by  # people and principals only
-                for path in ("/operations", f"/operations/{op_id}", "/approvals"):
-                    await page.goto(base + path)
-                    assert await page.evaluate(BROKEN_WORDS) == [], path
-                    name = path.strip("/").replace("/", "-")
-                    await page.screenshot(path=str(shots / f"{name}-1280.png"), full_page=True)
-                    await page.set_viewport_size({"width": 390, "height": 844})
-                    await page.screenshot(path=str(shots / f"{name}-390.png"), full_page=True)
-                    await page.set_viewport_size({"width": 1280, "height": 900})
-
-        retry = await server.call(
-            "send_email", {**EMAIL, "body": body, "idempotency_key": "details-1"}, session="s1"
-        )
-    assert retry.structured_content == {**promised, "reason": "it is in the outbox"}  # what the page said
-    assert deployment.count("emails", idempotency_key="details-1") == 1

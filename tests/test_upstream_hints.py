@@ -7,6 +7,7 @@ server of the 1.x SDK (from `.venv-sdk1`) shows the handshake raises no validati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ respond_within = "20s"
 [ledger]
 url = "sqlite:///{ledger}"
 """
+STUCK = 'upstream_tool = "note"\ntimeout = "1s"\nretry = { attempts = 1 }'
 WARNING = "note is served as safe-retry, but its server does not declare it read-only"
 
 
@@ -70,7 +72,7 @@ def hinted_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     policy.write_text(
         SERVER.format(ledger=root / "ledger.db")
         + upstream(root, "h")
-        + upstream(root, "all", 'tools = "all"')
+        + upstream(root, "all", 'tools = "all"', HINTED_EXTRA=root / "upgraded")
         + tool("lookup", "safe-retry")
         + tool("note", "safe-retry")  # a write classed safe-retry by mistake
         + tool("erase", "key-required")
@@ -95,6 +97,8 @@ async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) ->
         note = {"text": "hi", "idempotency_key": "n-1"}
         first, again = await call(client, "all__note", note), await call(client, "all__note", note)
         read = await call(client, "all__lookup", {"name": "x"})
+        grown = await _grown(client, root)  # the `tools = "all"` upstream gains a tool
+    assert keyed(grown, "added_later")  # declares nothing: key-required
     # kept: title, destructive, open world; read-only only where the server said so
     assert hints(tools, "lookup") == {"title": "Look up", "readOnlyHint": True, "openWorldHint": False}
     assert "readOnlyHint" not in hints(tools, "note")  # safe-retry never makes a write look read-only
@@ -118,10 +122,28 @@ async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) ->
     assert keyed(tools, "all__note") and keyed(tools, "all__erase")
     assert "careful_tally" in tools and "all__tally" not in tools  # its own entry serves it
     assert not first.is_error and not read.is_error, (text(first), text(read))
-    assert operation(again)["replayed"] is True and len(effects(root, "all")) == 1
+    assert operation(again)["replayed"] is True
+    assert [e["tool"] for e in effects(root, "all")] == ["note", "added_later"]  # once each
     log = (root / "stderr.log").read_text()
     assert f"tools.note: {WARNING}" in log
     assert "tools.lookup: lookup is served as safe-retry" not in log
+
+
+async def _grown(client: Any, root: Path) -> dict[str, Any]:
+    """Upgrade and restart the `all` upstream: its new tool is announced, then served (once per key)."""
+    async with client.listen(tools_list_changed=True) as changes:
+        (root / "upgraded").touch()  # once restarted, it offers one more tool
+        os.kill(int((root / "all.pid").read_text()), signal.SIGTERM)
+        with anyio.fail_after(30):  # the reconnect, then the announcement
+            while "added_later" not in {t.name for t in (await client.list_tools()).tools}:
+                assert isinstance(await changes.__anext__(), ToolsListChanged)
+    tools = await upstream_listed(client, "added_later")
+    once = {"text": "new", "idempotency_key": "later-1"}
+    first, again = await call(client, "added_later", once), await call(client, "added_later", once)
+    assert not first.is_error, text(first)
+    assert operation(again)["replayed"] is True
+    assert [e["tool"] for e in effects(root, "all")].count("added_later") == 1
+    return tools
 
 
 @pytest.mark.slow
@@ -148,6 +170,7 @@ def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted
     }
     assert offered["lookup"]["warnings"] == [] and offered["erase"]["served_as"] == "erase"
     everything = {t["name"]: (t["served_as"], t["class"]) for t in inventory["all"]["tools"]}
+    everything.pop("added_later", None)  # offered once the test above upgraded it
     assert everything == {
         "lookup": ("all__lookup", "safe-retry"),
         "erase": ("all__erase", "key-required"),
@@ -155,36 +178,6 @@ def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted
         "tally": ("careful_tally", "key-required"),
     }
     assert "warning: upstream h: " + WARNING in " ".join(as_text.split())
-
-
-# --- tools = "all": a tool the upstream gains later ------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.anyio
-async def test_a_tool_an_all_upstream_adds_later_is_announced_and_served(tmp_path: Path) -> None:
-    flag = tmp_path / "upgraded"
-    policy = tmp_path / "policy.toml"
-    policy.write_text(
-        SERVER.format(ledger=tmp_path / "ledger.db")
-        + upstream(tmp_path, "grow", 'tools = "all"', HINTED_EXTRA=flag)
-    )
-    call_once = {"text": "new", "idempotency_key": "later-1"}
-    async with serve(policy, tmp_path / "stderr.log") as client:
-        assert "added_later" not in await upstream_listed(client, "note")
-        async with client.listen(tools_list_changed=True) as changes:
-            flag.touch()  # upgraded: once restarted, it offers one more tool
-            os.kill(int((tmp_path / "grow.pid").read_text()), signal.SIGTERM)
-            with anyio.fail_after(30):  # the reconnect, then the announcement
-                while "added_later" not in {t.name for t in (await client.list_tools()).tools}:
-                    assert isinstance(await changes.__anext__(), ToolsListChanged)
-        tools = await upstream_listed(client, "added_later")
-        first = await call(client, "added_later", call_once)
-        again = await call(client, "added_later", call_once)
-    assert keyed(tools, "added_later")  # declares nothing: key-required
-    assert not first.is_error, text(first)
-    assert operation(again)["replayed"] is True
-    assert [e["tool"] for e in effects(tmp_path, "grow")] == ["added_later"]
 
 
 # --- an upstream slow to start ----------------------------------------------------------------------------
@@ -198,6 +191,8 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         SERVER.format(ledger=tmp_path / "ledger.db")
         + upstream(tmp_path, "slow", 'tools = "all"\ndefault_class = "key-required"', HINTED_SLOW="3")
         + tool("note", "key-required", upstream="slow")
+        + upstream(tmp_path, "stuck", HINTED_SLOW="600")  # never answers within the call's timeout
+        + tool("stuck_note", "key-required", STUCK, upstream="stuck")
     )
     ready = tmp_path / "slow.pid.ready"
     note = {"text": "early", "idempotency_key": "early-1"}
@@ -211,7 +206,14 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert ready.exists()
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
+        stuck = await call(client, "stuck_note", {"text": "never", "idempotency_key": "stuck-1"})
+        sleeper = int((tmp_path / "stuck.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):  # a client that stops the server at once may orphan it
+        os.kill(sleeper, signal.SIGKILL)
     assert keyed(tools, "lookup")  # default_class wins over its read-only annotation
+    # still connecting after the tool's timeout: a retryable failure, nothing sent
+    assert operation(stuck)["state"] == "FAILED_RETRYABLE" and "not connected" in text(stuck)
+    assert effects(tmp_path, "stuck") == []
     assert not first.is_error, text(first)
     assert operation(first)["attempts"] == 1 and operation(again)["replayed"] is True
     assert effects(tmp_path, "slow") == [{"tool": "note", "text": "early"}]
@@ -240,6 +242,14 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
     assert not pong.is_error and "pong" in text(pong), text(pong)
     said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
     assert "validation error" not in said.lower() and "server/discover" not in said
+    # `policy init` lists its tools the same way; what the server says goes to a file of ours
+    logged = tmp_path / "sdk1.err"
+    config = tmp_path / "claude_desktop_config.json"
+    started = f"exec {SDK1_PYTHON} {server} 2>>{logged}"
+    config.write_text(json.dumps({"mcpServers": {"old": {"command": "sh", "args": ["-c", started]}}}))
+    init = [str(CONSOLE_SCRIPT), "policy", "init", "--from-config", str(config)]
+    assert subprocess.run(init, capture_output=True, timeout=90).returncode == 0
+    assert "ListToolsRequest" in logged.read_text() and "validation error" not in logged.read_text()
 
 
 # --- what the policy accepts ---------------------------------------------------------------------------------

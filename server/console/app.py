@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -82,11 +83,16 @@ async def _denied(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    open_the_ledger: OpenLedger, access: Access, pages: Sequence[Page] = PAGES, policy: Policy | None = None
+    open_the_ledger: OpenLedger,
+    access: Access,
+    pages: Sequence[Page] = PAGES,
+    policy: Policy | None = None,
+    policy_dir: Path | None = None,
 ) -> Starlette:
     """The console over the ledger `open_the_ledger` gives (opened at start, closed at stop).
 
-    `policy`: where the tools' approval prompts come from (None: each question is the generic one).
+    `policy`: where the tools' approval prompts come from (None: each question is the generic one),
+    and the tools whose status checks *Check again* runs, importing from `policy_dir`.
     """
 
     @contextlib.asynccontextmanager
@@ -112,6 +118,7 @@ def create_app(
     app.state.access = access
     app.state.pages = tuple(pages)
     app.state.policy = policy
+    app.state.policy_dir = policy_dir  # where the policy's own tool modules import from (Check again)
     return app
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commitgate.server.cli.arguments import host_address, port_number
@@ -92,7 +93,12 @@ def cmd_console(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     access = Access.for_bind(args.host, sock.getsockname()[1], tokens, local_operator())
     _print_sign_in(sock, access)
-    app = create_app(ledger_opener(url), access, policy=prompt_policy(policy, path, args.ledger))
+    app = create_app(
+        ledger_opener(url),
+        access,
+        policy=prompt_policy(policy, path, args.ledger),
+        policy_dir=Path(path).expanduser().resolve().parent if path else None,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))

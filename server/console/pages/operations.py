@@ -30,7 +30,7 @@ from commitgate.server.console.security import Denied
 from commitgate.server.core import approvals
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
-from commitgate.server.model.facts import State
+from commitgate.server.model.facts import IdempotencyClass, State
 
 LIMITS = (50, 200, 1000)
 SEARCH_FIELDS = ("tool", "state", "session", "key", "principal")
@@ -87,9 +87,10 @@ async def operation_page(
     problem: str | None = None,
     problem_field: str | None = None,
     typed: dict[str, str] | None = None,
+    notice: str | None = None,
 ) -> Response:
     """One operation: its facts, arguments, outcome, status check and full audit history; a form to
-    resolve it while it is UNKNOWN."""
+    resolve it while it is UNKNOWN (with *Check again* when its tool has a status check)."""
     ledger = ledger_of(request)
     op = await visible(request, operation_id)
     if op is None:
@@ -110,6 +111,8 @@ async def operation_page(
         "approval": approvals.status(op),
         "waiting": await waiting(request, op, at) if op.state is State.AWAITING_APPROVAL else None,
         "problem": problem,
+        "notice": notice,
+        "can_check": op.idempotency_class is IdempotencyClass.KEY_AND_STATUS_CHECK,
         "problem_field": problem_field,
         "typed": {"reason": "", "result": "", "approval_reason": "", **(typed or {})},
     }

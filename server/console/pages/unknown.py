@@ -9,12 +9,14 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from commitgate.server.console.checks import CheckUnavailable, check_again, note
 from commitgate.server.console.pages.base import (
     Page,
     find_visible,
     identity_of,
     ledger_of,
     now,
+    policy_of,
     sole_principal,
     touch,
     visible,
@@ -86,6 +88,23 @@ async def resolve_route(request: Request) -> Response:
     return RedirectResponse(f"/unknown?resolved={operation_id}", status_code=303)
 
 
+async def check_route(request: Request) -> Response:
+    """*Check again*: the tool's status check, asked now; its answer shown and noted, the state kept."""
+    operation_id = request.path_params["operation_id"]
+    await checked_form(request)
+    op = await visible(request, operation_id)
+    if op is None:
+        raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
+    try:
+        checked = await check_again(op, policy_of(request), request.app.state.policy_dir)
+        await note(ledger_of(request), op, checked, identity_of(request).name, now())
+    except CheckUnavailable as exc:
+        return await operation_page(request, operation_id, status_code=409, problem=str(exc))
+    return await operation_page(
+        request, operation_id, notice=checked.said(), typed={"result": checked.result_json()}
+    )
+
+
 PAGE = Page(
     label="Unknown outcomes",
     path="/unknown",
@@ -93,5 +112,6 @@ PAGE = Page(
         Route("/unknown", unknown_page, methods=["GET"]),
         Route("/unknown/rows", unknown_rows, methods=["GET"]),
         Route("/operations/{operation_id}/resolve", resolve_route, methods=["POST"]),
+        Route("/operations/{operation_id}/check", check_route, methods=["POST"]),
     ],
 )

@@ -1,0 +1,95 @@
+"""*Check again*: the status check of a `key-and-status-check` operation, run from the console.
+
+The same question the server asks when a retry or a poll meets an `UNKNOWN` operation
+(docs/contract.md#operation-states): the tool's own status check, with the operation's arguments
+and identity. Here a person decides what to make of it: a result found is offered in the
+resolution form, and the answer is noted in the operation's reconciliation and audit history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from commitgate.server.ledger.base import Ledger, LedgerUnavailable, Transition
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.errors import UserFacingError
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import Verdict
+from commitgate.server.model.records import Operation, ToolResult
+from commitgate.server.policy.models import Policy
+from commitgate.server.serve.registry import importable_beside_policy
+from commitgate.tools.base import Collaborators, build_source
+from commitgate.tools.http import pooled_client
+
+
+class CheckUnavailable(UserFacingError):
+    """The console cannot run this operation's status check; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    verdict: Verdict
+    found: ToolResult | None = None
+    error: str | None = None
+
+    def said(self) -> str:
+        """The answer, for the person who asked."""
+        if self.verdict is Verdict.FOUND:
+            return (
+                "The status check found it in the system of record: the result it found is filled in"
+                " below, as the tool returned it; record it with “It took effect”."
+            )
+        if self.verdict is Verdict.NOT_FOUND:
+            return "The status check found no trace of it: it did not take effect."
+        return f"The status check could not tell: {self.error}"
+
+    def result_json(self) -> str:
+        """The found result as the resolution form takes it (empty when nothing was found)."""
+        if self.found is None:
+            return ""
+        value = self.found.structured if self.found.structured is not None else self.found.content
+        return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+async def check_again(op: Operation, policy: Policy | None, policy_dir: Path | None) -> Checked:
+    """Ask the tool's status check about `op` once (CheckUnavailable when the console cannot)."""
+    if policy is None or op.tool not in policy.tools:
+        raise CheckUnavailable(
+            f"the console's policy has no tool {op.tool!r}: start it with the --policy your server uses"
+            " to run its status check from here"
+        )
+    if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK or op.state is not State.UNKNOWN:
+        raise CheckUnavailable(f"{op.operation_id} is not an UNKNOWN operation of a tool with a status check")
+    tool = policy.tools[op.tool]
+    if policy_dir is not None:
+        importable_beside_policy(policy_dir)
+    ctx = OperationContext(op.step, op.session, op.operation_id, op.attempts, op.principal, op.tool)
+    async with pooled_client() as http:
+        try:
+            source = build_source(op.tool, tool, policy, Collaborators(http=http))
+            async with asyncio.timeout(tool.timeout):
+                found = await source.status(op.arguments, ctx)
+        except Exception as exc:  # the check's own failure is its answer: nobody can tell
+            return Checked(Verdict.CANNOT_TELL, error=str(exc) or type(exc).__name__)
+    return Checked(Verdict.NOT_FOUND) if found is None else Checked(Verdict.FOUND, found)
+
+
+async def note(ledger: Ledger, op: Operation, checked: Checked, by: str, at: float) -> None:
+    """The answer in the operation's reconciliation and audit history; the state stays UNKNOWN."""
+    reconciliation = {"by": "status_check", "at": at, "verdict": checked.verdict.value, "asked_by": by}
+    if checked.error is not None:
+        reconciliation["error"] = checked.error
+    change = Transition(
+        State.UNKNOWN,
+        frozenset({State.UNKNOWN}),
+        "reconcile_undecided",
+        reconciliation=reconciliation,
+        actor=by,
+    )
+    try:
+        await ledger.update(op.operation_id, change, at)
+    except LedgerUnavailable as exc:
+        raise CheckUnavailable(f"the answer could not be noted in the ledger: {exc}") from None
