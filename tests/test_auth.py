@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from commitgate.server.policy import tokens
 from commitgate.server.policy.models import AuthPolicy, AuthToken
 from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier, load_tokens
+from commitgate.server.serve.checking import check_policy_file
 from commitgate.server.serve.http import ServeRefused, check_bind, is_loopback, security_settings
 
 ALICE = "alice-secret-token-0123456789"
@@ -130,3 +134,45 @@ def test_loopback_binds_check_the_host_header_public_ones_only_when_told() -> No
     assert named.enable_dns_rebinding_protection
     assert named.allowed_hosts == ["mcp.example.com"]
     assert "https://mcp.example.com" in named.allowed_origins
+
+
+def test_policy_check_keeps_operators_apart_from_agents(tmp_path: Path) -> None:
+    digest = sha(ALICE)
+    text = f"""
+[[auth.tokens]]
+principal = "alice"
+token_sha256 = "{sha(BOB)}"
+
+[[auth.tokens]]
+principal = "alice"
+role = "operator"
+principals = ["alice", "mallory", "*"]
+token_sha256 = "{digest}"
+
+[[auth.tokens]]
+principal = "carol"
+principals = ["alice"]
+token_env = "T_CAROL"
+"""
+    path = tmp_path / "policy.toml"
+    path.write_text(text)
+    said = [str(p) for p in check_policy_file(path)]
+    assert said == [
+        "auth.tokens[1].principal: 'alice' is also an agent's principal; an operator's name must differ from"
+        " every agent principal, so that a decision never names the agent it was about (line 7)",
+        "auth.tokens[1].principals: 'mallory' is no agent's principal (agents: alice, carol); name agent principals"
+        ' or "*" for every principal (line 9)',
+        'auth.tokens[2]: `principals` is for operator tokens only (add role = "operator") (line 12)',
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "commitgate.server.cli", "policy", "check", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "'mallory' is no agent's principal" in done.stdout
+
+
+def test_tokens_without_a_role_are_agents() -> None:
+    table = load_tokens(policy(ALICE_ENV), {"T_ALICE": ALICE})
+    holder = table.holder_of(ALICE)
+    assert holder is not None and holder.role == "agent" and not table.has("operator")

@@ -662,6 +662,22 @@ def test_bound_elsewhere_an_operator_token_signs_in_and_sees_only_its_principals
     assert state_of(ledger_url, mine) is State.FAILED_FINAL and state_of(ledger_url, theirs) is State.UNKNOWN
 
 
+def test_on_loopback_the_printed_link_sees_every_principal_and_an_agents_token_is_refused(
+    policy: Path, ledger_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(write_policy_ledger(policy))
+    theirs = asyncio.run(claim(tmp_path / "ledger.db", principal="bob", step="b-1"))
+    agent = hashlib.sha256(b"agent-token-0123456789").hexdigest()
+    tokens = load_tokens(AuthPolicy(tokens=[AuthToken(principal="alice", token_sha256=agent)]))
+    access = Access.for_bind("127.0.0.1", 8766, tokens, operator="nobody")
+    with console_client(ledger_url, access) as client:
+        assert theirs in client.get("/unknown").text  # the printed link: an operator of every principal
+    with console_client(ledger_url, access, sign_in=False) as client:
+        refused = client.get("/unknown", headers={"Authorization": "Bearer agent-token-0123456789"})
+        assert refused.status_code == 403 and "agent&#39;s token" in refused.text
+        assert client.get("/unknown?token=agent-token-0123456789").status_code == 403
+
+
 def test_bound_elsewhere_without_tokens_the_console_refuses_to_start(
     policy: Path, ledger_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

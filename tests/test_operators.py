@@ -31,6 +31,7 @@ from support.e2e import as_meta
 from support.http_servers import TOKENS, Served, connect, error_code, running, token_entry
 
 from commitgate.server.cli.main import main
+from commitgate.server.ledger import open_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -157,14 +158,20 @@ def start_console(root: Path, policy: Path) -> subprocess.Popen[bytes]:
     ]
     argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', *console]
     log = (root / "console.log").open("wb")
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_console(root: Path, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while b"console at" not in (root / "console.log").read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError((root / "console.log").read_text(errors="replace"))
         time.sleep(0.05)
-    return proc
+
+
+async def create_ledger(url: str) -> None:
+    await (await open_ledger(url)).close()
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +182,22 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     policy = root / "policy.toml"
     policy.write_text(POLICY, encoding="utf-8")
     faults = {"COMMITGATE_SANDBOX_FAULTS": "create_ticket.lose_ack=100%"}
-    with running(
-        root, policy, "streamable-http", ledger=root / "ledger.db", sandbox=root / "sandbox.db", env=faults
-    ) as server:
-        console = start_console(root, policy)
-        try:
+    anyio.run(create_ledger, f"sqlite:///{root / 'ledger.db'}")  # so that both processes start at once
+    console = start_console(root, policy)
+    try:
+        with running(
+            root,
+            policy,
+            "streamable-http",
+            ledger=root / "ledger.db",
+            sandbox=root / "sandbox.db",
+            env=faults,
+        ) as server:
+            wait_console(root, console)
             yield Deployment(root, server, console)
-        finally:
-            console.terminate()
-            console.wait(30)
+    finally:
+        console.terminate()
+        console.wait(30)
 
 
 async def call(

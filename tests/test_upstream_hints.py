@@ -242,6 +242,14 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
     assert not pong.is_error and "pong" in text(pong), text(pong)
     said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
     assert "validation error" not in said.lower() and "server/discover" not in said
+    # `policy init` lists its tools the same way; what the server says goes to a file of ours
+    logged = tmp_path / "sdk1.err"
+    config = tmp_path / "claude_desktop_config.json"
+    started = f"exec {SDK1_PYTHON} {server} 2>>{logged}"
+    config.write_text(json.dumps({"mcpServers": {"old": {"command": "sh", "args": ["-c", started]}}}))
+    init = [str(CONSOLE_SCRIPT), "policy", "init", "--from-config", str(config)]
+    assert subprocess.run(init, capture_output=True, timeout=90).returncode == 0
+    assert "ListToolsRequest" in logged.read_text() and "validation error" not in logged.read_text()
 
 
 # --- what the policy accepts ---------------------------------------------------------------------------------

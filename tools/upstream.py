@@ -164,6 +164,13 @@ async def _list_all(client: Client) -> dict[str, types.Tool]:
     return tools
 
 
+def handshake(command: str | None) -> str:
+    """The client's connect mode for an upstream: a stdio server built on an older SDK does not know
+    the `server/discover` probe and logs a validation error for it, while the `initialize` handshake
+    is what every server understands."""
+    return "legacy" if command is not None else "auto"
+
+
 class UpstreamConnection:
     """One upstream server: connect, list its tools, hold the session, reconnect with backoff."""
 
@@ -243,18 +250,12 @@ class UpstreamConnection:
                 await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, BACKOFF_MAX)
 
-    @property
-    def _mode(self) -> str:
-        # A stdio server built on an older SDK does not know the `server/discover` probe and logs a
-        # validation error for it: the `initialize` handshake is what every server understands.
-        return "legacy" if self.spec.command is not None else "auto"
-
     async def _hold(self) -> None:
         lost = self._lost = asyncio.Event()
         async with AsyncExitStack() as stack:
             async with asyncio.timeout(self.connect_timeout):
                 client = await stack.enter_async_context(
-                    Client(_transport(self.spec, lost), cache=None, mode=self._mode)
+                    Client(_transport(self.spec, lost), cache=None, mode=handshake(self.spec.command))
                 )
                 tools = await _list_all(client)
             if tools != self.tools or not self.listed:

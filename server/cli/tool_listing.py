@@ -23,6 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from commitgate.server.cli.client_configs import ServerEntry
 from commitgate.server.model.durations import format_duration
+from commitgate.tools.upstream import handshake
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,8 @@ async def _list_one(entry: ServerEntry, connect_timeout: float) -> Listing:
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errlog:
         try:
             async with asyncio.timeout(connect_timeout):
-                async with Client(_transport(entry, errlog), cache=None) as client:
+                mode = handshake(entry.command)
+                async with Client(_transport(entry, errlog), cache=None, mode=mode) as client:
                     return Listing(entry, await _tools(client))
         except TimeoutError:
             why = f"no answer within {format_duration(connect_timeout)} (--connect-timeout sets it)"

@@ -1,4 +1,4 @@
-"""Whether an edited policy weakens a guard of the running one (docs/policy.md#reload).
+"""Whether an edited policy weakens a guard of the running one (docs/policy.md#hot-reload).
 
 A reload that only tightens (an approval added, a limit lowered, a tool removed) applies at once;
 one that weakens any guard waits for a quiet file, so that a half-written file, valid TOML on its
