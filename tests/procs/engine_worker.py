@@ -6,14 +6,16 @@ CONFIG keys: engine ("dbos" or "langgraph"), modes (["direct", "gate"]: the tool
 process, or through commitgate at `url`), kills (kill points per mode), root (the directory of
 the engine's files; the record and kill files are in $COMMITGATE_ENGINES_DIR).
 
-The process imports everything once, then forks one child per run, so each run starts warm:
+The process imports its engine's module (engine_dbos.py or engine_langgraph.py) once, then forks
+one child per run, so each run starts warm:
 1. a calibration run per mode counts the Python call events between the tool's answer and the
    engine's write of the result (the window a crash can fall in);
 2. one child per kill point (all at once) runs the workflow and SIGKILLs itself at its point:
    0 = inside the tool, right after the effect is committed (through commitgate: the tool, in the
    server, kills the worker, whose answer is lost); n > 0 = the n-th call event after the answer,
    spread over the calibrated window, the last one as the engine starts writing;
-3. one child per kill point (all at once) resumes the run from the engine's durable state.
+3. one child per kill point (all at once) resumes the run from the engine's durable state
+   (DBOS: `DBOS.launch()` recovers the workflow; LangGraph: the thread is invoked again).
 It starts once a line arrives on stdin (the server it calls is ready).
 
 Prints one JSON line: per order, its kill point, how its crash run ended and its resume's exit code.
