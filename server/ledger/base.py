@@ -266,7 +266,8 @@ class Ledger(Protocol):
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
-        """Apply `change`; None when its expectations no longer hold.
+        """Apply `change`; None when its expectations no longer hold. A change carrying a budget check
+        (the take of an approved operation) raises OverBudget, taking nothing, when the budget has no room.
 
         `current` is the operation as the caller last got it from the ledger at the change's
         fence: a backend may use it instead of reading the row again (it never weakens a check).

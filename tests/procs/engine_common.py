@@ -80,7 +80,13 @@ CURRENT = Run(Path(), "", False, "", KillPoint(Path(), "", None, inert=True))  #
 @contextlib.asynccontextmanager
 async def commitgate_client() -> AsyncIterator[Client]:
     async with (
-        httpx2.AsyncClient(timeout=httpx2.Timeout(30, read=120), verify=TLS) as http,
+        # No idle connections kept: on a loaded machine one can sit past the server's keep-alive
+        # timeout and be closed just as it is reused, which no kill point is about.
+        httpx2.AsyncClient(
+            timeout=httpx2.Timeout(30, read=120),
+            verify=TLS,
+            limits=httpx2.Limits(max_keepalive_connections=0),
+        ) as http,
         Client(streamable_http_client(CURRENT.url, http_client=http)) as client,
     ):
         yield client
