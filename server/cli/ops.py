@@ -172,7 +172,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also read replays, conflicts, retries and reconciliations from a running server's /metrics",
     )
     stats.add_argument(
-        "--token-env", metavar="NAME", help="environment variable holding the bearer token for --metrics"
+        "--token-env",
+        metavar="NAME",
+        help="environment variable holding the bearer token for --metrics (an operator's token:"
+        ' role = "operator")',
     )
     stats.set_defaults(func=cmd_stats)
 

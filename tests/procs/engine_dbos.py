@@ -8,7 +8,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import dbos._sys_db_sqlite  # noqa: F401  # what DBOS imports at launch: once here, before the forks
 import engine_common as common
+import sqlalchemy.dialects.sqlite  # noqa: F401
 from anyio.from_thread import start_blocking_portal
 from dbos import DBOS, SetWorkflowID
 from tools_e2e import engines
@@ -80,7 +82,7 @@ def run(phase: str) -> None:
 
         sys_db.record_operation_result = recorded  # type: ignore[method-assign]
         if phase == "resume":
-            DBOS.retrieve_workflow(order).get_result(polling_interval_sec=0.1)
+            DBOS.retrieve_workflow(order).get_result(polling_interval_sec=0.5)
         else:
             with SetWorkflowID(order):
                 DBOS.start_workflow(deliver, order).get_result()

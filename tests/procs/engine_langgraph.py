@@ -13,6 +13,8 @@ import os
 from typing import Annotated, Any
 
 import engine_common as common
+import langchain_core.tracers.run_collector  # what a run imports: once here, before the forks
+import langchain_core.tracers.stdout  # noqa: F401
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import InjectedToolCallId, tool
