@@ -47,7 +47,7 @@ from commitgate.server.ledger import (
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
-from commitgate.server.model.amounts import amount, with_unit
+from commitgate.server.model.amounts import decimal_of, with_unit
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -172,7 +172,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also read replays, conflicts, retries and reconciliations from a running server's /metrics",
     )
     stats.add_argument(
-        "--token-env", metavar="NAME", help="environment variable holding the bearer token for --metrics"
+        "--token-env",
+        metavar="NAME",
+        help="environment variable holding the bearer token for --metrics (an operator's token:"
+        ' role = "operator")',
     )
     stats.set_defaults(func=cmd_stats)
 
@@ -495,9 +498,9 @@ def budgets_table(report: list[dict[str, Any]]) -> Table:
                 cell(budget["name"]),
                 budget["per"],
                 cell(row["scope"]),  # principals and sessions come from callers: shown literally
-                cell(with_unit(amount(row["spent"]), unit)),
-                cell(with_unit(amount(budget["limit"]), unit)),
-                cell(with_unit(amount(row["left"]), unit)),
+                cell(with_unit(decimal_of(row["spent"]), unit)),
+                cell(with_unit(decimal_of(budget["limit"]), unit)),
+                cell(with_unit(decimal_of(row["left"]), unit)),
                 budget["window"],
                 str(row["operations"]),
                 cell(tools),

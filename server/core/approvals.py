@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
-from commitgate.server.model.amounts import amount, left, with_unit
+from commitgate.server.model.amounts import decimal_of, left, with_unit
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.approvals import ApprovalPolicy, Decider
@@ -368,9 +368,9 @@ def over_budget(op: Operation) -> dict[str, Any] | None:
 def over_budget_text(over: Mapping[str, Any]) -> str:
     """One line for the person deciding: approving spends past the budget's limit."""
     unit = over.get("unit")
-    spent, limit = amount(over["spent"]), amount(over["limit"])
+    spent, limit = decimal_of(over["spent"]), decimal_of(over["limit"])
     return (
-        f"Over budget {over['name']!r}: this call spends {with_unit(amount(over['amount']), unit)}, "
+        f"Over budget {over['name']!r}: this call spends {with_unit(decimal_of(over['amount']), unit)}, "
         f"{with_unit(spent, unit)} of {with_unit(limit, unit)} is already spent in its window, so "
         f"{with_unit(left(limit, spent), unit)} is left; approving spends past the limit."
     )
@@ -379,9 +379,9 @@ def over_budget_text(over: Mapping[str, Any]) -> str:
 def budget_text(name: str, limit: Any, spent: Any, call: Any, unit: str | None) -> str:
     """One line for the person deciding a budgeted call that fits as things stand: the budget's figures.
     Approving does not reserve them: the budget is checked again when the call is taken to run."""
-    spent_now, limit_now = amount(spent), amount(limit)
+    spent_now, limit_now = decimal_of(spent), decimal_of(limit)
     return (
         f"Budget {name!r}: limit {with_unit(limit_now, unit)}, spent {with_unit(spent_now, unit)}, left "
-        f"{with_unit(left(limit_now, spent_now), unit)}; this call spends {with_unit(amount(call), unit)}. "
+        f"{with_unit(left(limit_now, spent_now), unit)}; this call spends {with_unit(decimal_of(call), unit)}. "
         "It is checked again when it runs: if the budget has no room left then, it is refused."
     )

@@ -39,6 +39,13 @@ def amount(value: Any) -> Decimal:
     return exact.quantize(_QUANTUM, ROUND_HALF_EVEN)
 
 
+def decimal_of(value: Decimal | int | float) -> Decimal:
+    """A figure to show (a sum may pass what one amount may be): exact, without the input checks."""
+    return (
+        value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
+    )
+
+
 def split(value: Decimal) -> tuple[int, int]:
     """(whole units, billionths) of an amount >= 0: what the SQLite ledger stores."""
     nanos = int(value.scaleb(PLACES))
@@ -63,15 +70,14 @@ def with_unit(value: Decimal, unit: str | None) -> str:
 
 def grouped(value: Decimal | int | float, unit: str | None = None) -> str:
     """An amount for a page: thousands separated, every decimal kept ("1,234.5 USD cents")."""
-    exact = value if isinstance(value, Decimal) else amount(value)
-    shown = f"{exact.normalize():,f}"
+    shown = f"{decimal_of(value).normalize():,f}"
     shown = "0" if shown in ("-0", "0") else shown
     return f"{shown} {unit}" if unit else shown
 
 
 def number(value: Decimal | int | float) -> int | float:
     """An amount as a JSON number: an integer when whole, else the decimal's shortest float."""
-    value = value if isinstance(value, Decimal) else amount(value)
+    value = decimal_of(value)
     if value == value.to_integral_value():
         return int(value)
     return float(text(value))

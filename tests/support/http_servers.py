@@ -21,7 +21,11 @@ from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
-TOKENS = {"alice": "alice-token-5b1c9e0f2d7a4c83", "bob": "bob-token-0e6f3a9d8c2b7e41"}
+TOKENS = {
+    "alice": "alice-token-5b1c9e0f2d7a4c83",
+    "bob": "bob-token-0e6f3a9d8c2b7e41",
+    "ops": "ops-token-3c8e1a7f5d0b9e26",  # an operator's: /metrics, never MCP
+}
 TOKEN_ENV = "CG_TEST_TOKEN_ALICE"
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
@@ -56,6 +60,7 @@ def auth_section(extra: dict[str, str] | None = None) -> str:
     entries = [
         f'[[auth.tokens]]\nprincipal = "alice"\ntoken_env = "{TOKEN_ENV}"\n',
         token_entry("bob", TOKENS["bob"]),
+        token_entry("ops", TOKENS["ops"]) + 'role = "operator"\n',
     ]
     entries += [token_entry(principal, token) for principal, token in (extra or {}).items()]
     return "\n".join(entries)

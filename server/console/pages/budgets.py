@@ -22,7 +22,7 @@ from commitgate.server.console.pages.base import Page, identity_of, ledger_of, n
 from commitgate.server.console.rendering import render
 from commitgate.server.core.budgets import budget_report, span_for, spending_over_window
 from commitgate.server.ledger.base import Ledger, SpentIn
-from commitgate.server.model.amounts import ZERO, amount, grouped, number
+from commitgate.server.model.amounts import ZERO, decimal_of, grouped, number
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.budgets import BudgetPolicy
 
@@ -132,7 +132,7 @@ async def scope_view(
     else:
         spans = await spending_over_window(ledger, name, budget, row["principal"], row["session"], at)
         operations, whose = row["operations"], "Spending"
-    spent, limit = amount(row["spent"]), budget.limit
+    spent, limit = decimal_of(row["spent"]), budget.limit
     return ScopeView(
         scope=row["scope"],
         spent=row["spent"],
