@@ -147,7 +147,7 @@ class CommitBoundary:
     clock: Callable[[], float] = time.time
     rng: random.Random = field(default_factory=random.Random)
     owner: str = field(default_factory=this_owner)
-    _inflight: dict[str, asyncio.Task[Answer]] = field(default_factory=dict)
+    _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
     _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
@@ -560,17 +560,49 @@ class CommitBoundary:
     # --- owning an operation: run, retry, record -------------------------------------------
 
     async def _own(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
-        task = asyncio.create_task(
-            self._execute(request, op, maybe_applied), name=f"commitgate:{op.operation_id}"
+        """Run the work in a task of the boundary's and wait for its answer, at most respond_within.
+
+        Waiting never cancels the work: past respond_within, or if this caller goes away (its
+        task cancelled), the work goes on and its outcome lands in the ledger for polling. The
+        work hands its answer over itself, an event-loop turn sooner than a done callback would.
+        """
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[Answer | None] = loop.create_future()  # None: not within respond_within
+        self._inflight[op.operation_id] = loop.create_task(
+            self._work(request, op, maybe_applied, answered), name=f"commitgate:{op.operation_id}"
         )
-        self._inflight[op.operation_id] = task
-        task.add_done_callback(lambda _: self._inflight.pop(op.operation_id, None))
-        # Waiting never cancels the task (as shield would not): past respond_within, or if this
-        # caller goes away, the work goes on and its outcome lands in the ledger for polling.
-        await asyncio.wait((task,), timeout=self.settings.respond_within)
-        if not task.done():
+        timer = loop.call_later(self.settings.respond_within, _settle, answered, None)
+        try:
+            answer = await answered
+        finally:
+            timer.cancel()
+        if answer is None:
             raise errors.in_progress(op)
-        return task.result()
+        return answer
+
+    async def _work(
+        self,
+        request: CallRequest,
+        op: Operation,
+        maybe_applied: bool,
+        answered: asyncio.Future[Answer | None],
+    ) -> Answer | None:
+        try:
+            answer = await self._execute(request, op, maybe_applied)
+        except asyncio.CancelledError:
+            answered.cancel()
+            raise
+        except BaseException as exc:
+            if answered.done():  # nobody waits for it: asyncio reports it as a task's unretrieved error
+                raise
+            answered.set_exception(exc)  # raised in the caller, as a crash of the call
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise  # these stop the event loop too
+            return None
+        finally:
+            self._inflight.pop(op.operation_id, None)
+        _settle(answered, answer)
+        return answer
 
     async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
         tool, policy = request.tool, request.tool.policy
@@ -839,6 +871,11 @@ class CommitBoundary:
 
     async def _purge(self) -> None:
         await self.ledger.purge(self.clock())
+
+
+def _settle(answered: asyncio.Future[Answer | None], answer: Answer | None) -> None:
+    if not answered.done():
+        answered.set_result(answer)
 
 
 def _unavailable(exc: LedgerUnavailable) -> GateError:
