@@ -254,7 +254,9 @@ class CommitBoundary:
     async def _claim(self, request: CallRequest, claim_request: ClaimRequest) -> Claim:
         tool = request.tool
         try:
-            return await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
+            return await tracing.claimed(
+                self.ledger.claim(claim_request, self.clock()), tool.idempotency_class
+            )
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise _unavailable(exc) from None
@@ -462,7 +464,7 @@ class CommitBoundary:
         return await self._own(request, taken, maybe_applied=maybe_applied)
 
     async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
-        verdict, found, note = await self._status_check(request.tool, op)
+        verdict, found, note = await tracing.reconciled(self._status_check(request.tool, op), op)
         if verdict is Verdict.FOUND:
             recorded = await self._record_reconciled(op, found, note)
             return Answer(recorded.result, recorded, True)
@@ -475,7 +477,6 @@ class CommitBoundary:
 
     # --- reconciliation -------------------------------------------------------------------
 
-    @tracing.reconcile
     async def _status_check(
         self, tool: GuardedTool, op: Operation, attempt: int | None = None
     ) -> tuple[Verdict, ToolResult | None, dict[str, Any]]:
@@ -538,7 +539,7 @@ class CommitBoundary:
         tool = self.tools.get(op.tool)
         if op.state is not State.UNKNOWN or tool is None or not tool.source.has_status_check:
             return op
-        verdict, found, note = await self._status_check(tool, op)
+        verdict, found, note = await tracing.reconciled(self._status_check(tool, op), op)
         if verdict is Verdict.FOUND:
             return await self._record_reconciled(op, found, note)
         if verdict is Verdict.NOT_FOUND:
@@ -615,7 +616,9 @@ class CommitBoundary:
                 ctx = OperationContext(
                     request.key, request.session, op.operation_id, op.attempts, request.principal, tool.name
                 )
-                attempt = await self._attempt(tool, request.arguments, ctx)
+                attempt = await tracing.attempted(
+                    self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
+                )
                 next_move = after_attempt(tool.idempotency_class, attempt.outcome, policy.forwards_key)
                 self._emit(
                     Event.ATTEMPT,
@@ -626,7 +629,9 @@ class CommitBoundary:
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
                 if next_move is Next.RECONCILE:
-                    verdict, found, note = await self._status_check(tool, op, op.attempts)
+                    verdict, found, note = await tracing.reconciled(
+                        self._status_check(tool, op, op.attempts), op
+                    )
                     if verdict is Verdict.FOUND:
                         return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
@@ -655,7 +660,6 @@ class CommitBoundary:
         finally:
             self._leases.pop(op.operation_id, None)
 
-    @tracing.attempt
     async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
         try:
             async with asyncio.timeout(tool.policy.timeout):
@@ -710,7 +714,7 @@ class CommitBoundary:
             error=error_json,
             reconciliation=reconciliation,
         )
-        recorded = await self._record(op, change)
+        recorded = await tracing.recorded(self._record(op, change), op, change.to_state)
         if recorded is None:
             recorded = await self._record_late(op, change)
         if recorded is not None:
@@ -748,7 +752,6 @@ class CommitBoundary:
             [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
         )
 
-    @tracing.record
     async def _record(self, op: Operation, change: Transition) -> Operation | None:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
         for delay in (0.05, 0.2, 1.0, None):
@@ -810,7 +813,9 @@ class CommitBoundary:
             ctx = OperationContext(
                 request.key, request.session, None, attempt_number, request.principal, tool.name
             )
-            attempt = await self._attempt(tool, request.arguments, ctx)
+            attempt = await tracing.attempted(
+                self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
+            )
             if attempt.outcome is Outcome.SUCCESS:
                 return Answer(attempt.result, None, False)
             message = _exception_message(attempt.error)
