@@ -307,16 +307,17 @@ _TRACE = """\
 11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 8296) = 4096
 11 fdatasync(5</l/ledger.db-wal>) = 0
 12 fsync(4</l/ledger.db>) = 0
-10 read(16<pipe:[1]>,  <unfinished ...>
+10   read(16<pipe:[1]>,  <unfinished ...>
 11 pwrite64(5</l/ledger.db-wal>, "x"..., 4096, 12416) = 4096
 11 fdatasync(5</l/ledger.db-wal>) = 0
-10 <... read resumed>"{\\"method\\":\\"tools/call\\",\\"id\\":5}", 262144) = 30
+10   <... read resumed>"{\\"method\\":\\"tools/call\\",\\"id\\":5}", 262144) = 30
 """
 
 
 def test_syscalls_are_split_at_each_call_and_its_claims_first_sync() -> None:
     """A request read started before the writes it caused counts them even when strace logs its
-    data after them; a checkpoint's WAL sync before any frame does not end the claim."""
+    data after them (strace pads pids with spaces); a checkpoint's WAL sync before any frame does
+    not end the claim."""
     first, second = syscalls.split_calls(_TRACE.splitlines(), Path("/l/ledger.db"))
     assert first == syscalls.CallIO(
         claim_pages=2, outcome_pages=1, wal_syncs=3, checkpoint_pages=1, db_syncs=1

@@ -19,7 +19,7 @@ from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve import logs
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import configure_logging, log_call, log_event
-from commitgate.server.serve.metrics import Metrics, TimedLedger
+from commitgate.server.serve.metrics import Metrics
 from commitgate.tools import demo
 
 POLICY = """
@@ -170,7 +170,7 @@ async def test_attach_chains_the_existing_observer_once(tmp_path: Path) -> None:
         metrics = Metrics()
         metrics.attach(gw)
         metrics.attach(gw)
-        assert isinstance(gw.ledger, TimedLedger) and not isinstance(gw.ledger.inner, TimedLedger)
+        assert gw.ledger.timer == metrics.ledger_step
         assert gw.boundary.ledger is gw.ledger
         await gw.call_tool("charge_card", charge("k5"), {}, "alice")
         await gw.call_tool("charge_card", charge("k5"), {}, "alice")

@@ -38,8 +38,8 @@ PAGE = 4096  # the ledger's page size (SQLite's default)
 _LINE = re.compile(r"^\d+\s+(?P<call>\w+)\((?P<fd>\d+)(?:<(?P<path>[^>]*)>)?(?P<rest>.*)$")
 _MARK = '\\"tools/call\\"'  # a request as strace quotes the bytes read
 _UNFINISHED, _RESUMED = (
-    re.compile(r"^(\d+) (.*) <unfinished \.\.\.>$"),
-    re.compile(r"^(\d+) <\.\.\. \w+ resumed>(.*)$"),
+    re.compile(r"^(\d+)\s+(.*) <unfinished \.\.\.>$"),
+    re.compile(r"^(\d+)\s+<\.\.\. \w+ resumed>(.*)$"),  # strace pads the pid with spaces
 )
 
 

@@ -7,14 +7,16 @@ and, in the backends, one round trip.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from commitgate.server.model.amounts import number
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -253,8 +255,15 @@ class AuditEntry:
     detail: dict[str, Any] | None = field(default=None)
 
 
+# Told each ledger step's name and how long it took, in seconds (the metrics' ledger latency).
+StepTimer = Callable[[str, float], None]
+
+
 class Ledger(Protocol):
     """A durable operation ledger; see docs/contract.md#operation-states and docs/contract.md#guarantees."""
+
+    # Set by whoever measures the ledger; each backend's steps report to it (`timed`).
+    timer: StepTimer | None
 
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         """Claim the request's operation; raises OverBudget (recording nothing) when it carries a
@@ -363,3 +372,36 @@ def is_outcome(change: Transition) -> bool:
     may wait for a later sync under `[ledger] durability = "claim"`."""
     final = change.to_state.terminal or change.to_state is State.UNKNOWN
     return final and change.expect_states == frozenset({State.RUNNING}) and change.lease is None
+
+
+class _Timeable(Protocol):
+    timer: StepTimer | None
+
+
+_L = TypeVar("_L", bound=_Timeable)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def timed(
+    step: Callable[Concatenate[_L, _P], Coroutine[Any, Any, _T]],
+) -> Callable[Concatenate[_L, _P], Coroutine[Any, Any, _T]]:
+    """A backend's ledger step that reports its latency, awaited in full, to the ledger's `timer`.
+    Without a timer the call is the step's own coroutine: nothing is added to it."""
+    name = step.__name__
+
+    async def timing(ledger: _L, timer: StepTimer, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        start = time.perf_counter()
+        try:
+            return await step(ledger, *args, **kwargs)
+        finally:
+            timer(name, time.perf_counter() - start)
+
+    @functools.wraps(step)
+    def call(ledger: _L, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _T]:
+        timer = ledger.timer
+        if timer is None:
+            return step(ledger, *args, **kwargs)
+        return timing(ledger, timer, *args, **kwargs)
+
+    return call

@@ -48,9 +48,11 @@ from commitgate.server.ledger.base import (
     OverBudget,
     Spent,
     SpentIn,
+    StepTimer,
     Transition,
     is_outcome,
     owner_known_dead,
+    timed,
 )
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -915,6 +917,7 @@ class PostgresLedger:
         self._timeout = timeout
         self._host_prefix = socket.gethostname() + ":"
         self.lazy_outcomes = False  # durability "claim": outcomes commit without waiting for the WAL flush
+        self.timer: StepTimer | None = None  # see `timed`
 
     @classmethod
     async def open(
@@ -978,6 +981,7 @@ class PostgresLedger:
 
     # --- the hot path ---------------------------------------------------------------------
 
+    @timed
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         if request.budget is not None:  # the budget function also records a wait for approval
             return await self._claim_budgeted(request, now)
@@ -1058,6 +1062,7 @@ class PostgresLedger:
             return _decode(rows[0])
         return await self.get_by_id(None, op.operation_id) or op
 
+    @timed
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
@@ -1119,6 +1124,7 @@ class PostgresLedger:
             raise OverBudget(rows[0]["spent"])
         return _decode(rows[0])
 
+    @timed
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
         status = await self._run(
             lambda conn: conn.execute(
@@ -1134,12 +1140,14 @@ class PostgresLedger:
 
     # --- reads ------------------------------------------------------------------------------
 
+    @timed
     async def get(self, principal: str, session: str, step: str) -> Operation | None:
         rows = await self._fetch(
             f"{_SELECT} WHERE principal = $1 AND session = $2 AND step = $3", principal, session, step
         )
         return _decode(rows[0]) if rows else None
 
+    @timed
     async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
         rows = await self._fetch(f"{_SELECT} WHERE operation_id = $1", operation_id)
         if not rows:
@@ -1147,6 +1155,7 @@ class PostgresLedger:
         op = _decode(rows[0])
         return op if principal is None or op.principal == principal else None
 
+    @timed
     async def find(self, where: OperationFilter) -> list[Operation]:
         terms = filter_terms(where)
         clauses = [condition.format(f"${n}") for n, (condition, _) in enumerate(terms, 1)]
@@ -1155,6 +1164,7 @@ class PostgresLedger:
         sql += f" ORDER BY created_at DESC, seq DESC LIMIT ${len(params)}"
         return [_decode(row) for row in await self._fetch(sql, *params)]
 
+    @timed
     async def history(self, operation_id: str) -> list[AuditEntry]:
         rows = await self._fetch(
             "SELECT at, event, from_state, to_state, fence, actor, detail FROM commitgate_audit"
@@ -1176,6 +1186,7 @@ class PostgresLedger:
 
     # --- sweeps: safe with several replicas --------------------------------------------------
 
+    @timed
     async def expire_leases(self, now: float) -> list[Operation]:
         async def step(conn: asyncpg.Connection) -> list[asyncpg.Record]:
             owners = await conn.fetch(
@@ -1189,6 +1200,7 @@ class PostgresLedger:
 
         return [_decode(row) for row in await self._run(step)]
 
+    @timed
     async def purge(self, now: float, *, batch: int = 1000) -> int:
         """Delete in batches of `batch` rows, each its own short transaction, skipping rows in use."""
         total = 0
@@ -1198,6 +1210,7 @@ class PostgresLedger:
             if gone < batch:
                 return total
 
+    @timed
     async def counts(self) -> Counts:
         states = {state.value: 0 for state in State}
         for state, n in await self._fetch("SELECT state, count(*) FROM commitgate_operations GROUP BY state"):
@@ -1205,6 +1218,7 @@ class PostgresLedger:
         events = dict(await self._fetch("SELECT event, count(*) FROM commitgate_audit GROUP BY event"))
         return Counts(states, events)
 
+    @timed
     async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
         columns = {
             "all": "NULL::text, NULL::text",
@@ -1222,6 +1236,7 @@ class PostgresLedger:
         )
         return [Spent(r[0], r[1], r[2], int(r[3])) for r in rows]
 
+    @timed
     async def budget_spending(
         self,
         budget: str,
@@ -1247,6 +1262,7 @@ class PostgresLedger:
         )
         return [SpentIn(r[0] * span_seconds, r[1], int(r[2])) for r in rows]
 
+    @timed
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.
         await self._run(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,20 +37,10 @@ from prometheus_client import (
 )
 
 from commitgate.server.ledger.base import (
-    AuditEntry,
-    Claim,
-    ClaimRequest,
-    Counts,
-    Lease,
     Ledger,
-    OperationFilter,
-    Spent,
-    SpentIn,
-    Transition,
 )
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import IdempotencyClass
-from commitgate.server.model.records import Operation
 from commitgate.server.policy.budgets import BudgetPolicy
 
 if TYPE_CHECKING:
@@ -257,76 +247,8 @@ class Metrics:
             self._spent_labels[budget] = set(spent)
 
     def attach(self, gateway: Gateway) -> None:
-        """Observe a gateway that was opened without these metrics, and time its ledger."""
+        """Observe a gateway that was opened without these metrics, and time its ledger's steps."""
         if self not in gateway.boundary.observers:
             gateway.boundary.observers.append(self)
-        if not isinstance(gateway.boundary.ledger, TimedLedger):
-            gateway.boundary.ledger = TimedLedger(gateway.boundary.ledger, self)
-
-
-class TimedLedger:
-    """A Ledger that reports the latency of every step it delegates."""
-
-    def __init__(self, inner: Ledger, metrics: Metrics) -> None:
-        self.inner = inner
-        self._metrics = metrics
-
-    async def _timed(self, method: str, step: Awaitable[T]) -> T:
-        start = time.perf_counter()
-        try:
-            return await step
-        finally:
-            self._metrics.ledger_step(method, time.perf_counter() - start)
-
-    async def claim(self, request: ClaimRequest, now: float) -> Claim:
-        return await self._timed("claim", self.inner.claim(request, now))
-
-    async def update(
-        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
-    ) -> Operation | None:
-        return await self._timed("update", self.inner.update(operation_id, change, now, current=current))
-
-    async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
-        return await self._timed("renew_lease", self.inner.renew_lease(operation_id, fence, lease))
-
-    async def get(self, principal: str, session: str, step: str) -> Operation | None:
-        return await self._timed("get", self.inner.get(principal, session, step))
-
-    async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
-        return await self._timed("get_by_id", self.inner.get_by_id(principal, operation_id))
-
-    async def find(self, where: OperationFilter) -> list[Operation]:
-        return await self._timed("find", self.inner.find(where))
-
-    async def history(self, operation_id: str) -> list[AuditEntry]:
-        return await self._timed("history", self.inner.history(operation_id))
-
-    async def expire_leases(self, now: float) -> Sequence[Operation]:
-        return await self._timed("expire_leases", self.inner.expire_leases(now))
-
-    async def purge(self, now: float) -> int:
-        return await self._timed("purge", self.inner.purge(now))
-
-    async def counts(self) -> Counts:
-        return await self._timed("counts", self.inner.counts())
-
-    async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
-        return await self._timed("budget_spent", self.inner.budget_spent(budget, per, since, now))
-
-    async def budget_spending(
-        self,
-        budget: str,
-        principal: str | None,
-        session: str | None,
-        since: float,
-        now: float,
-        span_seconds: float,
-    ) -> list[SpentIn]:
-        spending = self.inner.budget_spending(budget, principal, session, since, now, span_seconds)
-        return await self._timed("budget_spending", spending)
-
-    async def check_writable(self) -> None:
-        await self._timed("check_writable", self.inner.check_writable())
-
-    async def close(self) -> None:
-        await self.inner.close()
+        if gateway.boundary.ledger.timer is None:
+            gateway.boundary.ledger.timer = self.ledger_step

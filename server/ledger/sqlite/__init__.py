@@ -50,9 +50,11 @@ from commitgate.server.ledger.base import (
     OverBudget,
     Spent,
     SpentIn,
+    StepTimer,
     Transition,
     is_outcome,
     lease_over,
+    timed,
 )
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import (
@@ -103,6 +105,7 @@ class SQLiteLedger:
         self._where = os.path.abspath(path)  # a later chdir must not move the file we check
         self._identity = _identity(self._where)
         self._lost = False  # the file left its path; said once in the log, until it is back
+        self.timer: StepTimer | None = None  # see `timed`
 
     def check_identity(self) -> None:
         """Refuse to record into a file that is no longer the one at the path.
@@ -213,6 +216,7 @@ class SQLiteLedger:
                 return cast(T, value)  # ran => the write's own value
         return await self._writer.submit(write)
 
+    @timed
     async def claim(self, request: ClaimRequest, now: float) -> Claim:
         # A replay is answered by one read outside any transaction: cheaper than the write
         # transaction a claim write takes even inline. Under load the writer hop is shared with a whole batch anyway,
@@ -266,6 +270,7 @@ class SQLiteLedger:
             return Claim(ClaimKind.EXISTING, decode(row)), False
         return None, False
 
+    @timed
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
@@ -284,6 +289,7 @@ class SQLiteLedger:
                 self._open.discard(operation_id)
         return updated
 
+    @timed
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
         def write(conn: sqlite3.Connection) -> bool:
             cursor = conn.execute(
@@ -301,12 +307,14 @@ class SQLiteLedger:
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
 
+    @timed
     async def get(self, principal: str, session: str, step: str) -> Operation | None:
         rows = await self._read(
             f"{SELECT} WHERE principal = ? AND session = ? AND step = ?", (principal, session, step)
         )
         return decode(rows[0]) if rows else None
 
+    @timed
     async def get_by_id(self, principal: str | None, operation_id: str) -> Operation | None:
         rows = await self._read(f"{SELECT} WHERE operation_id = ?", (operation_id,))
         if not rows:
@@ -314,6 +322,7 @@ class SQLiteLedger:
         op = decode(rows[0])
         return op if principal is None or op.principal == principal else None
 
+    @timed
     async def find(self, where: OperationFilter) -> list[Operation]:
         terms = filter_terms(where)
         clauses = [condition.format("?") for condition, _ in terms]
@@ -323,6 +332,7 @@ class SQLiteLedger:
         params.append(where.limit)
         return [decode(row) for row in await self._read(sql, params)]
 
+    @timed
     async def history(self, operation_id: str) -> list[AuditEntry]:
         rows = await self._read(
             "SELECT at, event, from_state, to_state, fence, actor, detail FROM audit WHERE operation_id = ?"
@@ -333,6 +343,7 @@ class SQLiteLedger:
             AuditEntry(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]) if r[6] else None) for r in rows
         ]
 
+    @timed
     async def expire_leases(self, now: float) -> list[Operation]:
         def write(conn: sqlite3.Connection) -> list[Operation]:
             rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING'").fetchall()
@@ -343,6 +354,7 @@ class SQLiteLedger:
 
         return await self._write(write)
 
+    @timed
     async def purge(self, now: float) -> int:
         def write(conn: sqlite3.Connection) -> int:
             doomed = "SELECT operation_id FROM operations WHERE expires_at IS NOT NULL AND expires_at <= ?"
@@ -353,6 +365,7 @@ class SQLiteLedger:
 
         return await self._write(write)
 
+    @timed
     async def counts(self) -> Counts:
         states = {state.value: 0 for state in State}
         for state, n in await self._read("SELECT state, count(*) FROM operations GROUP BY state", ()):
@@ -360,6 +373,7 @@ class SQLiteLedger:
         events = dict(await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()))
         return Counts(states, events)
 
+    @timed
     async def budget_spent(self, budget: str, per: str, since: float, now: float) -> list[Spent]:
         columns = {"all": "NULL, NULL", "principal": "principal, NULL", "session": "principal, session"}[per]
         rows = await self._read(
@@ -372,6 +386,7 @@ class SQLiteLedger:
         spent = [Spent(r[0], r[1], joined(r[2], r[3]), int(r[4])) for r in rows if r[4]]
         return sorted(spent, key=lambda s: s.spent, reverse=True)
 
+    @timed
     async def budget_spending(
         self,
         budget: str,
@@ -396,6 +411,7 @@ class SQLiteLedger:
         )
         return [SpentIn(r[0] * span_seconds, joined(r[1], r[2]), int(r[3])) for r in rows]
 
+    @timed
     async def check_writable(self) -> None:
         self.check_identity()
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
