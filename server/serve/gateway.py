@@ -295,8 +295,10 @@ class Gateway:
     def list_tools(self) -> list[types.Tool]:
         return list(self.generation.listed)
 
-    def has_tool(self, call: Call) -> bool:
-        return call.generation.offers(call.name) or (self.faults is not None and call.name == CONTROL_TOOL)
+    def has_tool(self, name: str, generation: Generation | None = None) -> bool:
+        """Offered by `generation` (the current one by default), or the fault plan's control tool."""
+        offered = (generation or self.generation).offers(name)
+        return offered or (self.faults is not None and name == CONTROL_TOOL)
 
     def handler(self) -> CallTool:
         """What answers tools/call: `answer`, seen through the fault plan on a test server.

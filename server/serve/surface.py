@@ -41,7 +41,7 @@ def build_server(
         return MCPError(types.INVALID_PARAMS, f"Unknown tool: {call.name}")
 
     async def answer(call: Call) -> types.CallToolResult | types.InputRequiredResult:
-        if not gateway.has_tool(call):
+        if not gateway.has_tool(call.name, call.generation):
             raise unknown(call)
         try:
             return await handler(call)
