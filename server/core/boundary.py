@@ -15,13 +15,13 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import approvals, budgets, duplicates, errors
+from commitgate.server.core import approvals, budgets, duplicates, duties, errors
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
@@ -81,10 +81,10 @@ class CommitBoundary:
     rng: random.Random = field(default_factory=random.Random)
     owner: str = field(default_factory=this_owner)
     _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
-    _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
+    leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
-    def _emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
         for observer in self.observers:
             observer(event, tool, cls, **fields)
 
@@ -136,7 +136,7 @@ class CommitBoundary:
         )
         claim = await self._claim(request, claim_request)
         if claim.kind is ClaimKind.CONFLICT:
-            self._emit(
+            self.emit(
                 Event.CONFLICT, tool.name, tool.idempotency_class, operation_id=claim.operation.operation_id
             )
             raise errors.key_reused(claim.operation, tool.name)
@@ -147,12 +147,12 @@ class CommitBoundary:
         if claim.kind is ClaimKind.AWAITING:
             raise self._awaiting_approval(request, claim.operation)
         if claim.duplicate_of is not None:
-            self._emit(
+            self.emit(
                 Event.DUPLICATE_ALLOWED, tool.name, tool.idempotency_class, operation_id=claim.duplicate_of
             )
         if claim.kind is ClaimKind.NEW:
             if tool.budget is not None and claim_request.budget is not None:
-                self._emit(
+                self.emit(
                     Event.BUDGET_SPENT,
                     tool.name,
                     tool.idempotency_class,
@@ -168,11 +168,11 @@ class CommitBoundary:
     def _awaiting_approval(self, request: CallRequest, op: Operation) -> GateError:
         """`approval_pending` for an operation just recorded to wait (past its budget, perhaps)."""
         tool = request.tool
-        self._emit(Event.APPROVAL_REQUESTED, tool.name, tool.idempotency_class, operation_id=op.operation_id)
+        self.emit(Event.APPROVAL_REQUESTED, tool.name, tool.idempotency_class, operation_id=op.operation_id)
         over = approvals.over_budget(op)
         if over is not None and tool.budget is not None:
             scope = budgets.scope_label(tool.budget, request.principal, request.session)
-            self._emit(
+            self.emit(
                 Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over["name"], scope=scope
             )
         return errors.approval_pending(op)
@@ -181,7 +181,7 @@ class CommitBoundary:
         tool, budget, check = request.tool, request.tool.budget, claim_request.budget
         assert budget is not None and check is not None
         scope = budgets.scope_label(budget, request.principal, request.session)
-        self._emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
+        self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
         return budgets.exceeded(budget, check.amount, spent, request.principal, request.session)
 
     async def _claim(self, request: CallRequest, claim_request: ClaimRequest) -> Claim:
@@ -191,7 +191,7 @@ class CommitBoundary:
                 self.ledger.claim(claim_request, self.clock()), tool.idempotency_class
             )
         except LedgerUnavailable as exc:
-            self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
+            self.emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise _unavailable(exc) from None
         except OverBudget as over:
             raise self._over_budget(request, claim_request, over.spent) from None
@@ -208,7 +208,7 @@ class CommitBoundary:
         if claim.kind is ClaimKind.CONFLICT:
             raise errors.key_reused(claim.operation, request.tool.name)
         if claim.kind is ClaimKind.AWAITING:
-            self._emit(
+            self.emit(
                 Event.POSSIBLE_DUPLICATE,
                 request.tool.name,
                 request.tool.idempotency_class,
@@ -222,7 +222,7 @@ class CommitBoundary:
     async def _duplicate(self, request: CallRequest, earlier: Operation) -> GateError:
         """`possible_duplicate`, showing the earlier operation as a poll would (reconciled if due)."""
         tool = request.tool
-        self._emit(
+        self.emit(
             Event.POSSIBLE_DUPLICATE, tool.name, tool.idempotency_class, operation_id=earlier.operation_id
         )
         with contextlib.suppress(LedgerUnavailable, GateError):
@@ -246,10 +246,10 @@ class CommitBoundary:
                 return await self._guarded(request)
             return Answer(None, op, True, error_for_state(op))
         if action is OnExisting.REPLAY:
-            self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
+            self.emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed
-            self._emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
+            self.emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(None, op, True, error_for_state(op))
         if action is OnExisting.AWAIT:
             return await self._awaiting(request, op, waited)
@@ -296,7 +296,7 @@ class CommitBoundary:
         if taken is None:  # another call took it (or it moved on): answer from what it did
             return await self._on_existing(request, await self._reread(op), waited=False)
         if check is not None and tool.budget is not None:
-            self._emit(
+            self.emit(
                 Event.BUDGET_SPENT,
                 tool.name,
                 tool.idempotency_class,
@@ -315,7 +315,7 @@ class CommitBoundary:
         tool, budget = request.tool, request.tool.budget
         assert budget is not None
         scope = budgets.scope_label(budget, op.principal, op.session)
-        self._emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
+        self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
         refused = budgets.exceeded(budget, check.amount, spent, op.principal, op.session, recorded=True)
         error = {"code": ErrorCode.BUDGET_EXCEEDED.value, "message": refused.message, **refused.details}
         change = Transition(
@@ -365,7 +365,7 @@ class CommitBoundary:
     async def touch_approval(self, op: Operation) -> Operation:
         current, expired = await approvals.touch(self.ledger, op, self.clock())
         if expired:
-            self._emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
+            self.emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return current
 
     async def expire(self, op: Operation) -> Operation:
@@ -379,7 +379,7 @@ class CommitBoundary:
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:
             return await self._reread(op)
-        self._emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self.emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return expired
 
     async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
@@ -422,7 +422,7 @@ class CommitBoundary:
                 found = await tool.source.status(op.arguments, ctx)
         except Exception as exc:
             note.update(verdict=Verdict.CANNOT_TELL.value, error=str(exc) or type(exc).__name__)
-            self._emit(
+            self.emit(
                 Event.RECONCILIATION,
                 tool.name,
                 tool.idempotency_class,
@@ -432,7 +432,7 @@ class CommitBoundary:
             return Verdict.CANNOT_TELL, None, note
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note["verdict"] = verdict.value
-        self._emit(
+        self.emit(
             Event.RECONCILIATION,
             tool.name,
             tool.idempotency_class,
@@ -543,7 +543,7 @@ class CommitBoundary:
         backoff = Backoff(policy.retry, self.rng)
         deadline = self.clock() + policy.retry.deadline
         last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
-        self._leases[op.operation_id] = op.fence
+        self.leases[op.operation_id] = op.fence
         try:
             while True:
                 ctx = OperationContext(
@@ -553,7 +553,7 @@ class CommitBoundary:
                     self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
                 )
                 next_move = after_attempt(tool.idempotency_class, attempt.outcome, policy.forwards_key)
-                self._emit(
+                self.emit(
                     Event.ATTEMPT,
                     tool.name,
                     tool.idempotency_class,
@@ -591,7 +591,7 @@ class CommitBoundary:
                     return await self._finish(op, state, "retries_exhausted", None, attempt.error)
                 op = retried
         finally:
-            self._leases.pop(op.operation_id, None)
+            self.leases.pop(op.operation_id, None)
 
     async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
         try:
@@ -622,8 +622,8 @@ class CommitBoundary:
         retried = await self.ledger.update(op.operation_id, change, self.clock())
         if retried is None:
             raise errors.in_progress(await self._reread(op))  # fenced out: a newer attempt owns it
-        self._leases[op.operation_id] = retried.fence
-        self._emit(Event.RETRY, op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self.leases[op.operation_id] = retried.fence
+        self.emit(Event.RETRY, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return retried
 
     async def _finish(
@@ -652,7 +652,7 @@ class CommitBoundary:
             recorded = await self._record_late(op, change)
         if recorded is not None:
             self.final.remember(recorded)
-        self._emit(
+        self.emit(
             Event.COMPLETED,
             op.tool,
             op.idempotency_class,
@@ -676,7 +676,7 @@ class CommitBoundary:
         limit = self.settings.limits.max_result_bytes
         if size <= limit:
             return result
-        self._emit(Event.RESULT_TOO_LARGE, op.tool, op.idempotency_class, operation_id=op.operation_id)
+        self.emit(Event.RESULT_TOO_LARGE, op.tool, op.idempotency_class, operation_id=op.operation_id)
         text = (
             f"The action succeeded, but its result was {size} bytes, over the limit of {limit}, so it was not "
             "stored or returned. Do not repeat the action; read the details you need with a read-only tool."
@@ -696,7 +696,7 @@ class CommitBoundary:
                         "could not record the outcome of %s; its lease will expire into UNKNOWN",
                         op.operation_id,
                     )
-                    self._leases.pop(op.operation_id, None)
+                    self.leases.pop(op.operation_id, None)
                     raise errors.outcome_unknown(op) from None
                 await asyncio.sleep(delay)
         return None
@@ -757,58 +757,22 @@ class CommitBoundary:
             delay = backoff.delay(attempt_number, attempt.retry_after)
             if attempt_number >= retry.attempts or self.clock() + delay > deadline:
                 raise errors.retries_exhausted(message, None)
-            self._emit(Event.RETRY, tool.name, tool.idempotency_class)
+            self.emit(Event.RETRY, tool.name, tool.idempotency_class)
             await asyncio.sleep(delay)
             attempt_number += 1
 
-    # --- lifecycle: lease renewal, lease expiry, retention ------------------------------------------
+    # --- lifecycle: lease renewal, lease expiry, retention (duties.py) -------------------------------
 
-    @contextlib.asynccontextmanager
-    async def running(
+    def running(
         self, *, sweep_every: float | None = None, purge_every: float = 60.0
-    ) -> AsyncIterator[None]:
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """Background duties while serving; on exit, in-flight work gets a moment to record its outcome."""
-        with contextlib.suppress(LedgerUnavailable):
-            await self.ledger.expire_leases(self.clock())
-        loops = [
-            asyncio.create_task(self._every(self.settings.lease / 3, self._renew_leases)),
-            asyncio.create_task(self._every(sweep_every or self.settings.lease / 2, self._sweep)),
-            asyncio.create_task(self._every(purge_every, self._purge)),
-        ]
-        try:
-            yield
-        finally:
-            await self.drain()
-            for loop in loops:
-                loop.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+        return duties.running(self, sweep_every=sweep_every, purge_every=purge_every)
 
     async def drain(self, timeout: float = 10.0) -> None:
         pending = list(self._inflight.values())
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-
-    async def _every(self, period: float, duty: Callable[[], Any]) -> None:
-        while True:
-            await asyncio.sleep(period)
-            try:
-                await duty()
-            except Exception:  # a failing duty must not stop the others; it is logged and retried
-                log.exception("background duty %s failed", getattr(duty, "__name__", duty))
-
-    async def _renew_leases(self) -> None:
-        for operation_id, fence in list(self._leases.items()):
-            lease = Lease(self.owner, self.clock() + self.settings.lease)
-            await self.ledger.renew_lease(operation_id, fence, lease)
-
-    async def _sweep(self) -> None:
-        for op in await self.ledger.expire_leases(self.clock()):
-            self._emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
-        for op in await approvals.expire_due(self.ledger, self.clock()):
-            self._emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
-
-    async def _purge(self) -> None:
-        await self.ledger.purge(self.clock())
 
 
 def _settle(answered: asyncio.Future[Answer | None], answer: Answer | None) -> None:
