@@ -21,9 +21,10 @@ from decimal import Decimal
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import approvals, budgets, duplicates, duties, errors
+from commitgate.server.core import approvals, budgets, duplicates, duties, errors, reconcile
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
+from commitgate.server.core.reconcile import Check
 from commitgate.server.core.replays import FinalOutcomes
 from commitgate.server.core.requests import (
     Answer,
@@ -397,7 +398,7 @@ class CommitBoundary:
         return await self._own(request, taken, maybe_applied=maybe_applied)
 
     async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
-        verdict, found, note = await tracing.reconciled(self._status_check(request.tool, op), op)
+        verdict, found, note = await self._status_check(request.tool, op)
         if verdict is Verdict.FOUND:
             recorded = await self._record_reconciled(op, found, note)
             return Answer(recorded.result, recorded, True)
@@ -410,53 +411,19 @@ class CommitBoundary:
 
     # --- reconciliation -------------------------------------------------------------------
 
-    async def _status_check(
-        self, tool: GuardedTool, op: Operation, attempt: int | None = None
-    ) -> tuple[Verdict, ToolResult | None, dict[str, Any]]:
-        ctx = OperationContext(
-            op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
+    async def _status_check(self, tool: GuardedTool, op: Operation, attempt: int | None = None) -> Check:
+        return await tracing.reconciled(
+            reconcile.status_check(tool, op, self.clock(), self.emit, attempt), op
         )
-        note: dict[str, Any] = {"by": "status_check", "at": self.clock()}
-        try:
-            async with asyncio.timeout(tool.policy.timeout):
-                found = await tool.source.status(op.arguments, ctx)
-        except Exception as exc:
-            note.update(verdict=Verdict.CANNOT_TELL.value, error=str(exc) or type(exc).__name__)
-            self.emit(
-                Event.RECONCILIATION,
-                tool.name,
-                tool.idempotency_class,
-                verdict=Verdict.CANNOT_TELL.value,
-                operation_id=op.operation_id,
-            )
-            return Verdict.CANNOT_TELL, None, note
-        verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
-        note["verdict"] = verdict.value
-        self.emit(
-            Event.RECONCILIATION,
-            tool.name,
-            tool.idempotency_class,
-            verdict=verdict.value,
-            operation_id=op.operation_id,
-        )
-        return verdict, found, note
 
     async def _record_reconciled(
         self, op: Operation, found: ToolResult | None, note: dict[str, Any]
     ) -> Operation:
-        change = Transition(
-            State.SUCCEEDED,
-            frozenset({State.UNKNOWN}),
-            "reconciled_found",
-            result=found,
-            reconciliation=note,
-        )
+        change = reconcile.found(found, note)
         return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
 
     async def _note_reconciliation(self, op: Operation, note: dict[str, Any]) -> None:
-        change = Transition(
-            State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note
-        )
+        change = reconcile.undecided(note)
         with contextlib.suppress(LedgerUnavailable):
             await self.ledger.update(op.operation_id, change, self.clock())
 
@@ -472,21 +439,11 @@ class CommitBoundary:
         tool = self.tools.get(op.tool)
         if op.state is not State.UNKNOWN or tool is None or not tool.source.has_status_check:
             return op
-        verdict, found, note = await tracing.reconciled(self._status_check(tool, op), op)
+        verdict, found, note = await self._status_check(tool, op)
         if verdict is Verdict.FOUND:
             return await self._record_reconciled(op, found, note)
         if verdict is Verdict.NOT_FOUND:
-            change = Transition(
-                State.FAILED_RETRYABLE,
-                frozenset({State.UNKNOWN}),
-                "reconciled_not_found",
-                expect_fence=op.fence,  # the check covered attempts up to this one only
-                reconciliation=note,
-                error={
-                    "outcome": Outcome.RETRYABLE.value,
-                    "message": "the status check found no trace of it",
-                },
-            )
+            change = reconcile.not_found(op, note)
             return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
         await self._note_reconciliation(op, note)
         return await self._reread(op)

@@ -1,0 +1,74 @@
+"""Reconciliation: asking a tool's status check whether an operation of unknown outcome happened.
+
+The verdict (found, not found, cannot tell) and the note kept with the operation come from here,
+and so do the transitions each verdict records; the boundary decides when to ask and what
+follows (docs/contract.md#reconciliation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from commitgate.server.core.requests import GuardedTool
+from commitgate.server.ledger.base import Transition
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.events import Event
+from commitgate.server.model.facts import State
+from commitgate.server.model.outcomes import Outcome, Verdict
+from commitgate.server.model.records import Operation, ToolResult
+
+Check = tuple[Verdict, ToolResult | None, dict[str, Any]]  # the verdict, what was found, the note
+
+
+async def status_check(
+    tool: GuardedTool, op: Operation, now: float, emit: Callable[..., None], attempt: int | None = None
+) -> Check:
+    """Ask `tool`'s status check about `op` (under the tool's timeout); a failing check cannot tell."""
+    ctx = OperationContext(
+        op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
+    )
+    note: dict[str, Any] = {"by": "status_check", "at": now}
+    found: ToolResult | None = None
+    try:
+        async with asyncio.timeout(tool.policy.timeout):
+            found = await tool.source.status(op.arguments, ctx)
+    except Exception as exc:
+        verdict = Verdict.CANNOT_TELL
+        note.update(verdict=verdict.value, error=str(exc) or type(exc).__name__)
+    else:
+        verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
+        note["verdict"] = verdict.value
+    emit(
+        Event.RECONCILIATION,
+        tool.name,
+        tool.idempotency_class,
+        verdict=verdict.value,
+        operation_id=op.operation_id,
+    )
+    return verdict, found, note
+
+
+def found(result: ToolResult | None, note: dict[str, Any]) -> Transition:
+    """It happened: SUCCEEDED with what the check found."""
+    return Transition(
+        State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=result, reconciliation=note
+    )
+
+
+def not_found(op: Operation, note: dict[str, Any]) -> Transition:
+    """No trace of it: FAILED_RETRYABLE, for the attempts up to the one checked only."""
+    return Transition(
+        State.FAILED_RETRYABLE,
+        frozenset({State.UNKNOWN}),
+        "reconciled_not_found",
+        expect_fence=op.fence,  # the check covered attempts up to this one only
+        reconciliation=note,
+        error={"outcome": Outcome.RETRYABLE.value, "message": "the status check found no trace of it"},
+    )
+
+
+def undecided(note: dict[str, Any]) -> Transition:
+    """The check could not tell: still UNKNOWN, with the note of this try."""
+    return Transition(State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note)
