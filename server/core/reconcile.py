@@ -2,7 +2,7 @@
 
 The verdict (found, not found, cannot tell) and the note kept with the operation come from here,
 and so do the transitions each verdict records; the boundary decides when to ask and what
-follows (docs/contract.md#reconciliation).
+follows (docs/contract.md#operation-states).
 """
 
 from __future__ import annotations
