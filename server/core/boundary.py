@@ -1,10 +1,12 @@
-"""The commit boundary: fingerprint, claim, execute, record, replay, reconcile.
+"""The commit boundary: claim, execute, record, replay, reconcile.
 
 Every keyed call is claimed in the ledger before its side effect runs and
 recorded after it, each in one ledger write. The work of an owned operation
 runs in a task owned by the boundary, not by the request: a caller that gives
 up (client timeout, cancellation, `respond_within`) never stops the work from
-recording its outcome.
+recording its outcome. What a call is made of (and its fingerprint) is in
+requests.py, the status check's verdicts in reconcile.py, the duties while
+serving in duties.py: this module is the orchestration.
 """
 
 from __future__ import annotations
