@@ -18,7 +18,8 @@ import pytest
 from support.boundary import ScriptedTool, SystemOfRecord, call_request, guarded, make_boundary
 from support.policy import Run, run
 
-from commitgate.server.core.boundary import CommitBoundary, GuardedTool
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.requests import GuardedTool
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import ErrorCode, State

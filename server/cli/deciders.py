@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commitgate.server.core.boundary import printable
+from commitgate.server.core.requests import printable
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.policy.models import Policy
 

@@ -23,10 +23,11 @@ import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from commitgate.server.core import approvals, budgets, duplicates, errors
-from commitgate.server.core.boundary import (
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.errors import GateError
+from commitgate.server.core.requests import (
     Answer,
     CallRequest,
-    CommitBoundary,
     canonical_json,
     check_key,
     check_session,
@@ -34,7 +35,6 @@ from commitgate.server.core.boundary import (
     fingerprint,
     printable,
 )
-from commitgate.server.core.errors import GateError
 from commitgate.server.core.saga import Saga
 from commitgate.server.core.views import operation_meta, status_view
 from commitgate.server.ledger import (
