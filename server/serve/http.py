@@ -73,7 +73,7 @@ HEADER_TIMEOUT = 10  # seconds a connection may take to send a request's headers
 # Seconds an idle connection is kept open: longer than clients keep theirs (httpx 5 s, Node 4 s) and
 # than load balancers' idle timeouts (60 s), so the client closes it first. A server closing at the
 # same moment as the client reuses the connection fails that call with a transport error, and the
-# MCP SDK then ends the whole session (docs/operating.md#http-transports-and-auth).
+# MCP SDK then ends the whole session (docs/operating.md#http-transports-principals-and-auth).
 IDLE_KEEP_ALIVE = 65
 
 
