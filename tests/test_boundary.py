@@ -28,8 +28,8 @@ from support.boundary import (
     make_boundary,
 )
 
-from commitgate.server.core.boundary import Answer
 from commitgate.server.core.classes import retry_advice
+from commitgate.server.core.requests import Answer
 from commitgate.server.core.retry import Backoff
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, LedgerUnavailable, OperationFilter
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State

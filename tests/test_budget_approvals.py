@@ -20,7 +20,7 @@ from test_budgets import LIMIT, budgeted, call, refused, spend, spending
 from test_ledger_contract import T0, finish
 
 from commitgate.server.core import approvals
-from commitgate.server.core.boundary import GuardedTool
+from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import BudgetCheck, ClaimKind, Lease, Ledger, OverBudget
 from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.facts import ErrorCode, State

@@ -18,8 +18,8 @@ import pytest
 from support.boundary import FakeClock, ScriptedTool, SystemOfRecord, guarded, make_boundary
 from test_ledger_contract import RESULT, T0, finish, request
 
-from commitgate.server.core.boundary import CallRequest, GuardedTool
 from commitgate.server.core.budgets import Budget
+from commitgate.server.core.requests import CallRequest, GuardedTool
 from commitgate.server.ledger.base import (
     BudgetCheck,
     ClaimKind,

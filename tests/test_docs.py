@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commitgate.server.cli.main import build_parser
-from commitgate.server.core.boundary import canonical_json, fingerprint
+from commitgate.server.core.requests import canonical_json, fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -118,6 +118,17 @@ def test_every_command_a_page_prints_is_one_commitgate_takes(page: str) -> None:
     if page == "README.md":
         assert ["demo", "--quick"] in commands(path)
         assert any(argv[:3] == ["policy", "init", "--from-config"] for argv in commands(path))
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md"))])
+def test_installing_the_server_from_a_checkout_installs_its_client_beside_it(page: str) -> None:
+    """`commitgate-client` is not on a package index: a server installed from a path needs it from one too."""
+    for command in re.findall(r"pip install ([^`\n#&;]*)", (ROOT / page).read_text(encoding="utf-8")):
+        words = shlex.split(command)
+        if any(re.fullmatch(r"(\.|/path/to/commitgate)(\[[\w,-]+\])?", word) for word in words):
+            assert any(word.rstrip("/").endswith("client") for word in words), (
+                f"{page}: pip install {command}"
+            )
 
 
 @pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md"))])

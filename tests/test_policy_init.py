@@ -143,6 +143,9 @@ def test_secrets_are_references_never_copied(setup: Setup) -> None:
     out = setup.result.stdout
     assert "s3cret" not in out + setup.result.stderr
     assert "${API_TOKEN}, ${TASKS_API_TOKEN}, ${WEB_AUTHORIZATION}" in out
+    # `policy show` fails on an unset variable: the line that suggests it says to set them first
+    check = next(line for line in out.splitlines() if line.startswith("Check the classes"))
+    assert "with API_TOKEN, TASKS_API_TOKEN, WEB_AUTHORIZATION set in this shell" in check
     entry = printed_entry(out)
     assert entry["env"] == {name: f"<{name}>" for name in SECRETS}
 

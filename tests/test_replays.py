@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from support.boundary import ScriptedTool, SystemOfRecord, call_request, effect_of, guarded, make_boundary
 
-from commitgate.server.core.boundary import Answer, CommitBoundary
+from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.replays import FinalOutcomes
+from commitgate.server.core.requests import Answer
 from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult

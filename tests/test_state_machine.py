@@ -33,7 +33,8 @@ from support.boundary import (
     make_boundary,
 )
 
-from commitgate.server.core.boundary import Answer, CommitBoundary
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.requests import Answer
 from commitgate.server.ledger.base import Ledger
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import ErrorCode, State

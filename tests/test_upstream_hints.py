@@ -127,6 +127,9 @@ async def test_upstream_hints_are_kept_and_never_made_up(hinted_policy: Path) ->
     log = (root / "stderr.log").read_text()
     assert f"tools.note: {WARNING}" in log
     assert "tools.lookup: lookup is served as safe-retry" not in log
+    warnings = [json.loads(line)["msg"] for line in log.splitlines() if '"level":"warning"' in line]
+    assert not [w for w in warnings if "refreshed" in w]  # a first connect is normal: info
+    assert "upstream all now offers other tools: new added_later, gone none" in "\n".join(warnings)
 
 
 async def _grown(client: Any, root: Path) -> dict[str, Any]:

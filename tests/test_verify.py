@@ -148,14 +148,22 @@ def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api:
     assert sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values()) == [1, 1, 1, 1]
 
 
-def test_an_upstream_mcp_tool_passes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "served",
+    [
+        '\n[tools.record]\nclass = "key-required"\nupstream = "stub"\n',
+        'tools = "all"\n',  # no entry: served with the class its annotations give (key-required)
+    ],
+    ids=["entry", "tools-all"],
+)
+def test_an_upstream_mcp_tool_passes(tmp_path: Path, served: str) -> None:
     log = tmp_path / "stub.jsonl"
     log.touch()
     server = TESTS_DIR / "support" / "upstream_server.py"
     policy = tmp_path / "p.toml"
     policy.write_text(
-        f'[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\nenv = {{ STUB_LOG = "{log}" }}\n\n'
-        '[tools.record]\nclass = "key-required"\nupstream = "stub"\n',
+        f'[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\nenv = {{ STUB_LOG = "{log}" }}\n'
+        + served,
         encoding="utf-8",
     )
     code, report, _ = verify(

@@ -259,6 +259,8 @@ class UpstreamConnection:
                 )
                 tools = await _list_all(client)
             if tools != self.tools or not self.listed:
+                if self.listed:
+                    self._say_new_offer(tools)
                 self.tools, self.listed = tools, True
                 if self.on_new_tools is not None:
                     self.on_new_tools()
@@ -271,6 +273,24 @@ class UpstreamConnection:
             if not self._stop.is_set():
                 self.error = "the connection was lost"
                 log.warning("upstream %s: connection lost; reconnecting", self.name)
+
+    def _say_new_offer(self, tools: dict[str, types.Tool]) -> None:
+        """Log what a reconnected upstream offers now that it did not before, and what it dropped:
+        a warning when that changes what is served (`tools = "all"`), else info."""
+        added, dropped = sorted(tools.keys() - self.tools.keys()), sorted(self.tools.keys() - tools.keys())
+        if not (added or dropped):
+            return  # the same tools, other definitions: the refresh says so
+        served = self.spec.tools == "all"
+        log.log(
+            logging.WARNING if served else logging.INFO,
+            "upstream %s now offers other tools: new %s, gone %s (%s)",
+            self.name,
+            ", ".join(added) or "none",
+            ", ".join(dropped) or "none",
+            "served as their annotations say unless the policy has an entry"
+            if served
+            else 'only tools the policy lists are served (tools = "listed")',
+        )
 
 
 # --- the source --------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commitgate.server.core.boundary import CallRequest, CommitBoundary
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.requests import CallRequest
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve.registry import build_tools

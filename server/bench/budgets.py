@@ -27,8 +27,9 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from commitgate.server.core.boundary import CallRequest, CommitBoundary, GuardedTool, canonical_json
+from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.budgets import Budget
+from commitgate.server.core.requests import CallRequest, GuardedTool, canonical_json
 from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.context import OperationContext

@@ -23,18 +23,17 @@ import anyio.to_thread
 from rich.table import Table
 from rich.text import Text
 
+from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.policy import console
 from commitgate.server.cli.shown import cell, json_text
 from commitgate.server.core import approvals
-from commitgate.server.core.boundary import printable as printable_text
 from commitgate.server.core.budgets import budget_report
 from commitgate.server.core.resolutions import (
     Finding,
     Resolution,
     ResolutionError,
     current,
-    local_operator,
     note_for,
     resolve,
 )
@@ -84,6 +83,9 @@ def _limit(text: str) -> int:
     return value
 
 
+_BY = "(default: the OS user); an operator of the policy's [[auth.tokens]] when it has any, never an agent"
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
@@ -128,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="failed: it certainly did not happen, so the same key may run again (FAILED_RETRYABLE)",
     )
     resolve.add_argument("--reason", help="why (required with --failed); kept in the audit trail")
-    resolve.add_argument("--by", help="who resolves it (default: the OS user)")
+    resolve.add_argument("--by", help=f"who resolves it {_BY}")
     resolve.set_defaults(func=cmd_resolve)
 
     for verb, what in (("approve", "let it run"), ("deny", "refuse it: it never runs")):
@@ -139,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         decide.add_argument(
             "--reason", required=verb == "deny", help="why; kept in the audit trail and shown to the agent"
         )
-        decide.add_argument("--by", help="who decides (default: the OS user)")
+        decide.add_argument("--by", help=f"who decides {_BY}")
         decide.set_defaults(func=cmd_decide, decision=verb)
 
     purge = actions.add_parser("purge", parents=[where], help="delete records past their retention")
@@ -384,12 +386,13 @@ def _resolution(args: argparse.Namespace, by: str) -> Resolution:
 
 def cmd_resolve(args: argparse.Namespace) -> int:
     async def body() -> int:
-        resolution = _resolution(args, args.by or local_operator())
+        operators = Operators.of(policy_of(args))
         now = time.time()
         async with opened(ledger_url(args)) as ledger:
             assert ledger is not None
             try:
                 op = await current(ledger, args.operation_id, now)
+                resolution = _resolution(args, _decider(operators, args.by, op))
                 warning = note_for(op, resolution)
                 resolved = await resolve(ledger, args.operation_id, resolution, now)
             except ResolutionError as exc:
@@ -406,6 +409,14 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+def _decider(operators: Operators, by: str | None, op: Operation) -> str:
+    """The operator a decision on `op` is recorded as (cli/deciders.py says who may be)."""
+    try:
+        return operators.name_for(by, op.principal)
+    except NotAnOperator as exc:
+        raise CommandError(str(exc)) from None
+
+
 # --- ops approve / deny ---------------------------------------------------------------------------
 
 
@@ -413,12 +424,11 @@ def cmd_decide(args: argparse.Namespace) -> int:
     """An operator's decision on an operation awaiting approval; the rules are core/approvals.py's."""
 
     async def body() -> int:
-        by = args.by or local_operator()
-        if not printable_text(by) or not by.strip():
-            raise CommandError("--by must be a name of printable characters")
+        operators = Operators.of(policy_of(args))
         now = time.time()
         async with opened(ledger_url(args)) as ledger:
             assert ledger is not None
+            by = _decider(operators, args.by, await _get(ledger, args.operation_id))
             try:
                 decided = await approvals.decide(
                     ledger,

@@ -278,8 +278,9 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         )
         print(json.dumps(shown, indent=2))
     secrets = [s for listing in listings for s in listing.entry.secrets.values()]
+    variables = sorted({s.variable for s in secrets})
     if secrets:
-        names = ", ".join("${" + name + "}" for name in sorted({s.variable for s in secrets}))
+        names = ", ".join("${" + name + "}" for name in variables)
         how = (
             "the entry's env carries their values"
             if write_config
@@ -287,4 +288,11 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         )
         print(f"\nSecrets stay out of the policy: it refers to {names}; {how}", end="")
         print(" (or set them in the environment commitgate starts in).")
-    print(f"Check the classes: commitgate policy show {out}  (what each class means: docs/wrapping.md)")
+    first = (
+        f" (with {', '.join(variables)} set in this shell: it reads them as the server will)"
+        if variables
+        else ""
+    )
+    print(
+        f"Check the classes{first}: commitgate policy show {out}  (what each class means: docs/wrapping.md)"
+    )

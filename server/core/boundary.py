@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import random
 import time
@@ -24,10 +22,17 @@ from typing import Any
 
 import commitgate.server.core.tracing as tracing
 from commitgate.server.core import approvals, budgets, duplicates, errors
-from commitgate.server.core.budgets import Budget
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.replays import FinalOutcomes
+from commitgate.server.core.requests import (
+    Answer,
+    CallRequest,
+    GuardedTool,
+    canonical_json,
+    error_for_state,
+    fingerprint,
+)
 from commitgate.server.core.retry import Backoff, classify, error_record
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import (
@@ -46,84 +51,12 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import Event, Observer
-from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, ErrorCode, IdempotencyClass, State
+from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
-from commitgate.server.policy.models import ServerPolicy, ToolPolicy
-from commitgate.tools.base import ToolSource
+from commitgate.server.policy.models import ServerPolicy
 
 log = logging.getLogger("commitgate.boundary")
-
-
-@dataclass(frozen=True, slots=True)
-class GuardedTool:
-    name: str
-    policy: ToolPolicy
-    source: ToolSource
-    budget: Budget | None = None  # the declared budget its calls spend from
-
-    @property
-    def idempotency_class(self) -> IdempotencyClass:
-        return self.policy.idempotency_class
-
-
-@dataclass(frozen=True, slots=True)
-class CallRequest:
-    tool: GuardedTool
-    arguments: dict[str, Any]  # validated, normalised, without the key
-    key: str | None
-    session: str
-    principal: str
-    arguments_json: str | None = None  # canonical JSON of `arguments`, when the caller encoded it already
-    confirm_duplicate: bool = False  # the caller means a second action like a recent one
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    result: ToolResult | None
-    operation: Operation | None
-    replayed: bool
-    error: GateError | None = None
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def fingerprint(tool: str, arguments_json: str) -> str:
-    """SHA-256 of canonical JSON {"arguments": ..., "tool": ...}: docs/contract.md#fingerprint."""
-    document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
-    return hashlib.sha256(document.encode("utf-8")).hexdigest()
-
-
-def check_key(key: object, tool: GuardedTool) -> str | None:
-    if not tool.idempotency_class.keyed:
-        return None
-    if key is None or key == "":
-        raise errors.key_required(tool.name)
-    if not isinstance(key, str):
-        raise errors.invalid_key("it must be a string")
-    if len(key) > KEY_MAX_LENGTH:
-        raise errors.invalid_key(f"it is {len(key)} characters long; at most {KEY_MAX_LENGTH} are allowed")
-    if not KEY_PATTERN.fullmatch(key):
-        raise errors.invalid_key("it contains characters outside the allowed set")
-    return key
-
-
-def printable(text: str) -> bool:
-    """No control characters (NUL, newlines, terminal escapes...): what a session or key may hold."""
-    return text.isprintable()
-
-
-def check_session(session: object, where: str) -> str:
-    """A session names a workflow run: 1-255 printable characters, so it is safe to store and to show."""
-    if not isinstance(session, str) or not 1 <= len(session) <= 255:
-        raise errors.invalid_arguments(f"{where} must be a string of 1-255 characters")
-    if not printable(session):
-        raise errors.invalid_arguments(
-            f"{where} must hold printable characters only (no control characters, newlines or NUL)"
-        )
-    return session
 
 
 @dataclass(slots=True)
@@ -147,7 +80,7 @@ class CommitBoundary:
     clock: Callable[[], float] = time.time
     rng: random.Random = field(default_factory=random.Random)
     owner: str = field(default_factory=this_owner)
-    _inflight: dict[str, asyncio.Task[Answer]] = field(default_factory=dict)
+    _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
     _leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
@@ -254,7 +187,9 @@ class CommitBoundary:
     async def _claim(self, request: CallRequest, claim_request: ClaimRequest) -> Claim:
         tool = request.tool
         try:
-            return await tracing.claimed(self.ledger.claim(claim_request, self.clock()), tool)
+            return await tracing.claimed(
+                self.ledger.claim(claim_request, self.clock()), tool.idempotency_class
+            )
         except LedgerUnavailable as exc:
             self._emit(Event.LEDGER_UNAVAILABLE, tool.name, tool.idempotency_class)
             raise _unavailable(exc) from None
@@ -462,7 +397,7 @@ class CommitBoundary:
         return await self._own(request, taken, maybe_applied=maybe_applied)
 
     async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
-        verdict, found, note = await self._status_check(request.tool, op)
+        verdict, found, note = await tracing.reconciled(self._status_check(request.tool, op), op)
         if verdict is Verdict.FOUND:
             recorded = await self._record_reconciled(op, found, note)
             return Answer(recorded.result, recorded, True)
@@ -475,7 +410,6 @@ class CommitBoundary:
 
     # --- reconciliation -------------------------------------------------------------------
 
-    @tracing.reconcile
     async def _status_check(
         self, tool: GuardedTool, op: Operation, attempt: int | None = None
     ) -> tuple[Verdict, ToolResult | None, dict[str, Any]]:
@@ -538,7 +472,7 @@ class CommitBoundary:
         tool = self.tools.get(op.tool)
         if op.state is not State.UNKNOWN or tool is None or not tool.source.has_status_check:
             return op
-        verdict, found, note = await self._status_check(tool, op)
+        verdict, found, note = await tracing.reconciled(self._status_check(tool, op), op)
         if verdict is Verdict.FOUND:
             return await self._record_reconciled(op, found, note)
         if verdict is Verdict.NOT_FOUND:
@@ -560,17 +494,49 @@ class CommitBoundary:
     # --- owning an operation: run, retry, record -------------------------------------------
 
     async def _own(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
-        task = asyncio.create_task(
-            self._execute(request, op, maybe_applied), name=f"commitgate:{op.operation_id}"
+        """Run the work in a task of the boundary's and wait for its answer, at most respond_within.
+
+        Waiting never cancels the work: past respond_within, or if this caller goes away (its
+        task cancelled), the work goes on and its outcome lands in the ledger for polling. The
+        work hands its answer over itself, an event-loop turn sooner than a done callback would.
+        """
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[Answer | None] = loop.create_future()  # None: not within respond_within
+        self._inflight[op.operation_id] = loop.create_task(
+            self._work(request, op, maybe_applied, answered), name=f"commitgate:{op.operation_id}"
         )
-        self._inflight[op.operation_id] = task
-        task.add_done_callback(lambda _: self._inflight.pop(op.operation_id, None))
-        # Waiting never cancels the task (as shield would not): past respond_within, or if this
-        # caller goes away, the work goes on and its outcome lands in the ledger for polling.
-        await asyncio.wait((task,), timeout=self.settings.respond_within)
-        if not task.done():
+        timer = loop.call_later(self.settings.respond_within, _settle, answered, None)
+        try:
+            answer = await answered
+        finally:
+            timer.cancel()
+        if answer is None:
             raise errors.in_progress(op)
-        return task.result()
+        return answer
+
+    async def _work(
+        self,
+        request: CallRequest,
+        op: Operation,
+        maybe_applied: bool,
+        answered: asyncio.Future[Answer | None],
+    ) -> Answer | None:
+        try:
+            answer = await self._execute(request, op, maybe_applied)
+        except asyncio.CancelledError:
+            answered.cancel()
+            raise
+        except BaseException as exc:
+            if answered.done():  # nobody waits for it: asyncio reports it as a task's unretrieved error
+                raise
+            answered.set_exception(exc)  # raised in the caller, as a crash of the call
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise  # these stop the event loop too
+            return None
+        finally:
+            self._inflight.pop(op.operation_id, None)
+        _settle(answered, answer)
+        return answer
 
     async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
         tool, policy = request.tool, request.tool.policy
@@ -583,7 +549,9 @@ class CommitBoundary:
                 ctx = OperationContext(
                     request.key, request.session, op.operation_id, op.attempts, request.principal, tool.name
                 )
-                attempt = await self._attempt(tool, request.arguments, ctx)
+                attempt = await tracing.attempted(
+                    self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
+                )
                 next_move = after_attempt(tool.idempotency_class, attempt.outcome, policy.forwards_key)
                 self._emit(
                     Event.ATTEMPT,
@@ -594,7 +562,9 @@ class CommitBoundary:
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
                 if next_move is Next.RECONCILE:
-                    verdict, found, note = await self._status_check(tool, op, op.attempts)
+                    verdict, found, note = await tracing.reconciled(
+                        self._status_check(tool, op, op.attempts), op
+                    )
                     if verdict is Verdict.FOUND:
                         return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
@@ -623,7 +593,6 @@ class CommitBoundary:
         finally:
             self._leases.pop(op.operation_id, None)
 
-    @tracing.attempt
     async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
         try:
             async with asyncio.timeout(tool.policy.timeout):
@@ -678,7 +647,7 @@ class CommitBoundary:
             error=error_json,
             reconciliation=reconciliation,
         )
-        recorded = await self._record(op, change)
+        recorded = await tracing.recorded(self._record(op, change), op, change.to_state)
         if recorded is None:
             recorded = await self._record_late(op, change)
         if recorded is not None:
@@ -716,7 +685,6 @@ class CommitBoundary:
             [{"type": "text", "text": text}], {"result_too_large": {"bytes": size, "limit": limit}}
         )
 
-    @tracing.record
     async def _record(self, op: Operation, change: Transition) -> Operation | None:
         """Record an outcome; a ledger hiccup is retried briefly, since the effect already happened."""
         for delay in (0.05, 0.2, 1.0, None):
@@ -778,7 +746,9 @@ class CommitBoundary:
             ctx = OperationContext(
                 request.key, request.session, None, attempt_number, request.principal, tool.name
             )
-            attempt = await self._attempt(tool, request.arguments, ctx)
+            attempt = await tracing.attempted(
+                self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
+            )
             if attempt.outcome is Outcome.SUCCESS:
                 return Answer(attempt.result, None, False)
             message = _exception_message(attempt.error)
@@ -841,6 +811,11 @@ class CommitBoundary:
         await self.ledger.purge(self.clock())
 
 
+def _settle(answered: asyncio.Future[Answer | None], answer: Answer | None) -> None:
+    if not answered.done():
+        answered.set_result(answer)
+
+
 def _unavailable(exc: LedgerUnavailable) -> GateError:
     """The client is told only that nothing ran; the reason (a host, a path, a driver error) is logged."""
     log.warning("the ledger could not record a call, nothing was executed: %s", exc)
@@ -852,10 +827,6 @@ def _missing_key(tool: GuardedTool) -> str:
     raise errors.key_required(tool.name)
 
 
-def _message(op: Operation) -> str:
-    return str((op.error or {}).get("message") or "no reason recorded")
-
-
 def _exception_message(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
@@ -864,22 +835,3 @@ def _exception_message(exc: BaseException | None) -> str:
     if isinstance(exc, TimeoutError):
         return "the tool did not answer within its timeout"
     return str(exc) or type(exc).__name__
-
-
-def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
-    code = (op.error or {}).get("code")
-    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_DENIED:
-        return errors.approval_denied(op)
-    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_EXPIRED:
-        return errors.approval_expired(op)
-    if op.state is State.FAILED_FINAL and code == ErrorCode.BUDGET_EXCEEDED:
-        return errors.budget_exceeded_recorded(op)
-    if op.state is State.AWAITING_APPROVAL:
-        return errors.approval_pending(op)
-    if op.state is State.FAILED_FINAL:
-        return errors.failed(_message(op), op)
-    if op.state is State.FAILED_RETRYABLE:
-        return errors.retries_exhausted(_message(op), op)
-    if op.state is State.UNKNOWN:
-        return errors.outcome_unknown(op, retry_is_safe=forwards_key)
-    return errors.in_progress(op)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from commitgate.server.core import errors
-from commitgate.server.core.boundary import Answer, CallRequest, CommitBoundary, GuardedTool
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.requests import Answer, CallRequest, GuardedTool
 from commitgate.server.ledger.base import Ledger, OperationFilter, Transition
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
 from commitgate.server.model.records import Operation

@@ -10,21 +10,23 @@ What never goes into a span: argument values, results, error messages (they
 may quote arguments), keys, sessions, principals and tokens. Failures carry
 only their outcome and the exception's type.
 
-Every wrapper here checks the trace switch first: with tracing off a call costs
-one attribute read per step (see `commitgate bench --only tracing`).
+The boundary hands each step's awaitable to the function of its span here; with
+tracing off that function gives the awaitable back untouched, so a call costs one
+function call and one attribute read per step (see `commitgate bench --only tracing`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
 
 from commitgate.server.ledger.base import OverBudget
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.context import OperationContext
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import Outcome, Verdict
+from commitgate.server.model.records import Operation
 from commitgate.server.model.traces import SWITCH
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 OPERATION_ID = "commitgate.operation_id"
@@ -59,12 +61,14 @@ def _failed(span: Any, reason: str, exc: BaseException | None = None) -> None:
     span.set_status(Status(StatusCode.ERROR, reason))
 
 
-async def claimed(step: Awaitable[T], tool: Any) -> T:
-    """`commitgate.claim` around a ledger claim of `tool`'s call: which operation, in which state, and
-    how it was found (new, existing, conflict...)."""
-    if SWITCH.tracer is None:
-        return await step
-    with _span("commitgate.claim", {CLASS: tool.idempotency_class.value}) as span:
+def claimed(step: Awaitable[T], cls: IdempotencyClass) -> Awaitable[T]:
+    """`step` (a ledger claim) inside `commitgate.claim` when tracing is on: which operation, in
+    which state, and how it was found (new, existing, conflict...). Off, `step` itself."""
+    return step if SWITCH.tracer is None else _claimed(step, cls)
+
+
+async def _claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
+    with _span("commitgate.claim", {CLASS: cls.value}) as span:
         try:
             claim = await step
         except OverBudget:  # an answer, not a failure: nothing was claimed
@@ -83,67 +87,70 @@ async def claimed(step: Awaitable[T], tool: Any) -> T:
         return claim
 
 
-def attempt(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    """`commitgate.attempt` around one execution of a tool, `(self, tool, arguments, ctx) -> _Attempt`."""
-
-    @functools.wraps(fn)
-    async def traced(*args: P.args, **kwargs: P.kwargs) -> T:
-        if SWITCH.tracer is None:
-            return await fn(*args, **kwargs)
-        tool, ctx = args[1], args[3]
-        attributes: dict[str, Any] = {CLASS: tool.idempotency_class.value, ATTEMPT: ctx.attempt}  # type: ignore[attr-defined]
-        if ctx.operation_id is not None:  # type: ignore[attr-defined]
-            attributes[OPERATION_ID] = ctx.operation_id  # type: ignore[attr-defined]
-        with _span("commitgate.attempt", attributes) as span:
-            result = await fn(*args, **kwargs)
-            outcome = result.outcome.value  # type: ignore[attr-defined]
-            span.set_attribute(OUTCOME, outcome)
-            if outcome != "success":
-                _failed(span, outcome, result.error)  # type: ignore[attr-defined]
-            return result
-
-    return traced
+class Attempted(Protocol):
+    @property
+    def outcome(self) -> Outcome: ...
+    @property
+    def error(self) -> BaseException | None: ...
 
 
-def reconcile(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    """`commitgate.reconcile` around a status check, `(self, tool, op, ...) -> (verdict, found, note)`."""
-
-    @functools.wraps(fn)
-    async def traced(*args: P.args, **kwargs: P.kwargs) -> T:
-        if SWITCH.tracer is None:
-            return await fn(*args, **kwargs)
-        op = args[2]
-        with _span("commitgate.reconcile", _of(op)) as span:
-            answer = await fn(*args, **kwargs)
-            span.set_attribute(VERDICT, answer[0].value)  # type: ignore[index]
-            return answer
-
-    return traced
+A = TypeVar("A", bound=Attempted)
 
 
-def record(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    """`commitgate.record` around writing an outcome, `(self, op, change) -> Operation | None`."""
-
-    @functools.wraps(fn)
-    async def traced(*args: P.args, **kwargs: P.kwargs) -> T:
-        if SWITCH.tracer is None:
-            return await fn(*args, **kwargs)
-        op, change = args[1], args[2]
-        attributes = {**_of(op), STATE: change.to_state.value}  # type: ignore[attr-defined]
-        with _span("commitgate.record", attributes) as span:
-            try:
-                recorded = await fn(*args, **kwargs)
-            except Exception as exc:
-                _failed(span, "not_recorded", exc)
-                raise
-            if recorded is None:  # a newer attempt or an operator moved it first
-                span.add_event("commitgate.fenced_out")
-            return recorded
-
-    return traced
+def attempted(step: Awaitable[A], cls: IdempotencyClass, ctx: OperationContext) -> Awaitable[A]:
+    """`step` (one execution of a tool) inside `commitgate.attempt` when tracing is on, with its
+    outcome. Off, `step` itself."""
+    return step if SWITCH.tracer is None else _attempted(step, cls, ctx)
 
 
-def _of(op: Any) -> dict[str, Any]:
+async def _attempted(step: Awaitable[A], cls: IdempotencyClass, ctx: OperationContext) -> A:
+    attributes: dict[str, Any] = {CLASS: cls.value, ATTEMPT: ctx.attempt}
+    if ctx.operation_id is not None:
+        attributes[OPERATION_ID] = ctx.operation_id
+    with _span("commitgate.attempt", attributes) as span:
+        result = await step
+        outcome = result.outcome.value
+        span.set_attribute(OUTCOME, outcome)
+        if outcome != "success":
+            _failed(span, outcome, result.error)
+        return result
+
+
+V = TypeVar("V", bound=tuple[Verdict, Any, Any])
+
+
+def reconciled(step: Awaitable[V], op: Operation) -> Awaitable[V]:
+    """`step` (a status check of `op`) inside `commitgate.reconcile` when tracing is on, with its
+    verdict. Off, `step` itself."""
+    return step if SWITCH.tracer is None else _reconciled(step, op)
+
+
+async def _reconciled(step: Awaitable[V], op: Operation) -> V:
+    with _span("commitgate.reconcile", _of(op)) as span:
+        answer = await step
+        span.set_attribute(VERDICT, answer[0].value)
+        return answer
+
+
+def recorded(step: Awaitable[Operation | None], op: Operation, to: State) -> Awaitable[Operation | None]:
+    """`step` (writing `op`'s outcome, state `to`) inside `commitgate.record` when tracing is on.
+    Off, `step` itself."""
+    return step if SWITCH.tracer is None else _recorded(step, op, to)
+
+
+async def _recorded(step: Awaitable[Operation | None], op: Operation, to: State) -> Operation | None:
+    with _span("commitgate.record", {**_of(op), STATE: to.value}) as span:
+        try:
+            recorded = await step
+        except Exception as exc:
+            _failed(span, "not_recorded", exc)
+            raise
+        if recorded is None:  # a newer attempt or an operator moved it first
+            span.add_event("commitgate.fenced_out")
+        return recorded
+
+
+def _of(op: Operation) -> dict[str, Any]:
     return {
         OPERATION_ID: op.operation_id,
         CLASS: op.idempotency_class.value,

@@ -8,12 +8,11 @@ request-state boundary; the gateway checks it against the ledger (the operation,
 principal, session, key, tool and arguments) before it counts the answer, so any replica
 sharing the ledger and the sealing key can take the second round.
 
-The surface puts one `ClientChannel` per tools/call in a context variable; the gateway reads it.
+The surface puts one `ClientChannel` in each tools/call's envelope; the gateway reads it there.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -63,10 +62,6 @@ class ClientChannel:
             return None
         return state.removeprefix(STATE_PREFIX)
 
-
-CHANNEL: contextvars.ContextVar[ClientChannel | None] = contextvars.ContextVar(
-    "commitgate_channel", default=None
-)
 
 _ELICITATION = types.ClientCapabilities(elicitation=types.ElicitationCapability())
 

@@ -1,83 +1,55 @@
 """Around every `tools/call`, on every transport: a limit per principal, a log line, a metrics sample.
 
-Both are SDK middleware installed by the MCP surface (surface.py). The limit answers the call
-that would exceed `limits.max_concurrent_per_principal` with `retries_exhausted`, nothing
-executed; meta tools are not limited, so polling stays possible while work runs.
+Both wrap the handler the MCP surface registers (surface.py) and read the call's envelope
+(`Call`), resolved once. The limit answers the call that would exceed
+`limits.max_concurrent_per_principal` with `retries_exhausted`, nothing executed; meta tools
+are not limited, so polling stays possible while work runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import mcp.types as types
-from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 
 from commitgate.server.core.errors import GateError
 from commitgate.server.model.facts import OPERATION_META, ErrorCode
-from commitgate.server.serve.auth import principal_of_request
-from commitgate.server.serve.gateway import META_TOOLS, Gateway, render_error
+from commitgate.server.serve.gateway import Call, render_error
 from commitgate.server.serve.logs import log_call, unredacted
-from commitgate.server.serve.metrics import UNKNOWN_TOOL, Metrics
+from commitgate.server.serve.metrics import Metrics
+
+Answered = types.CallToolResult | types.InputRequiredResult
+Handler = Callable[[Call], Awaitable[Answered]]
 
 
-def _tool_name(ctx: ServerRequestContext[Any, Any]) -> str | None:
-    name = ctx.params.get("name") if ctx.params else None
-    return name if isinstance(name, str) else None
-
-
-def _principal(gateway: Gateway) -> str:
-    return principal_of_request() or gateway.default_principal
-
-
-def _labels(gateway: Gateway, name: str | None) -> tuple[str, str]:
-    if name is not None and name in META_TOOLS:
-        return name, "meta"
-    served = gateway.served.get(name) if name else None
-    if served is None or not served.exposed:
-        return UNKNOWN_TOOL, "none"
-    return name or UNKNOWN_TOOL, served.guard.idempotency_class.value
-
-
-def _outcome(result: HandlerResult) -> tuple[str, dict[str, Any] | None, str | None]:
+def _outcome(result: Answered) -> tuple[str, dict[str, Any] | None, str | None]:
     """(answer code, operation meta, error message) of a tools/call answer, without copying its content."""
-    if isinstance(result, types.InputRequiredResult) or (
-        isinstance(result, dict) and result.get("resultType") == "input_required"
-    ):  # a first round: the client is asked (an approval) and will call again
+    if isinstance(result, types.InputRequiredResult):  # a first round: the client will call again
         return "input_required", None, None
-    if isinstance(result, types.CallToolResult):
-        parts: tuple[Any, Any, Any] = (result.is_error, result.meta, result.structured_content)
-    elif isinstance(result, dict):
-        parts = (result.get("isError"), result.get("_meta"), result.get("structuredContent"))
-    else:
-        return "ok", None, None
-    is_error, meta, structured = parts
+    meta, structured = result.meta, result.structured_content
     operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
-    if not is_error:
+    if not result.is_error:
         return "ok", operation, None
-    error = (structured or {}).get("error") if isinstance(structured, dict) else None
+    error = structured.get("error") if isinstance(structured, dict) else None
     if not isinstance(error, dict):  # a tool's own error shape (or the fault plan's): said as it is
         return "error", operation, None if error is None else str(error)
     return str(error.get("code") or "error"), operation, error.get("message")
 
 
-class CallRecorder:
-    """SDK middleware: one log line and (when served) one metrics sample per tools/call, whatever its end."""
+def recorded(handler: Handler, metrics: Metrics | None) -> Handler:
+    """`handler` with one log line and (when served) one metrics sample per call, whatever its end."""
 
-    def __init__(self, gateway: Gateway, metrics: Metrics | None) -> None:
-        self.gateway, self.metrics = gateway, metrics
-
-    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        if ctx.method != "tools/call":
-            return await call_next(ctx)
-        tool, cls = _labels(self.gateway, _tool_name(ctx))
+    async def record(call: Call) -> Answered:
+        tool, cls = call.labels
         code, operation, message = "protocol_error", None, None
         start = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.in_progress.inc()
+        if metrics is not None:
+            metrics.in_progress.inc()
         try:
-            result = await call_next(ctx)
+            result = await handler(call)
             code, operation, message = _outcome(result)
             return result
         except asyncio.CancelledError:
@@ -85,42 +57,41 @@ class CallRecorder:
             raise
         finally:
             seconds = time.perf_counter() - start
-            if self.metrics is not None:
-                self.metrics.in_progress.dec()
-                self.metrics.call_finished(tool, cls, code, seconds)
-            arguments = (ctx.params or {}).get("arguments") if unredacted() else None
-            log_call(tool, cls, _principal(self.gateway), code, seconds, operation, message, arguments)
+            if metrics is not None:
+                metrics.in_progress.dec()
+                metrics.call_finished(tool, cls, code, seconds)
+            arguments = call.arguments if unredacted() else None
+            log_call(tool, cls, call.principal, code, seconds, operation, message, arguments)
+
+    return record
 
 
-class PrincipalLimit:
-    """SDK middleware: at most `limits.max_concurrent_per_principal` tool calls of one principal at once.
+def limited(handler: Handler) -> Handler:
+    """`handler` with at most `limits.max_concurrent_per_principal` calls of one principal at once.
 
-    Meta tools are not limited: polling must stay possible while work runs.
     One event loop serves all requests, so a plain dict needs no lock.
     """
+    active: dict[str, int] = {}
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.active: dict[str, int] = {}
-
-    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        name = _tool_name(ctx)
-        if ctx.method != "tools/call" or name is None or name in META_TOOLS:
-            return await call_next(ctx)
-        principal = _principal(self.gateway)
-        limit = self.gateway.policy.server.limits.max_concurrent_per_principal
-        running = self.active.get(principal, 0)
-        if running >= limit:
-            return limit_error(limit)
-        self.active[principal] = running + 1
+    async def limit(call: Call) -> Answered:
+        if not call.limited:
+            return await handler(call)
+        principal = call.principal
+        most = call.generation.policy.server.limits.max_concurrent_per_principal
+        running = active.get(principal, 0)
+        if running >= most:
+            return limit_error(most)
+        active[principal] = running + 1
         try:
-            return await call_next(ctx)
+            return await handler(call)
         finally:
-            left = self.active[principal] - 1
+            left = active[principal] - 1
             if left:
-                self.active[principal] = left
+                active[principal] = left
             else:
-                del self.active[principal]
+                del active[principal]
+
+    return limit
 
 
 def limit_error(limit: int) -> types.CallToolResult:

@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mcp.types as types
 from mcp import MCPError
@@ -36,15 +36,16 @@ from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import RetryableError
 from commitgate.server.model.records import ToolResult
 
+if TYPE_CHECKING:
+    from commitgate.server.serve.gateway import Call
+
 ENV_TOKEN = "COMMITGATE_FAULT_TOKEN"
 CONTROL_TOOL = "commitgate_faults"
 LOST_ANSWER_CODE = -32099  # in the JSON-RPC range left to servers
 LOST_ANSWER_MESSAGE = "commitgate fault plan: the answer was dropped after the tool returned"
 ACTIONS = ("lose_answer", "fail_before", "counts", "clear")
 
-CallTool = Callable[
-    [str, Mapping[str, Any] | None, Mapping[str, Any] | None, str | None], Awaitable[types.CallToolResult]
-]
+CallTool = Callable[["Call"], Awaitable[types.CallToolResult]]
 
 
 class FaultySource:
@@ -110,16 +111,11 @@ class FaultPlan:
     def around(self, call: CallTool) -> CallTool:
         """`call` (the gateway's tools/call) with the control tool and the dropped answers added."""
 
-        async def call_tool(
-            name: str,
-            arguments: Mapping[str, Any] | None,
-            meta: Mapping[str, Any] | None,
-            principal: str | None,
-        ) -> types.CallToolResult:
-            if name == CONTROL_TOOL:
-                return self.control(dict(arguments or {}))
-            result = await call(name, arguments, meta, principal)
-            if not result.is_error and self.take("lose_answer", name):
+        async def call_tool(request: Call) -> types.CallToolResult:
+            if request.name == CONTROL_TOOL:
+                return self.control(dict(request.arguments or {}))
+            result = await call(request)
+            if not result.is_error and self.take("lose_answer", request.name):
                 raise MCPError(LOST_ANSWER_CODE, LOST_ANSWER_MESSAGE)
             return result
 

@@ -23,10 +23,11 @@ import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from commitgate.server.core import approvals, budgets, duplicates, errors
-from commitgate.server.core.boundary import (
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.errors import GateError
+from commitgate.server.core.requests import (
     Answer,
     CallRequest,
-    CommitBoundary,
     canonical_json,
     check_key,
     check_session,
@@ -34,7 +35,6 @@ from commitgate.server.core.boundary import (
     fingerprint,
     printable,
 )
-from commitgate.server.core.errors import GateError
 from commitgate.server.core.saga import Saga
 from commitgate.server.core.views import operation_meta, status_view
 from commitgate.server.ledger import (
@@ -60,6 +60,7 @@ from commitgate.server.policy.models import Policy
 from commitgate.server.serve import asking
 from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
+from commitgate.server.serve.metrics import UNKNOWN_TOOL
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import Collaborators
 
@@ -171,6 +172,34 @@ class Generation:
         return name in self.meta or (served is not None and served.exposed)
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One tools/call, resolved once at the MCP surface: every layer below reads it from here."""
+
+    name: str
+    arguments: Mapping[str, Any] | None
+    meta: Mapping[str, Any]
+    principal: str
+    generation: Generation  # the whole call is served from the tools it started with
+    channel: ClientChannel | None = None  # how to ask the client's user for an approval
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """(tool, class) as metrics and logs name them: unknown and hidden tools alike are "(unknown)"."""
+        if self.name in META_TOOLS:
+            return self.name, "meta"
+        served = self.generation.served.get(self.name)
+        if served is None or not served.exposed:
+            return UNKNOWN_TOOL, "none"
+        return self.name, served.guard.idempotency_class.value
+
+    @property
+    def limited(self) -> bool:
+        """Counted against `limits.max_concurrent_per_principal`: meta tools are not, so polling stays
+        possible while work runs."""
+        return self.name not in META_TOOLS
+
+
 def local_principal() -> str:
     try:
         return getpass.getuser()
@@ -266,14 +295,28 @@ class Gateway:
     def list_tools(self) -> list[types.Tool]:
         return list(self.generation.listed)
 
-    def has_tool(self, name: str) -> bool:
-        return self.generation.offers(name) or (self.faults is not None and name == CONTROL_TOOL)
+    def has_tool(self, name: str, generation: Generation | None = None) -> bool:
+        """Offered by `generation` (the current one by default), or the fault plan's control tool."""
+        offered = (generation or self.generation).offers(name)
+        return offered or (self.faults is not None and name == CONTROL_TOOL)
 
     def handler(self) -> CallTool:
-        """What answers tools/call: `call_tool`, seen through the fault plan on a test server.
+        """What answers tools/call: `answer`, seen through the fault plan on a test server.
 
         Chosen once per MCP server, so a normal server pays nothing per call for the plan."""
-        return self.faults.around(self.call_tool) if self.faults is not None else self.call_tool
+        return self.faults.around(self.answer) if self.faults is not None else self.answer
+
+    def envelope(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None,
+        principal: str | None,
+        channel: ClientChannel | None = None,
+    ) -> Call:
+        return Call(
+            name, arguments, meta or {}, principal or self.default_principal, self.generation, channel
+        )
 
     async def call_tool(
         self,
@@ -282,21 +325,25 @@ class Gateway:
         meta: Mapping[str, Any] | None,
         principal: str | None,
     ) -> types.CallToolResult:
-        principal = principal or self.default_principal
-        meta = meta or {}
-        generation = self.generation  # the whole call is served from the tools it started with
+        """A tools/call without a client to ask (in-process callers: the console, the tests)."""
+        return await self.answer(self.envelope(name, arguments, meta, principal))
+
+    async def answer(self, call: Call) -> types.CallToolResult:
         try:
-            session = self._session(meta)
-            args = dict(arguments or {})
-            answer_meta = _META_ANSWERS.get(name)
+            session = self._session(call.meta)
+            args = dict(call.arguments or {})
+            answer_meta = _META_ANSWERS.get(call.name)
             if answer_meta is not None:
-                return await answer_meta(self, args, session, principal)
-            request = self._request(generation, generation.served[name], args, meta, session, principal)
-            return await self._guarded_call(request, asking.CHANNEL.get())
+                return await answer_meta(self, args, session, call.principal)
+            generation = call.generation
+            request = self._request(
+                generation, generation.served[call.name], args, call.meta, session, call.principal
+            )
+            return await self._guarded_call(request, call.channel)
         except GateError as exc:
             return render_error(exc, replayed=False)
         except LedgerUnavailable as exc:
-            log.warning("the ledger could not answer %s: %s", name, exc)
+            log.warning("the ledger could not answer %s: %s", call.name, exc)
             return render_error(errors.ledger_unavailable(), replayed=False)
 
     # --- approvals asked of the client's user -----------------------------------------------------

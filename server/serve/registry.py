@@ -20,9 +20,9 @@ from typing import Any
 
 import mcp.types as types
 
-from commitgate.server.core.boundary import GuardedTool
 from commitgate.server.core.budgets import Budget
 from commitgate.server.core.duplicates import add_confirm_property
+from commitgate.server.core.requests import GuardedTool
 from commitgate.server.model.facts import KEY_CHARACTERS, KEY_MAX_LENGTH, IdempotencyClass
 from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.server.policy.problems import Problem

@@ -376,7 +376,9 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
         gateway.apply(policy, served)
         changed = gateway.list_tools() != before
     if changed:
-        log.warning("upstream tools refreshed: the tool list changed")
+        # Normal at every first connect (definitions merged in, `tools = "all"` tools added); what an
+        # upstream adds or drops later is said where it is seen (tools/upstream.py).
+        log.info("upstream tools refreshed: the tool list changed")
         await _announce(on_applied)
     return changed
 

@@ -3,7 +3,7 @@
 The low-level server is used because tools come from a policy as raw JSON schemas and may change
 while serving. Protocol errors (unknown tool) are JSON-RPC errors; everything the model should
 read is an `isError` result rendered by the gateway. Every transport gets the same server (the
-per-call middleware of calls.py included) and the same duties beside it (`serving`).
+per-call wrappers of calls.py included) and the same duties beside it (`serving`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import asking, tracing
+from commitgate.server.serve import asking, calls, tracing
 from commitgate.server.serve.auth import principal_of_request
-from commitgate.server.serve.calls import CallRecorder, PrincipalLimit
-from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
@@ -38,7 +37,19 @@ def build_server(
     metrics: Metrics | None = None,
     announcer: ToolListAnnouncer | None = None,
 ) -> Server[Any]:
-    answer = gateway.handler()
+    def unknown(call: Call) -> MCPError:
+        return MCPError(types.INVALID_PARAMS, f"Unknown tool: {call.name}")
+
+    async def answer(call: Call) -> types.CallToolResult | types.InputRequiredResult:
+        if not gateway.has_tool(call.name, call.generation):
+            raise unknown(call)
+        try:
+            return await handler(call)
+        except asking.InputRequired as first_round:
+            return first_round.result
+
+    handler = gateway.handler()
+    served = calls.recorded(calls.limited(answer), metrics)
 
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
@@ -48,16 +59,9 @@ def build_server(
     async def call_tool(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult | types.InputRequiredResult:
-        if not gateway.has_tool(params.name):
-            raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}")
-        meta: dict[str, Any] = dict(ctx.meta or {})
-        channel = asking.CHANNEL.set(asking.channel_of(ctx, params))  # how to ask for an approval
-        try:
-            return await answer(params.name, params.arguments, meta, principal_of_request())
-        except asking.InputRequired as first_round:
-            return first_round.result
-        finally:
-            asking.CHANNEL.reset(channel)
+        principal = principal_of_request()
+        channel = asking.channel_of(ctx, params)  # how to ask for an approval
+        return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
@@ -68,7 +72,6 @@ def build_server(
     )
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
-    server.middleware += [CallRecorder(gateway, metrics), PrincipalLimit(gateway)]
     # Seals the state of a call that asks the client's user for an approval (2026-07-28).
     server.middleware.append(
         asking.request_state_boundary(gateway.policy.server.name, lambda: principal_of_request())

@@ -158,6 +158,11 @@ __all__ = ["CallSpan", "configure_from_env", "install", "span_events", "wanted"]
 
 
 def install(server: Any) -> None:
-    """Annotate this server's `tools/call` spans while tracing is on (no middleware at all when off)."""
+    """Annotate this server's `tools/call` spans while tracing is on; when off, no middleware at all:
+    not even the SDK's span of each request, which would go nowhere."""
     if traces.enabled():
         server.middleware.append(CallSpan())
+    else:
+        from mcp.server._otel import OpenTelemetryMiddleware
+
+        server.middleware[:] = [m for m in server.middleware if not isinstance(m, OpenTelemetryMiddleware)]

@@ -29,7 +29,11 @@ def register(subparsers: Any) -> None:
             "(status check, forwards_key). This performs real effects."
         ),
     )
-    parser.add_argument("tool", metavar="TOOL", help="the tool's name in the policy")
+    parser.add_argument(
+        "tool",
+        metavar="TOOL",
+        help='the tool\'s name as served: a policy entry, or a tool of a tools = "all" upstream',
+    )
     parser.add_argument("--policy", help="policy file (default: the bundled demo policy)")
     parser.add_argument(
         "--arguments", required=True, metavar="JSON", help="the tool's arguments, a JSON object"

@@ -9,11 +9,13 @@ are both built on it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +81,15 @@ class Gate:
             args["idempotency_key"] = key
         meta = cast(RequestParamsMeta, {SESSION_META: session}) if session is not None else None
         return await self.client.call_tool(tool, args, meta=meta)
+
+    async def serving(self, tool: str, within: float) -> None:
+        """Return once the server lists `tool`: a `tools = "all"` upstream's tools appear only when
+        it has connected (at most `within` seconds, its connect timeout)."""
+        deadline = time.monotonic() + within
+        while tool not in {t.name for t in (await self.client.list_tools()).tools}:
+            if time.monotonic() >= deadline:
+                raise GateError(f"the server did not list {tool} within {within:g} s of starting")
+            await asyncio.sleep(0.1)
 
     # --- faults at the boundary ----------------------------------------------------------------
 

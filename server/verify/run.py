@@ -108,21 +108,36 @@ class Report:
 # --- setting up ------------------------------------------------------------------------------------
 
 
-def load(options: Options) -> tuple[Policy, ToolPolicy, dict[str, Any]]:
-    """The policy, the tool's entry and the arguments without a key; every mistake a one-line reason."""
+def load(options: Options) -> tuple[Policy, dict[str, Any]]:
+    """The policy and the arguments without a key; every mistake a one-line reason."""
     try:
         policy = load_policy(options.policy) if options.policy is not None else default_policy()
     except PolicyError as exc:
         first = exc.problems[0] if exc.problems else "invalid"
         raise CouldNotRun(f"the policy has problems ({first}); see `commitgate policy check`") from None
-    tool = policy.tools.get(options.tool)
-    if tool is None:
+    if options.tool not in policy.tools and not _serves_all(policy):
         raise CouldNotRun(f"the policy has no tool {options.tool!r}; it has: {', '.join(policy.tools)}")
-    if not tool.expose:
-        raise CouldNotRun(f"{options.tool} is not exposed (expose = false): agents cannot call it")
     arguments = dict(options.arguments)
     arguments.pop("idempotency_key", None)  # verify chooses its own keys
-    return policy, tool, arguments
+    return policy, arguments
+
+
+def _serves_all(policy: Policy) -> bool:
+    return any(spec.tools == "all" for spec in policy.upstreams.values())
+
+
+def served_tool(served: dict[str, ServedTool], options: Options) -> ServedTool:
+    """The tool as the server serves it: a policy entry, or a tool of a `tools = "all"` upstream
+    (known only once its upstream listed its tools)."""
+    tool = served.get(options.tool)
+    if tool is None:
+        raise CouldNotRun(
+            f"the policy serves no tool {options.tool!r}; it serves: {', '.join(sorted(served))}"
+            ' (tools of a `tools = "all"` upstream count once it answers)'
+        )
+    if not tool.exposed:
+        raise CouldNotRun(f"{options.tool} is not exposed (expose = false): agents cannot call it")
+    return tool
 
 
 @contextlib.asynccontextmanager
@@ -152,11 +167,12 @@ def _yes() -> bool:
 
 async def verify(options: Options, confirm: Callable[[], bool] = _yes) -> Report:
     """Run the tests; `confirm` is asked once the input is known good, before the first real effect."""
-    policy, tool_policy, arguments = load(options)
+    policy, arguments = load(options)
     search = [Path.cwd(), *([options.policy.resolve().parent] if options.policy else [])]
     counter = load_count_function(options.count, search) if options.count else None
     async with built_tools(policy, options.policy) as served:
-        source = served[options.tool].guard.source
+        guard = served_tool(served, options).guard
+        source, tool_policy = guard.source, guard.policy
         try:
             arguments = source.validate(arguments)
         except Exception as exc:
@@ -168,9 +184,16 @@ async def verify(options: Options, confirm: Callable[[], bool] = _yes) -> Report
         with tempfile.TemporaryDirectory(prefix="commitgate-verify-") as workdir:
             try:
                 async with start_gate(options.policy, Path(workdir)) as gate:
+                    await gate.serving(options.tool, _connect_bound(policy, tool_policy))
                     return await verifier.run(gate)
             except GateError as exc:
                 raise CouldNotRun(str(exc)) from None
+
+
+def _connect_bound(policy: Policy, tool: ToolPolicy) -> float:
+    """How long the server may take to serve the tool: its upstream's connect timeout, if any."""
+    upstream = policy.upstreams.get(tool.upstream) if tool.upstream else None
+    return upstream.connect_timeout if upstream is not None else 0.0
 
 
 # --- the tests -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from support.boundary import (
     make_boundary,
 )
 
-from commitgate.server.core.boundary import Answer
+from commitgate.server.core.requests import Answer
 from commitgate.server.ledger.base import ClaimRequest
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import IdempotencyClass

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from commitgate.server.core.boundary import CallRequest, CommitBoundary, GuardedTool
+from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.requests import CallRequest, GuardedTool
 from commitgate.server.ledger.base import Ledger
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError

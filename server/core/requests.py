@@ -1,0 +1,114 @@
+"""What a guarded call is made of, before the ledger sees it: the tool, the request, the answer.
+
+The fingerprint (docs/contract.md#fingerprint), the key and session checks, and the error an
+operation's recorded state answers with live here, beside the records they describe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from commitgate.server.core import errors
+from commitgate.server.core.budgets import Budget
+from commitgate.server.core.errors import GateError
+from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, ErrorCode, IdempotencyClass, State
+from commitgate.server.model.records import Operation, ToolResult
+from commitgate.server.policy.models import ToolPolicy
+from commitgate.tools.base import ToolSource
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedTool:
+    name: str
+    policy: ToolPolicy
+    source: ToolSource
+    budget: Budget | None = None  # the declared budget its calls spend from
+
+    @property
+    def idempotency_class(self) -> IdempotencyClass:
+        return self.policy.idempotency_class
+
+
+@dataclass(frozen=True, slots=True)
+class CallRequest:
+    tool: GuardedTool
+    arguments: dict[str, Any]  # validated, normalised, without the key
+    key: str | None
+    session: str
+    principal: str
+    arguments_json: str | None = None  # canonical JSON of `arguments`, when the caller encoded it already
+    confirm_duplicate: bool = False  # the caller means a second action like a recent one
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    result: ToolResult | None
+    operation: Operation | None
+    replayed: bool
+    error: GateError | None = None
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def fingerprint(tool: str, arguments_json: str) -> str:
+    """SHA-256 of canonical JSON {"arguments": ..., "tool": ...}: docs/contract.md#fingerprint."""
+    document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
+    return hashlib.sha256(document.encode("utf-8")).hexdigest()
+
+
+def check_key(key: object, tool: GuardedTool) -> str | None:
+    if not tool.idempotency_class.keyed:
+        return None
+    if key is None or key == "":
+        raise errors.key_required(tool.name)
+    if not isinstance(key, str):
+        raise errors.invalid_key("it must be a string")
+    if len(key) > KEY_MAX_LENGTH:
+        raise errors.invalid_key(f"it is {len(key)} characters long; at most {KEY_MAX_LENGTH} are allowed")
+    if not KEY_PATTERN.fullmatch(key):
+        raise errors.invalid_key("it contains characters outside the allowed set")
+    return key
+
+
+def printable(text: str) -> bool:
+    """No control characters (NUL, newlines, terminal escapes...): what a session or key may hold."""
+    return text.isprintable()
+
+
+def check_session(session: object, where: str) -> str:
+    """A session names a workflow run: 1-255 printable characters, so it is safe to store and to show."""
+    if not isinstance(session, str) or not 1 <= len(session) <= 255:
+        raise errors.invalid_arguments(f"{where} must be a string of 1-255 characters")
+    if not printable(session):
+        raise errors.invalid_arguments(
+            f"{where} must hold printable characters only (no control characters, newlines or NUL)"
+        )
+    return session
+
+
+def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
+    code = (op.error or {}).get("code")
+    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_DENIED:
+        return errors.approval_denied(op)
+    if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_EXPIRED:
+        return errors.approval_expired(op)
+    if op.state is State.FAILED_FINAL and code == ErrorCode.BUDGET_EXCEEDED:
+        return errors.budget_exceeded_recorded(op)
+    if op.state is State.AWAITING_APPROVAL:
+        return errors.approval_pending(op)
+    if op.state is State.FAILED_FINAL:
+        return errors.failed(_message(op), op)
+    if op.state is State.FAILED_RETRYABLE:
+        return errors.retries_exhausted(_message(op), op)
+    if op.state is State.UNKNOWN:
+        return errors.outcome_unknown(op, retry_is_safe=forwards_key)
+    return errors.in_progress(op)
+
+
+def _message(op: Operation) -> str:
+    return str((op.error or {}).get("message") or "no reason recorded")
