@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.ledgers import sqlite_back_to_version_7
 
 from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
@@ -496,15 +497,6 @@ async def test_sqlite_migrations_are_versioned_and_idempotent(tmp_path: Path) ->
         await SQLiteLedger.open(path)
 
 
-def _back_to_version_7(conn: sqlite3.Connection) -> None:
-    """One index of every record's state and an expiry index without states, as version 7 had them."""
-    conn.execute("DROP INDEX operations_open")
-    conn.execute("CREATE INDEX operations_state ON operations (state, lease_expires_at)")
-    conn.execute("DROP INDEX operations_expiry")
-    conn.execute("CREATE INDEX operations_expiry ON operations (expires_at) WHERE expires_at IS NOT NULL")
-    conn.execute("DELETE FROM schema_version WHERE version > 7")
-
-
 @pytest.mark.anyio
 async def test_a_version_7_sqlite_ledger_keeps_its_counts_listings_and_leases(tmp_path: Path) -> None:
     """Open and completed records are indexed apart from version 8: what was recorded before reads
@@ -522,7 +514,7 @@ async def test_a_version_7_sqlite_ledger_keeps_its_counts_listings_and_leases(tm
     finally:
         await ledger.close()
     with sqlite3.connect(path) as conn:
-        _back_to_version_7(conn)
+        sqlite_back_to_version_7(conn)
     ledger = await SQLiteLedger.open(path)
     try:
         counts = (await ledger.counts()).states
@@ -559,7 +551,7 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     claim = await ledger.claim(request(), T0)
     await ledger.close()
     with sqlite3.connect(path) as conn:  # back to version 1, as an earlier release left it
-        _back_to_version_7(conn)
+        sqlite_back_to_version_7(conn)
         conn.execute("ALTER TABLE operations ADD COLUMN downstream_ref TEXT")
         conn.execute("DROP INDEX operations_duplicates")  # added by later migrations
         conn.execute("DROP INDEX operations_awaiting")

@@ -54,6 +54,7 @@ from commitgate.server.ledger.base import (
     Transition,
     is_outcome,
     lease_over,
+    sql_states,
     timed,
 )
 from commitgate.server.ledger.filters import filter_terms
@@ -384,7 +385,7 @@ class SQLiteLedger:
         rows = await self._read(
             f"SELECT {columns}, sum(budget_units), sum(budget_nanos), count(*) FROM operations"
             " INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
-            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            f" AND state IN ({sql_states(BUDGET_STATES)})"
             " AND (expires_at IS NULL OR expires_at > ?) GROUP BY 1, 2",
             (budget, since, now),
         )
@@ -410,7 +411,7 @@ class SQLiteLedger:
         rows = await self._read(
             "SELECT CAST(budget_spent_at / ? AS INTEGER), sum(budget_units), sum(budget_nanos), count(*)"
             " FROM operations INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
-            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            f" AND state IN ({sql_states(BUDGET_STATES)})"
             f" AND (expires_at IS NULL OR expires_at > ?){scope} GROUP BY 1 ORDER BY 1",
             params,
         )
