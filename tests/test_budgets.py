@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.boundary import FakeClock, ScriptedTool, SystemOfRecord, guarded, make_boundary
+from support.ledgers import sqlite_back_to_version_7
 from test_ledger_contract import RESULT, T0, finish, request
 
 from commitgate.server.core.budgets import Budget
@@ -356,6 +357,7 @@ async def test_a_ledger_of_the_previous_schema_is_migrated_and_its_spending_keep
     await spend(ledger, "old", 700.5)
     await ledger.close()
     with sqlite3.connect(path) as conn:  # back to version 6: amounts in REAL, placed by created_at
+        sqlite_back_to_version_7(conn)
         conn.execute("DROP INDEX operations_budget")
         conn.execute("ALTER TABLE operations ADD COLUMN budget_amount REAL")
         conn.execute("UPDATE operations SET budget_amount = budget_units + budget_nanos / 1e9")

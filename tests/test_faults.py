@@ -143,3 +143,27 @@ async def test_a_served_control_call_with_a_wrong_token_is_a_clear_error_and_the
         ]
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         assert gate._token.encode() not in environ and ENV_TOKEN.encode() + b"=" in environ
+
+
+@pytest.mark.slow
+async def test_the_gate_counts_effects_of_a_tool_served_by_a_tools_all_upstream(tmp_path: Path) -> None:
+    """A tool without a policy entry (`tools = "all"`) is known as the server serves it."""
+    import json
+    import sys
+
+    from commitgate.server.verify.harness import start_gate
+
+    log, server = tmp_path / "stub.jsonl", Path(__file__).parent / "support" / "upstream_server.py"
+    log.touch()
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f'[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
+        f'env = {{ STUB_LOG = "{log}" }}\ntools = "all"\n'
+    )
+    async with start_gate(policy, tmp_path / "run") as gate:
+        await gate.serving("record", 30.0)
+        first = await gate.call("record", {"note": "once"}, key="k1", session="s")
+        again = await gate.call("record", {"note": "once"}, key="k1", session="s")
+        assert not first.is_error and not again.is_error
+        await gate.assert_effects("record", exactly=1)
+    assert [json.loads(line)["tool"] for line in log.read_text().splitlines()] == ["record"]

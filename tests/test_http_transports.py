@@ -11,6 +11,7 @@ import functools
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -39,6 +40,7 @@ from support.http_servers import (
     write_policy,
 )
 
+from commitgate.client import Gate
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
 from commitgate.tools import demo
@@ -319,6 +321,43 @@ async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs
         assert not later.is_error and operation_of(later)["replayed"] is False
     for key in [*slow, extra, bobs]:
         assert demo.count("tasks", idempotency_key=key) == 1
+
+
+def _healthz(sock: socket.socket) -> bytes:
+    """One whole /healthz exchange on `sock`: its status line (nothing of the answer is left unread)."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += sock.recv(65536)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))[15:]
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n")[0]
+
+
+@pytest.mark.anyio
+async def test_an_idle_connection_is_kept_longer_than_clients_keep_theirs(
+    shared: dict[str, Served],
+) -> None:
+    """httpx drops an idle pooled connection after 5 s: a server closing it at the same moment races a
+    client reusing it, which fails the call and ends the MCP session. The client must close first."""
+    served = shared["streamable-http"]
+    async with connect(served, "alice") as client:
+        gate, step = Gate(client, f"run-{new_key()}"), new_key()
+        first = await gate.call("charge_card", {"card": "4242", "amount_cents": 700}, step=step)
+        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as sock:
+            assert _healthz(sock).startswith(b"HTTP/1.1 200")
+            await anyio.sleep(6.0)  # idle past the 5 s of httpx and of uvicorn's default
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # nothing to read: neither closed (b"") nor answered
+                print("the server sent", sock.recv(1) or b"EOF: it closed the idle connection")
+            assert _healthz(sock).startswith(b"HTTP/1.1 200")
+        again = await gate.call("charge_card", {"card": "4242", "amount_cents": 700}, step=step)
+    assert again.replayed and again.structured == first.structured
+    assert demo.count("charges", idempotency_key=step) == 1
 
 
 # --- replicas, shutdown -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.ledgers import sqlite_back_to_version_7
 
 from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
@@ -497,6 +498,52 @@ async def test_sqlite_migrations_are_versioned_and_idempotent(tmp_path: Path) ->
 
 
 @pytest.mark.anyio
+async def test_a_version_7_sqlite_ledger_keeps_its_counts_listings_and_leases(tmp_path: Path) -> None:
+    """Open and completed records are indexed apart from version 8: what was recorded before reads
+    the same after (counts by state, listings by state, leases that run out)."""
+    path = tmp_path / "ledger.db"
+    ledger = await SQLiteLedger.open(path)
+    try:
+        await completed(ledger, "ok", State.SUCCEEDED)
+        retry = await new_op(ledger, "retry")
+        await ledger.update(
+            retry.operation_id, finish(retry, State.FAILED_RETRYABLE, error={"code": "x"}), T0
+        )
+        await new_op(ledger, "lost", lease=1.0)
+        await new_op(ledger, "live", lease=1e9)
+    finally:
+        await ledger.close()
+    with sqlite3.connect(path) as conn:
+        sqlite_back_to_version_7(conn)
+    ledger = await SQLiteLedger.open(path)
+    try:
+        counts = (await ledger.counts()).states
+        assert (counts["SUCCEEDED"], counts["FAILED_RETRYABLE"], counts["RUNNING"], counts["UNKNOWN"]) == (
+            1,
+            1,
+            2,
+            0,
+        )
+        assert [op.step for op in await ledger.expire_leases(T0 + 2)] == ["lost"]
+        listed = {
+            state: [op.step for op in await ledger.find(OperationFilter("alice", state=state))]
+            for state in (State.SUCCEEDED, State.FAILED_RETRYABLE, State.RUNNING, State.UNKNOWN)
+        }
+        assert listed == {
+            State.SUCCEEDED: ["ok"],
+            State.FAILED_RETRYABLE: ["retry"],
+            State.RUNNING: ["live"],
+            State.UNKNOWN: ["lost"],
+        }
+        assert sum((await ledger.counts()).states.values()) == 4
+    finally:
+        await ledger.close()
+    with sqlite3.connect(path) as conn:
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "operations_open" in indexes and "operations_state" not in indexes
+
+
+@pytest.mark.anyio
 async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operations(tmp_path: Path) -> None:
     """The unused downstream_ref column is dropped from a ledger written by an earlier release."""
     path = tmp_path / "ledger.db"
@@ -504,6 +551,7 @@ async def test_a_first_version_sqlite_ledger_is_migrated_and_keeps_its_operation
     claim = await ledger.claim(request(), T0)
     await ledger.close()
     with sqlite3.connect(path) as conn:  # back to version 1, as an earlier release left it
+        sqlite_back_to_version_7(conn)
         conn.execute("ALTER TABLE operations ADD COLUMN downstream_ref TEXT")
         conn.execute("DROP INDEX operations_duplicates")  # added by later migrations
         conn.execute("DROP INDEX operations_awaiting")

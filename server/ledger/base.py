@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import StrEnum
@@ -44,7 +44,7 @@ class ClaimKind(StrEnum):
 # States of an earlier operation that make a fresh-key call with the same arguments a possible
 # duplicate: it happened, may have happened, or is about to. (AWAITING_APPROVAL: an action a
 # person has yet to approve.)
-DUPLICATE_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN", "AWAITING_APPROVAL")
+DUPLICATE_STATES = (State.PENDING, State.RUNNING, State.SUCCEEDED, State.UNKNOWN, State.AWAITING_APPROVAL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,12 @@ class DuplicateCheck:
 # about to. Failed and compensated operations give their amount back. An operation spends when it
 # is taken to run (its `budget_spent_at` is set then): one approved and still PENDING does not
 # count yet, and the take, not the creation, places it in the window.
-BUDGET_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "UNKNOWN")
+BUDGET_STATES = (State.PENDING, State.RUNNING, State.SUCCEEDED, State.UNKNOWN)
+
+
+def sql_states(states: Iterable[State]) -> str:
+    """States as SQL string literals for `state IN (...)`: our own fixed values, never a caller's."""
+    return ", ".join(f"'{state.value}'" for state in states)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1231,7 +1231,7 @@ class PostgresLedger:
             " AND (expires_at IS NULL OR expires_at > $4) GROUP BY 1, 2 ORDER BY 3 DESC",
             budget,
             since,
-            list(BUDGET_STATES),
+            [state.value for state in BUDGET_STATES],
             now,
         )
         return [Spent(r[0], r[1], r[2], int(r[3])) for r in rows]
@@ -1255,7 +1255,7 @@ class PostgresLedger:
             span_seconds,
             budget,
             since,
-            list(BUDGET_STATES),
+            [state.value for state in BUDGET_STATES],
             now,
             principal,
             session if principal is not None else None,

@@ -70,6 +70,11 @@ HEALTH_TIMEOUT = 5.0
 # With a port, and without one (a client on port 80 sends `Host: 127.0.0.1`).
 LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", "[::1]")
 HEADER_TIMEOUT = 10  # seconds a connection may take to send a request's headers
+# Seconds an idle connection is kept open: longer than clients keep theirs (httpx 5 s, Node 4 s) and
+# than load balancers' idle timeouts (60 s), so the client closes it first. A server closing at the
+# same moment as the client reuses the connection fails that call with a transport error, and the
+# MCP SDK then ends the whole session (docs/operating.md#http-transports-principals-and-auth).
+IDLE_KEEP_ALIVE = 65
 
 
 class ServeRefused(SystemExit):
@@ -397,6 +402,7 @@ async def serve_http(
         timeout_graceful_shutdown=shutdown_grace,
         server_header=False,
         http=_HeaderTimeoutH11,
+        timeout_keep_alive=IDLE_KEEP_ALIVE,
     )
     server = uvicorn.Server(config)
     sock = listen(host, port)

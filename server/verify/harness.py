@@ -130,7 +130,7 @@ class Gate:
 
     async def effects(self, tool: str, *, session: str | None = None) -> list[dict[str, Any]]:
         """The executions of `tool` that succeeded (one per operation: replays are not executions)."""
-        self._keyed(tool)
+        await self._keyed(tool)
         operations = await self.operations(tool, session=session)
         return [op for op in operations if op["state"] in {s.value for s in EFFECT_STATES}]
 
@@ -145,11 +145,16 @@ class Gate:
                 f"the ledger holds {len(effects)} (session/key: {keys})"
             )
 
-    def _keyed(self, tool: str) -> None:
+    async def _keyed(self, tool: str) -> None:
         policy = self.policy.tools.get(tool)
-        if policy is None:
-            raise GateError(f"the policy has no tool {tool!r}; it has: {', '.join(self.policy.tools)}")
-        if policy.idempotency_class is IdempotencyClass.SAFE_RETRY:
+        keyed = policy.idempotency_class is not IdempotencyClass.SAFE_RETRY if policy else None
+        if keyed is None:  # no entry: a tool of a `tools = "all"` upstream, keyed when it takes a key
+            listed = {t.name: t for t in (await self.client.list_tools()).tools}
+            if tool not in listed:
+                served = ", ".join(sorted(listed))
+                raise GateError(f"the server serves no tool {tool!r} (yet); it serves: {served}")
+            keyed = "idempotency_key" in listed[tool].input_schema.get("required", [])
+        if not keyed:
             raise GateError(
                 f"{tool} is safe-retry: its calls are not recorded in the ledger; "
                 f"count its calls with invocations({tool!r})"

@@ -6,6 +6,7 @@ test that asks for the `ledger` fixture (conftest.py) then runs on it too.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from commitgate.server.ledger.base import Ledger
@@ -23,3 +24,13 @@ async def open_backend(name: str, tmp_path: Path) -> Ledger:
 
         return await open_test_ledger()
     raise ValueError(f"unknown ledger backend {name!r}; known: {', '.join(BACKENDS)}")
+
+
+def sqlite_back_to_version_7(conn: sqlite3.Connection) -> None:
+    """A SQLite ledger's state indexes as version 7 had them: one index of every record's state, and
+    an expiry index without states (a test then takes the ledger further back, or opens it)."""
+    conn.execute("DROP INDEX operations_open")
+    conn.execute("CREATE INDEX operations_state ON operations (state, lease_expires_at)")
+    conn.execute("DROP INDEX operations_expiry")
+    conn.execute("CREATE INDEX operations_expiry ON operations (expires_at) WHERE expires_at IS NOT NULL")
+    conn.execute("DELETE FROM schema_version WHERE version > 7")

@@ -54,13 +54,17 @@ from commitgate.server.ledger.base import (
     Transition,
     is_outcome,
     lease_over,
+    sql_states,
     timed,
 )
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import (
+    COMPLETED,
+    COUNTS_BY_STATE,
     EXPIRES_AT,
     FINGERPRINT,
     MIGRATIONS,
+    OPEN,
     SELECT,
     STATE,
     TOOL,
@@ -326,6 +330,8 @@ class SQLiteLedger:
     async def find(self, where: OperationFilter) -> list[Operation]:
         terms = filter_terms(where)
         clauses = [condition.format("?") for condition, _ in terms]
+        if where.state is not None:  # the index of its state's records, open or completed
+            clauses.append(COMPLETED if where.state.terminal else OPEN)
         params = [value for _, value in terms]
         sql = SELECT + (" WHERE " + " AND ".join(clauses) if clauses else "")
         sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
@@ -346,7 +352,7 @@ class SQLiteLedger:
     @timed
     async def expire_leases(self, now: float) -> list[Operation]:
         def write(conn: sqlite3.Connection) -> list[Operation]:
-            rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING'").fetchall()
+            rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING' AND {OPEN}").fetchall()
             expired = [op for op in map(decode, rows) if lease_over(op, now)]
             for op in expired:
                 to_unknown(conn, op, now)
@@ -368,8 +374,8 @@ class SQLiteLedger:
     @timed
     async def counts(self) -> Counts:
         states = {state.value: 0 for state in State}
-        for state, n in await self._read("SELECT state, count(*) FROM operations GROUP BY state", ()):
-            states[state] = n
+        for state, n in await self._read(COUNTS_BY_STATE, ()):
+            states[state] += n
         events = dict(await self._read("SELECT event, count(*) FROM audit GROUP BY event", ()))
         return Counts(states, events)
 
@@ -379,7 +385,7 @@ class SQLiteLedger:
         rows = await self._read(
             f"SELECT {columns}, sum(budget_units), sum(budget_nanos), count(*) FROM operations"
             " INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
-            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            f" AND state IN ({sql_states(BUDGET_STATES)})"
             " AND (expires_at IS NULL OR expires_at > ?) GROUP BY 1, 2",
             (budget, since, now),
         )
@@ -405,7 +411,7 @@ class SQLiteLedger:
         rows = await self._read(
             "SELECT CAST(budget_spent_at / ? AS INTEGER), sum(budget_units), sum(budget_nanos), count(*)"
             " FROM operations INDEXED BY operations_budget WHERE budget = ? AND budget_spent_at > ?"
-            f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+            f" AND state IN ({sql_states(BUDGET_STATES)})"
             f" AND (expires_at IS NULL OR expires_at > ?){scope} GROUP BY 1 ORDER BY 1",
             params,
         )

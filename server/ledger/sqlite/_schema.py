@@ -119,6 +119,17 @@ MIGRATIONS: list[str] = [
     CREATE INDEX operations_budget ON operations (budget, principal, session, budget_spent_at, state, budget_units,
         budget_nanos, expires_at) WHERE budget IS NOT NULL;
     """,
+    # 8: an outcome writes one index page fewer. A record's state was indexed for every row, so an
+    # outcome moved its entry from RUNNING to the final state (two pages). Now open records
+    # (`expires_at` NULL: not completed) are indexed by state, and completed ones by state in the
+    # expiry index that the outcome writes anyway: counts by state read the two, each covering
+    # (`operations_open` carries `expires_at`, NULL in all its entries, for that alone).
+    """
+    DROP INDEX operations_state;
+    CREATE INDEX operations_open ON operations (state, lease_expires_at, expires_at) WHERE expires_at IS NULL;
+    DROP INDEX operations_expiry;
+    CREATE INDEX operations_expiry ON operations (expires_at, state) WHERE expires_at IS NOT NULL;
+    """,
 ]
 
 _COLUMNS = (
@@ -142,6 +153,14 @@ INSERT = (
     " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
     " budget, budget_units, budget_nanos, budget_spent_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# Open records (not completed: no retention clock yet) and completed ones, whose clock runs from
+# their completion (`State.terminal`). Each kind has its own index of states (migration 8).
+OPEN, COMPLETED = "expires_at IS NULL", "expires_at IS NOT NULL"
+COUNTS_BY_STATE = (
+    f"SELECT state, count(*) FROM operations INDEXED BY operations_open WHERE {OPEN} GROUP BY state"
+    f" UNION ALL SELECT state, count(*) FROM operations INDEXED BY operations_expiry WHERE {COMPLETED}"
+    " GROUP BY state"
 )
 # An entry numbered after the operation's last one (a seek on the page the insert writes anyway).
 AUDIT = (

@@ -30,6 +30,7 @@ from commitgate.server.ledger.base import (
     lease_over,
     over_budget_wait,
     scope_of,
+    sql_states,
 )
 from commitgate.server.ledger.sqlite._ids import new_operation_id
 from commitgate.server.ledger.sqlite._schema import (
@@ -460,7 +461,7 @@ def _duplicate_of(
     SQL expressions for the claim's values; `scope` narrows it to the claim's session, or not."""
     return (
         f"principal = {principal} AND fingerprint = {fingerprint} {scope} AND created_at > {since}"
-        f" AND state IN ({', '.join(repr(s) for s in DUPLICATE_STATES)})"
+        f" AND state IN ({sql_states(DUPLICATE_STATES)})"
         f" AND (expires_at IS NULL OR expires_at > {now}) AND NOT (session = {session} AND step = {step})"
     )
 
@@ -539,7 +540,7 @@ _BUDGET_SUM = (
     # INDEXED BY: the covering index answers the sum without reading a single row.
     "SELECT coalesce(sum(budget_units), 0), coalesce(sum(budget_nanos), 0) FROM operations"
     " INDEXED BY operations_budget WHERE budget = ? {scope} AND budget_spent_at > ?"
-    f" AND state IN ({', '.join(repr(s) for s in BUDGET_STATES)})"
+    f" AND state IN ({sql_states(BUDGET_STATES)})"
     " AND (expires_at IS NULL OR expires_at > ?)"
 )
 BUDGET_SUMS = {
