@@ -521,9 +521,7 @@ class CommitBoundary:
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
                 if next_move is Next.RECONCILE:
-                    verdict, found, note = await tracing.reconciled(
-                        self._status_check(tool, op, op.attempts), op
-                    )
+                    verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
                         return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
