@@ -83,3 +83,18 @@ def run_kill_points(engine: str, root: Path, kills: int = KILLS) -> dict[str, An
 
 def shipments(root: Path) -> dict[str, int]:
     return engines.shipments(root)
+
+
+def assert_once_through_commitgate_twice_without(engine: str, root: Path) -> None:
+    """Run every kill point of `engine` both ways; each crash was a SIGKILL, each resume finished, and
+    the record holds 2 shipments per order shipped directly and 1 per order shipped through commitgate."""
+    summary = run_kill_points(engine, root)
+    modes = summary["modes"]
+    assert all(summary["crash"][order] == "signal 9" for order in modes), summary["crash"]
+    assert all(summary["resume"][order] == "exit 0" for order in modes), summary["stderr"][-5000:]
+    counts = shipments(root)
+    for mode, effects in (("direct", 2), ("gate", 1)):
+        orders = [order for order, m in modes.items() if m == mode]
+        assert len({summary["points"][o] for o in orders}) == KILLS  # distinct kill points
+        assert {o: counts.get(o) for o in orders} == dict.fromkeys(orders, effects)
+        assert counts[f"{engine}-{mode}-calibrate"] == 1
