@@ -189,23 +189,29 @@ def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhile(tmp_path: Path) -> None:
-    policy = tmp_path / "policy.toml"
+    policy, gate = tmp_path / "policy.toml", tmp_path / "slow.installed"
     policy.write_text(
         SERVER.format(ledger=tmp_path / "ledger.db")
-        + upstream(tmp_path, "slow", 'tools = "all"\ndefault_class = "key-required"', HINTED_SLOW="3")
+        + upstream(tmp_path, "slow", 'tools = "all"\ndefault_class = "key-required"', HINTED_GATE=gate)
         + tool("note", "key-required", upstream="slow")
         + upstream(tmp_path, "stuck", HINTED_SLOW="600")  # never answers within the call's timeout
         + tool("stuck_note", "key-required", STUCK, upstream="stuck")
     )
     ready = tmp_path / "slow.pid.ready"
     note = {"text": "early", "idempotency_key": "early-1"}
+    results: list[Any] = []
     async with serve(policy, tmp_path / "stderr.log") as client:
         listed = {t.name: t for t in (await client.list_tools()).tools}
-        assert not ready.exists()  # initialize and tools/list were answered while it still slept
+        assert not ready.exists()  # initialize and tools/list were answered while it still installs
         # the policy alone; the rest of a `tools = "all"` upstream comes when it connects
         assert set(listed["note"].input_schema["properties"]) == KEY | {"confirm_duplicate"}
         assert "lookup" not in listed
-        first = await call(client, "note", note)  # waits for the connection, then runs
+        async with anyio.create_task_group() as calls:
+            calls.start_soon(_record, results, call(client, "note", note))
+            await anyio.sleep(0.5)
+            assert not results and not ready.exists()  # the call waits for the connection...
+            gate.touch()  # ...and runs once the install ends
+        first = results[0]
         assert ready.exists()
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
@@ -220,6 +226,10 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
     assert not first.is_error, text(first)
     assert operation(first)["attempts"] == 1 and operation(again)["replayed"] is True
     assert effects(tmp_path, "slow") == [{"tool": "note", "text": "early"}]
+
+
+async def _record(results: list[Any], result: Any) -> None:
+    results.append(await result)
 
 
 # --- a server of the 1.x SDK --------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Its tools: `lookup` (read-only, titled, closed world), `erase` (destructive, ope
 `$HINTED_EXTRA` exists at start (a server that gained a tool, e.g. after an upgrade). Every call of a
 tool with an effect appends one JSON line to `$HINTED_EFFECTS`. The server writes its pid to
 `$HINTED_PID` when set, and with `$HINTED_SLOW` seconds it first sleeps that long before reading its
-input, as a server `npx -y` is still installing does; then it touches `$HINTED_PID.ready`.
+input, as a server `npx -y` is still installing does (with `$HINTED_GATE` it instead waits until that
+file exists, so a test decides when the install ends); then it touches `$HINTED_PID.ready`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ if __name__ == "__main__":
     if pidfile:
         Path(pidfile).write_text(str(os.getpid()))
     time.sleep(float(os.environ.get("HINTED_SLOW", "0")))
+    gate = os.environ.get("HINTED_GATE")
+    while gate and not Path(gate).exists():
+        time.sleep(0.05)
     if pidfile:
         Path(f"{pidfile}.ready").touch()
     mcp.run()
