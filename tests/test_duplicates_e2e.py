@@ -35,6 +35,7 @@ from support.e2e import (
     new_id,
     operation,
     policy_toml,
+    run_together,
     serve,
     together,
 )
@@ -336,8 +337,6 @@ async def test_n_concurrent_fresh_keys_on_one_postgres_ledger_charge_once(tmp_pa
 
 
 def test_policy_check_explains_bad_duplicates_options(tmp_path: Path) -> None:
-    import subprocess
-
     bad, long = tmp_path / "bad.toml", tmp_path / "long.toml"
     bad.write_text(
         TOOLS.format(
@@ -349,25 +348,19 @@ def test_policy_check_explains_bad_duplicates_options(tmp_path: Path) -> None:
         '[server]\nretention = "1h"\n' + TOOLS.format(duplicates='duplicates = { window = "2h" }'),
         encoding="utf-8",
     )
-    checks = [  # side by side: each is a process of its own
-        subprocess.Popen(
-            [str(CONSOLE_SCRIPT), "policy", "check", str(policy)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for policy in (bad, long)
-    ]
-    (out, err), (long_out, _) = (check.communicate(timeout=60) for check in checks)
-    assert checks[0].returncode == 1
+    check = [str(CONSOLE_SCRIPT), "policy", "check"]
+    checked, long_checked = run_together([*check, str(bad)], [*check, str(long)])
+    assert checked.returncode == 1
+    out = checked.stdout
     assert "tools.charge_card.duplicates.window: invalid duration '10x'" in out
     assert "tools.charge_card.duplicates.scope: must be 'session' or 'principal'" in out
     assert "tools.charge_card.duplicates.action: must be 'reject', 'approval' or 'allow'" in out
     assert "tools.charge_card.duplicates.windw: unknown key; did you mean 'window'?" in out
     assert "(line 7)" in out
-    assert "Traceback" not in err
+    assert "Traceback" not in checked.stderr
 
-    assert checks[1].returncode == 0, long_out
+    long_out = long_checked.stdout
+    assert long_checked.returncode == 0, long_out
     assert (
         "warning: tools.charge_card.duplicates.window: 2h is longer than the tool's retention (1h)"
         in long_out

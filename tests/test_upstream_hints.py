@@ -250,18 +250,23 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
         + f'\n[upstreams.old]\ncommand = "{SDK1_PYTHON}"\nargs = ["{server}"]\n'
         + tool("ping", "safe-retry", upstream="old")
     )
-    async with serve(policy, tmp_path / "stderr.log") as client:
-        pong = await call(client, "ping")
-    assert not pong.is_error and "pong" in text(pong), text(pong)
-    said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
-    assert "validation error" not in said.lower() and "server/discover" not in said
-    # `policy init` lists its tools the same way; what the server says goes to a file of ours
+    # `policy init` lists its tools the same way (side by side with the server below); what the
+    # old server says goes to a file of ours
     logged = tmp_path / "sdk1.err"
     config = tmp_path / "claude_desktop_config.json"
     started = f"exec {SDK1_PYTHON} {server} 2>>{logged}"
     config.write_text(json.dumps({"mcpServers": {"old": {"command": "sh", "args": ["-c", started]}}}))
     init = [str(CONSOLE_SCRIPT), "policy", "init", "--from-config", str(config)]
-    assert subprocess.run(init, capture_output=True, timeout=90).returncode == 0
+    initialising = subprocess.Popen(init, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async with serve(policy, tmp_path / "stderr.log") as client:
+            pong = await call(client, "ping")
+    finally:
+        _, init_said = initialising.communicate(timeout=90)
+    assert not pong.is_error and "pong" in text(pong), text(pong)
+    said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
+    assert "validation error" not in said.lower() and "server/discover" not in said
+    assert initialising.returncode == 0, init_said
     assert "ListToolsRequest" in logged.read_text() and "validation error" not in logged.read_text()
 
 

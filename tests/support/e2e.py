@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -310,6 +311,21 @@ async def together(*contexts: AbstractAsyncContextManager[T]) -> AsyncIterator[l
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+def run_together(
+    *commands: list[str], env: Mapping[str, str] | None = None, timeout: float = 60
+) -> list[subprocess.CompletedProcess[str]]:
+    """`subprocess.run` of each command, side by side: CLI processes start in parallel."""
+    started = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for command in commands
+    ]
+    finished = []
+    for command, process in zip(commands, started, strict=True):
+        stdout, stderr = process.communicate(timeout=timeout)
+        finished.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    return finished
 
 
 def operation(result: CallToolResult) -> dict[str, Any]:
