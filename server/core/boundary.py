@@ -53,6 +53,7 @@ from commitgate.server.ledger.base import (
     lease_over,
     this_owner,
 )
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
@@ -356,7 +357,7 @@ class CommitBoundary:
         change = Transition(
             State.FAILED_FINAL,
             frozenset({State.PENDING}),
-            "budget_exceeded",
+            AuditEvent.BUDGET_EXCEEDED,
             expect_fence=op.fence,
             error=error,
         )
@@ -407,7 +408,7 @@ class CommitBoundary:
         change = Transition(
             State.UNKNOWN,
             frozenset({State.RUNNING}),
-            "lease_expired",
+            AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
             error=dict(LEASE_LOST),
         )
@@ -424,7 +425,7 @@ class CommitBoundary:
         change = Transition(  # only from exactly what was seen: a newer attempt may have moved it since
             State.RUNNING,
             frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
-            "rerun_claimed",
+            AuditEvent.RERUN_CLAIMED,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
         )
@@ -559,7 +560,9 @@ class CommitBoundary:
                 if next_move is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
-                        return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
+                        return await self._finish(
+                            op, State.SUCCEEDED, AuditEvent.RECONCILED_FOUND, found, None, note
+                        )
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
                         next_move, attempt = (
                             Next.RETRY,
@@ -570,18 +573,20 @@ class CommitBoundary:
                         next_move, maybe_applied = Next.RETRY, True
                     else:
                         return await self._finish(
-                            op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error, note
+                            op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, note
                         )
                 if next_move is Next.RECORD_SUCCESS:
-                    return await self._finish(op, State.SUCCEEDED, "succeeded", attempt.result, None)
+                    return await self._finish(op, State.SUCCEEDED, AuditEvent.SUCCEEDED, attempt.result, None)
                 if next_move is Next.RECORD_FAILED_FINAL:
-                    return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
+                    return await self._finish(
+                        op, State.FAILED_FINAL, AuditEvent.FAILED_FINAL, None, attempt.error
+                    )
                 if next_move is Next.RECORD_UNKNOWN:
-                    return await self._finish(op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error)
+                    return await self._finish(op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error)
                 retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
-                    return await self._finish(op, state, "retries_exhausted", None, attempt.error)
+                    return await self._finish(op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error)
                 op = retried
         finally:
             self.leases.pop(op.operation_id, None)
@@ -607,7 +612,7 @@ class CommitBoundary:
         change = Transition(
             State.RUNNING,
             frozenset({State.RUNNING}),
-            "retry",
+            AuditEvent.RETRY,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
             error=error,
@@ -623,7 +628,7 @@ class CommitBoundary:
         self,
         op: Operation,
         state: State,
-        event: str,
+        event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
         reconciliation: dict[str, Any] | None = None,
@@ -707,7 +712,7 @@ class CommitBoundary:
         late = dataclasses.replace(
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
-            event="late_outcome",
+            event=AuditEvent.LATE_OUTCOME,
             reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
         )
         try:
