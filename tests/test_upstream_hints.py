@@ -200,6 +200,7 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
     ready = tmp_path / "slow.pid.ready"
     note = {"text": "early", "idempotency_key": "early-1"}
     results: list[Any] = []
+    stuck_results: list[Any] = []
     async with serve(policy, tmp_path / "stderr.log") as client:
         listed = {t.name: t for t in (await client.list_tools()).tools}
         assert not ready.exists()  # initialize and tools/list were answered while it still installs
@@ -208,6 +209,8 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert "lookup" not in listed
         async with anyio.create_task_group() as calls:
             calls.start_soon(_record, results, call(client, "note", note))
+            stuck_note = {"text": "never", "idempotency_key": "stuck-1"}  # meanwhile: its timeout runs out
+            calls.start_soon(_record, stuck_results, call(client, "stuck_note", stuck_note))
             await anyio.sleep(0.5)
             assert not results and not ready.exists()  # the call waits for the connection...
             gate.touch()  # ...and runs once the install ends
@@ -215,7 +218,7 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert ready.exists()
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
-        stuck = await call(client, "stuck_note", {"text": "never", "idempotency_key": "stuck-1"})
+        (stuck,) = stuck_results
         sleeper = int((tmp_path / "stuck.pid").read_text())
     with contextlib.suppress(ProcessLookupError):  # a client that stops the server at once may orphan it
         os.kill(sleeper, signal.SIGKILL)
