@@ -13,6 +13,7 @@ from typing import Any
 
 from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import Transition
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import State
@@ -56,7 +57,11 @@ async def status_check(
 def found(result: ToolResult | None, note: dict[str, Any]) -> Transition:
     """It happened: SUCCEEDED with what the check found."""
     return Transition(
-        State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=result, reconciliation=note
+        State.SUCCEEDED,
+        frozenset({State.UNKNOWN}),
+        AuditEvent.RECONCILED_FOUND,
+        result=result,
+        reconciliation=note,
     )
 
 
@@ -65,7 +70,7 @@ def not_found(op: Operation, note: dict[str, Any]) -> Transition:
     return Transition(
         State.FAILED_RETRYABLE,
         frozenset({State.UNKNOWN}),
-        "reconciled_not_found",
+        AuditEvent.RECONCILED_NOT_FOUND,
         expect_fence=op.fence,  # the check covered attempts up to this one only
         reconciliation=note,
         error={"outcome": Outcome.RETRYABLE.value, "message": "the status check found no trace of it"},
@@ -74,4 +79,6 @@ def not_found(op: Operation, note: dict[str, Any]) -> Transition:
 
 def undecided(note: dict[str, Any]) -> Transition:
     """The check could not tell: still UNKNOWN, with the note of this try."""
-    return Transition(State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note)
+    return Transition(
+        State.UNKNOWN, frozenset({State.UNKNOWN}), AuditEvent.RECONCILE_UNDECIDED, reconciliation=note
+    )
