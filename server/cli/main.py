@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import faulthandler
+import gc
 import os
 import sys
 from pathlib import Path
@@ -18,6 +20,10 @@ from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import PolicyError, Problem
 from commitgate.tools.base import ToolBuildError
+
+# At exit the interpreter's last collections walk every object of the process only to free memory
+# the OS takes back anyway: 0.6 s of CPU for a server, which its client waits out before it can go on.
+atexit.register(gc.freeze)
 
 
 def _load(path: str | None) -> tuple[Policy, Path | None]:
