@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 
@@ -12,6 +14,10 @@ from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.problems import PolicyError, Problem
 from commitgate.tools.base import ToolBuildError
+
+# At exit the interpreter's last collections walk every object of the process only to free memory
+# the OS takes back anyway: 0.6 s of CPU for a server, which its client waits out before it can go on.
+atexit.register(gc.freeze)
 
 
 def build_parser() -> argparse.ArgumentParser:

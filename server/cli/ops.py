@@ -46,6 +46,7 @@ from commitgate.server.ledger import (
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -566,8 +567,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 # --- stats ------------------------------------------------------------------------------------------
 
-RETRY_EVENTS = ("retry", "rerun_claimed", "retry_claimed")
-RECONCILE_EVENTS = ("reconciled_found", "reconciled_not_found", "reconcile_undecided")
+RETRY_EVENTS = (AuditEvent.RETRY, AuditEvent.RERUN_CLAIMED, AuditEvent.RETRY_CLAIMED)
+RECONCILE_EVENTS = (
+    AuditEvent.RECONCILED_FOUND,
+    AuditEvent.RECONCILED_NOT_FOUND,
+    AuditEvent.RECONCILE_UNDECIDED,
+)
 
 
 async def stale_operations(ledger: Ledger, cutoff: float, now: float) -> list[Operation]:
@@ -594,7 +599,7 @@ def summarise(counts: Counts) -> dict[str, Any]:
         "events": events,
         "retries": sum(events.get(e, 0) for e in RETRY_EVENTS),
         "reconciliations": sum(events.get(e, 0) for e in RECONCILE_EVENTS),
-        "resolved_by_operator": events.get("resolved", 0),
+        "resolved_by_operator": events.get(AuditEvent.RESOLVED, 0),
         "not_in_ledger": "replays and conflicts write nothing to the ledger; count them from /metrics",
     }
 

@@ -53,8 +53,9 @@ from commitgate.server.ledger.base import (
     lease_over,
     this_owner,
 )
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event, Observer
+from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
@@ -88,9 +89,33 @@ class CommitBoundary:
     leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
-    def emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def emit(
+        self,
+        kind: Event,
+        tool: str,
+        cls: IdempotencyClass,
+        *,
+        operation_id: str | None = None,
+        outcome: Outcome | None = None,
+        verdict: Verdict | None = None,
+        state: State | None = None,
+        seconds: float | None = None,
+        budget: str | None = None,
+        scope: str | None = None,
+        amount: Decimal | None = None,
+    ) -> None:
+        """Tell every observer: one event, built only when someone listens."""
+        if self.observers:
+            self.tell(
+                BoundaryEvent(
+                    kind, tool, cls, operation_id, outcome, verdict, state, seconds, budget, scope, amount
+                )
+            )
+
+    def tell(self, event: BoundaryEvent) -> None:
+        """Every observer gets the same event (a status check tells its verdict inside its own span)."""
         for observer in self.observers:
-            observer(event, tool, cls, **fields)
+            observer(event)
 
     # --- entry point ---------------------------------------------------------------
 
@@ -356,7 +381,7 @@ class CommitBoundary:
         change = Transition(
             State.FAILED_FINAL,
             frozenset({State.PENDING}),
-            "budget_exceeded",
+            AuditEvent.BUDGET_EXCEEDED,
             expect_fence=op.fence,
             error=error,
         )
@@ -407,7 +432,7 @@ class CommitBoundary:
         change = Transition(
             State.UNKNOWN,
             frozenset({State.RUNNING}),
-            "lease_expired",
+            AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
             error=dict(LEASE_LOST),
         )
@@ -424,7 +449,7 @@ class CommitBoundary:
         change = Transition(  # only from exactly what was seen: a newer attempt may have moved it since
             State.RUNNING,
             frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
-            "rerun_claimed",
+            AuditEvent.RERUN_CLAIMED,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
         )
@@ -449,7 +474,7 @@ class CommitBoundary:
 
     async def _status_check(self, tool: GuardedTool, op: Operation, attempt: int | None = None) -> Check:
         return await tracing.reconciled(
-            reconcile.status_check(tool, op, self.clock(), self.emit, attempt), op
+            reconcile.status_check(tool, op, self.clock(), self.tell, attempt), op
         )
 
     async def _record_reconciled(
@@ -552,14 +577,16 @@ class CommitBoundary:
                     Event.ATTEMPT,
                     tool.name,
                     tool.idempotency_class,
-                    outcome=attempt.outcome.value,
+                    outcome=attempt.outcome,
                     operation_id=op.operation_id,
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
                 if next_move is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
-                        return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
+                        return await self._finish(
+                            op, State.SUCCEEDED, AuditEvent.RECONCILED_FOUND, found, None, note
+                        )
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
                         next_move, attempt = (
                             Next.RETRY,
@@ -570,18 +597,20 @@ class CommitBoundary:
                         next_move, maybe_applied = Next.RETRY, True
                     else:
                         return await self._finish(
-                            op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error, note
+                            op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, note
                         )
                 if next_move is Next.RECORD_SUCCESS:
-                    return await self._finish(op, State.SUCCEEDED, "succeeded", attempt.result, None)
+                    return await self._finish(op, State.SUCCEEDED, AuditEvent.SUCCEEDED, attempt.result, None)
                 if next_move is Next.RECORD_FAILED_FINAL:
-                    return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
+                    return await self._finish(
+                        op, State.FAILED_FINAL, AuditEvent.FAILED_FINAL, None, attempt.error
+                    )
                 if next_move is Next.RECORD_UNKNOWN:
-                    return await self._finish(op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error)
+                    return await self._finish(op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error)
                 retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
-                    return await self._finish(op, state, "retries_exhausted", None, attempt.error)
+                    return await self._finish(op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error)
                 op = retried
         finally:
             self.leases.pop(op.operation_id, None)
@@ -607,7 +636,7 @@ class CommitBoundary:
         change = Transition(
             State.RUNNING,
             frozenset({State.RUNNING}),
-            "retry",
+            AuditEvent.RETRY,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
             error=error,
@@ -623,7 +652,7 @@ class CommitBoundary:
         self,
         op: Operation,
         state: State,
-        event: str,
+        event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
         reconciliation: dict[str, Any] | None = None,
@@ -649,7 +678,7 @@ class CommitBoundary:
             Event.COMPLETED,
             op.tool,
             op.idempotency_class,
-            state=state.value,
+            state=state,
             operation_id=op.operation_id,
             seconds=self.clock() - op.created_at,
         )
@@ -707,7 +736,7 @@ class CommitBoundary:
         late = dataclasses.replace(
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
-            event="late_outcome",
+            event=AuditEvent.LATE_OUTCOME,
             reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
         )
         try:
