@@ -387,30 +387,32 @@ async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_
         + f'\n[tools.record_keyed]\nupstream = "stub"\nclass = "key-required"\n{FAST_RETRY}\n'
     )
     note = {"note": "late", "idempotency_key": "late-1"}
-    async with serve(policy, tmp_path / "stderr.log") as client:
+    gate = tmp_path / "up"
+    upstream = subprocess.Popen(  # started now, so it is ready to listen the moment the gate opens
+        [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http", str(port)],
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "STUB_LOG": str(log), "STUB_GATE": str(gate)},
+    )
+    try:
+        async with serve(policy, tmp_path / "stderr.log") as client:
 
-        async def schema() -> dict[str, Any]:
-            tools = {t.name: t for t in (await client.list_tools()).tools}
-            return dict(tools["record_keyed"].input_schema)
+            async def schema() -> dict[str, Any]:
+                tools = {t.name: t for t in (await client.list_tools()).tools}
+                return dict(tools["record_keyed"].input_schema)
 
-        # nothing known but the policy
-        assert set((await schema())["properties"]) == {"idempotency_key", "confirm_duplicate"}
-        assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
-        async with client.listen(tools_list_changed=True) as changes:
-            upstream = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http", str(port)],
-                stdout=subprocess.DEVNULL,
-                env={**os.environ, "STUB_LOG": str(log)},
-            )
-            try:
+            # nothing known but the policy
+            assert set((await schema())["properties"]) == {"idempotency_key", "confirm_duplicate"}
+            assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
+            async with client.listen(tools_list_changed=True) as changes:
+                gate.touch()  # the upstream comes up
                 with anyio.fail_after(40):  # the reconnect backoff, then the announcement
                     assert isinstance(await changes.__anext__(), ToolsListChanged)
                 assert {"note", "idempotency_key"} <= set((await schema())["properties"])
                 first = await call(client, "record_keyed", note, session="s")
                 again = await call(client, "record_keyed", note, session="s")
-            finally:
-                upstream.terminate()
-                upstream.wait(timeout=10)
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
     assert not first.is_error, text(first)
     assert operation(first)["replayed"] is False and operation(again)["replayed"] is True
     (entry,) = stub_log(log)  # one effect, and the key reached the tool's own argument
