@@ -267,6 +267,8 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         document = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
         backup = write_with_backup(config.path, document)
         print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
+        if config.had_comments:
+            print(f"Its comments were not kept (the rewrite is plain JSON); {backup.name} still has them.")
         print("Restart the client to use it.")
     else:
         key = config.where[-1]
