@@ -173,6 +173,8 @@ def test_the_printed_entry_starts_this_commitgate_on_the_policy_by_absolute_path
     assert entry["command"] == str(CONSOLE_SCRIPT.absolute())
     assert entry["args"] == ["serve", "--policy", str(setup.policy.resolve())]
     assert setup.config.read_text() == setup.original  # only --write-config changes it
+    # The policy exists now: rerunning with --write-config alone would be refused.
+    assert "(or rerun with --write-config --force:" in out
 
 
 def test_the_written_policy_passes_check_once_its_variables_are_set(
@@ -295,6 +297,10 @@ def test_write_config_on_jsonc_writes_json_the_client_reads_and_says_the_comment
     assert written["inputs"][0]["id"] == "gh"
     lines = result.stdout.splitlines()
     assert "Its comments were not kept (the rewrite is plain JSON); mcp.json.bak still has them." in lines
+    assert (
+        "(It is called 'commitgate-2' because the entry 'commitgate' already in the config stays as it is.)"
+        in lines
+    )
 
 
 # --- reading configs (no process) ---------------------------------------------------------------------
