@@ -371,8 +371,8 @@ def test_only_pipes_and_sockets_take_the_fast_path(tmp_path: Path) -> None:
 def test_serve_uses_the_lean_transport_unless_told_otherwise() -> None:
     from commitgate.server.cli.main import build_parser
 
-    assert build_parser(serving_only=True).parse_args(["serve"]).stdio == "fast"
-    assert build_parser(serving_only=True).parse_args(["serve", "--stdio", "sdk"]).stdio == "sdk"
+    assert build_parser().parse_args(["serve"]).stdio == "fast"
+    assert build_parser().parse_args(["serve", "--stdio", "sdk"]).stdio == "sdk"
 
 
 async def test_a_line_longer_than_many_chunks_arrives_whole() -> None:

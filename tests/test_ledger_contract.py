@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.ledgers import sqlite_back_to_version_7
+from support.ledgers import OUTCOME_EVENTS, sqlite_back_to_version_7
 
 from commitgate.server.bench.ledger import run_ledger_bench
 from commitgate.server.ledger.base import (
@@ -32,6 +32,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -68,7 +69,8 @@ def request(
 
 
 def finish(op: Operation, state: State = State.SUCCEEDED, **fields: object) -> Transition:
-    return Transition(state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, **fields)  # type: ignore[arg-type]
+    event = OUTCOME_EVENTS[state]
+    return Transition(state, frozenset({State.RUNNING}), event, expect_fence=op.fence, **fields)  # type: ignore[arg-type]
 
 
 async def new_op(ledger: Ledger, step: str = "k1", now: float = T0, **kw: object) -> Operation:
@@ -291,7 +293,9 @@ async def test_update_keeps_the_error_record(ledger: Ledger) -> None:
 @pytest.mark.anyio
 async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None:
     op = await new_op(ledger)
-    wrong = Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT)
+    wrong = Transition(
+        State.SUCCEEDED, frozenset({State.UNKNOWN}), AuditEvent.RECONCILED_FOUND, result=RESULT
+    )
     assert await ledger.update(op.operation_id, wrong, T0) is None
     assert await ledger.update("op_missing", finish(op), T0) is None
     assert await ledger.get("alice", "s1", "k1") == op
@@ -302,7 +306,11 @@ async def test_update_applies_only_in_the_expected_state(ledger: Ledger) -> None
 async def test_a_stale_fence_can_never_overwrite_a_newer_attempt(ledger: Ledger) -> None:
     first = await new_op(ledger)
     retry = Transition(
-        State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OTHER, T0 + 20)
+        State.RUNNING,
+        frozenset({State.RUNNING}),
+        AuditEvent.RETRY,
+        expect_fence=1,
+        lease=Lease(OTHER, T0 + 20),
     )
     newer = await ledger.update(first.operation_id, retry, T0 + 1)
     assert newer is not None and (newer.fence, newer.attempts, newer.lease_owner) == (2, 2, OTHER)
@@ -417,7 +425,7 @@ async def test_history_has_every_attempt_and_state_change(ledger: Ledger) -> Non
     retry = Transition(
         State.RUNNING,
         frozenset({State.RUNNING}),
-        "retry",
+        AuditEvent.RETRY,
         expect_fence=1,
         lease=Lease(OWNER, T0 + 20),
         error={"outcome": "retryable", "message": "busy"},

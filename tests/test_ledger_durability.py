@@ -22,6 +22,7 @@ from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.loading import loads_policy
@@ -33,7 +34,7 @@ FULL, NORMAL = 2, 1  # what `PRAGMA synchronous` answers
 SUCCEEDED = Transition(
     State.SUCCEEDED,
     frozenset({State.RUNNING}),
-    "succeeded",
+    AuditEvent.SUCCEEDED,
     expect_fence=1,
     result=ToolResult([{"type": "text", "text": "ok"}], {"ok": True}),
 )

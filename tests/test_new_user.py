@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from commitgate.server.cli.commands import CommandParser
 from commitgate.server.cli.main import build_parser
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
@@ -77,7 +78,8 @@ def _options(argv: list[str]) -> list[argparse.Action]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     command = sub.choices[argv[0]]
-    return [a for a in command._actions if not isinstance(a, argparse._HelpAction)]
+    assert isinstance(command, CommandParser)
+    return [a for a in command.loaded()._actions if not isinstance(a, argparse._HelpAction)]
 
 
 @pytest.mark.parametrize("command", ["serve", "sandbox"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from support.ledgers import OUTCOME_EVENTS
 from support.postgres import fresh_url
 
 from commitgate.server.bench.pgledger import run_pg_bench
@@ -31,6 +32,7 @@ from commitgate.server.ledger.base import (
     this_owner,
 )
 from commitgate.server.ledger.postgres import MIGRATION_LOCK, SCHEMA_VERSION, PostgresLedger, migrate
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -95,7 +97,7 @@ def request(
 
 def finish(op: Operation, state: State = State.SUCCEEDED) -> Transition:
     return Transition(
-        state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=op.fence, result=RESULT
+        state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence, result=RESULT
     )
 
 
@@ -250,7 +252,7 @@ async def test_a_stale_owner_cannot_record_after_another_replica_retook_the_oper
     async with opened(url, 2) as (first, second):
         stale = await new_op(first, "k1")
         retryable = Transition(
-            State.FAILED_RETRYABLE, frozenset({State.RUNNING}), "failed_retryable", expect_fence=1
+            State.FAILED_RETRYABLE, frozenset({State.RUNNING}), AuditEvent.RETRIES_EXHAUSTED, expect_fence=1
         )
         assert await first.update(stale.operation_id, retryable, T0 + 1) is not None
         retake = await second.claim(request("k1", owner="elsewhere:2:bbbb"), T0 + 2)
@@ -261,7 +263,7 @@ async def test_a_stale_owner_cannot_record_after_another_replica_retook_the_oper
         assert done is not None and done.state is State.SUCCEEDED and done.fence == 2
         assert [(e.event, e.fence) for e in await first.history(stale.operation_id)] == [
             ("claimed", 1),
-            ("failed_retryable", 1),
+            (AuditEvent.RETRIES_EXHAUSTED, 1),
             ("retry_claimed", 2),
             ("succeeded", 2),
         ]

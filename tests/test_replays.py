@@ -16,6 +16,7 @@ from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.replays import FinalOutcomes
 from commitgate.server.core.requests import Answer
 from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -109,7 +110,7 @@ async def test_a_compensated_operation_is_replayed_as_compensated(
     boundary, counting = boundary_on(ledger, ScriptedTool(record), "compensable")
     first = await charge(boundary)
     assert first.operation is not None
-    undone = Transition(State.COMPENSATED, frozenset({State.SUCCEEDED}), "compensated")
+    undone = Transition(State.COMPENSATED, frozenset({State.SUCCEEDED}), AuditEvent.COMPENSATED)
     assert await ledger.update(first.operation.operation_id, undone, time.time()) is not None
     again = await charge(boundary)
     assert again.replayed and again.operation is not None and again.operation.state is State.COMPENSATED
@@ -126,7 +127,7 @@ async def test_an_unknown_operation_resolved_elsewhere_is_seen_at_once(
     assert first.error is not None and first.error.code is ErrorCode.OPERATION_OUTCOME_UNKNOWN
     assert first.operation is not None
     resolved = ToolResult.of({"effect_id": "resolved-by-operator"})
-    change = Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "resolved", result=resolved)
+    change = Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), AuditEvent.RESOLVED, result=resolved)
     assert await ledger.update(first.operation.operation_id, change, time.time()) is not None
     again = await charge(boundary)
     assert again.replayed and effect(again) == "resolved-by-operator"

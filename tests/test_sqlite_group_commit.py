@@ -18,10 +18,12 @@ from typing import Any
 
 import anyio
 import pytest
+from support.ledgers import OUTCOME_EVENTS
 
 from commitgate.server.ledger.base import Claim, ClaimKind, ClaimRequest, DuplicateCheck, Lease, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite, run_writes
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -49,7 +51,12 @@ def outcome(fence: int = 1, state: State = State.SUCCEEDED) -> Transition:
     error = None if state is State.SUCCEEDED else {"outcome": "permanent", "message": "declined"}
     result = RESULT if state is State.SUCCEEDED else None
     return Transition(
-        state, frozenset({State.RUNNING}), state.value.lower(), expect_fence=fence, result=result, error=error
+        state,
+        frozenset({State.RUNNING}),
+        OUTCOME_EVENTS[state],
+        expect_fence=fence,
+        result=result,
+        error=error,
     )
 
 
@@ -210,7 +217,11 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
     ledger, _ = ledgers
     first = one_by_one(ledger, [ClaimWrite(claim("k1"), T0)])[0].operation
     retry = Transition(
-        State.RUNNING, frozenset({State.RUNNING}), "retry", expect_fence=1, lease=Lease(OWNER, T0 + 60)
+        State.RUNNING,
+        frozenset({State.RUNNING}),
+        AuditEvent.RETRY,
+        expect_fence=1,
+        lease=Lease(OWNER, T0 + 60),
     )
     assert one_by_one(ledger, [OutcomeWrite(first.operation_id, retry, T0 + 1)])[0].fence == 2
     before = rows(ledger)
@@ -223,9 +234,13 @@ async def test_an_outcome_from_a_superseded_attempt_writes_nothing_even_without_
 @pytest.mark.anyio
 async def test_only_plain_outcomes_take_the_shortcut() -> None:
     plain = OutcomeWrite("op", outcome(), T0)
-    unfenced = OutcomeWrite("op", Transition(State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded"), T0)
+    unfenced = OutcomeWrite(
+        "op", Transition(State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED), T0
+    )
     reconciled = OutcomeWrite(
-        "op", Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=RESULT), T0
+        "op",
+        Transition(State.SUCCEEDED, frozenset({State.UNKNOWN}), AuditEvent.RECONCILED_FOUND, result=RESULT),
+        T0,
     )
     assert plain.plain_outcome
     assert not unfenced.plain_outcome and not reconciled.plain_outcome

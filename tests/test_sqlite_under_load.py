@@ -21,6 +21,7 @@ import pytest
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, LedgerUnavailable, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._ids import new_operation_id
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
 
@@ -77,7 +78,7 @@ async def test_a_claim_queued_behind_a_busy_writer_is_refused_once_the_file_left
 
         # Both queue behind the busy writer and go in its next batch.
         done = Transition(
-            State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1,
+            State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED, expect_fence=1,
             result=ToolResult([{"type": "text", "text": "ok"}], {"ok": True}),
         )  # fmt: skip
         claim = asyncio.ensure_future(ledger.claim(request("new"), T0 + 1))

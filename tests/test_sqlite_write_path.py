@@ -29,6 +29,7 @@ from commitgate.server.ledger.base import (
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS, migrate
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -58,7 +59,11 @@ def request(step: str, fingerprint: str | None = None, **fields: object) -> Clai
 
 def succeeded(op: Operation) -> Transition:
     return Transition(
-        State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=op.fence, result=RESULT
+        State.SUCCEEDED,
+        frozenset({State.RUNNING}),
+        AuditEvent.SUCCEEDED,
+        expect_fence=op.fence,
+        result=RESULT,
     )
 
 
@@ -204,7 +209,7 @@ async def test_the_audit_trail_of_an_earlier_schema_keeps_its_order(tmp_path: Pa
     ledger = await SQLiteLedger.open(path)
     try:
         change = Transition(
-            State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=RESULT
+            State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED, expect_fence=1, result=RESULT
         )
         assert await ledger.update("op_a", change, T0 + 10) is not None
         assert [e.event for e in await ledger.history("op_a")] == [

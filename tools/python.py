@@ -68,7 +68,7 @@ class _Signature:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         try:
-            hints = typing.get_type_hints(fn)
+            hints = typing.get_type_hints(fn, include_extras=True)  # Field(...) constraints too
         except Exception as exc:
             raise SourceLoadError(f"cannot resolve the type hints of {fn!r}: {exc}") from exc
         self.context_param: str | None = None
@@ -127,12 +127,14 @@ class PythonTool:
             model = self.signature.model.model_validate(arguments)
         except ValidationError as exc:
             raise InvalidArguments(describe(exc)) from None
-        return model.model_dump(mode="json")
+        return _Validated(model.model_dump(mode="json"), model)
 
     def _kwargs(
         self, arguments: dict[str, Any], ctx: OperationContext, context_param: str | None
     ) -> dict[str, Any]:
-        model = self.signature.model.model_validate(arguments)
+        model = arguments.take() if isinstance(arguments, _Validated) else None
+        if model is None:
+            model = self.signature.model.model_validate(arguments)
         kwargs = {name: getattr(model, name) for name in self.signature.names}
         if context_param is not None:
             kwargs[context_param] = ctx
@@ -147,6 +149,23 @@ class PythonTool:
             raise RuntimeError(f"{self.ref} declares no status check")
         found = await _invoke(self.status_fn, self._kwargs(arguments, ctx, self._status_context))
         return None if found is None else _to_result(found)
+
+
+class _Validated(dict[str, Any]):
+    """Arguments as `validate` normalised them, holding the model they were validated into, so
+    that the first attempt does not validate them again. The model goes to one attempt only: a
+    tool may change what it was given, and a retry gets values of its own, validated afresh, as
+    do arguments read back from the ledger (a status check after a restart)."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, normalised: dict[str, Any], model: BaseModel) -> None:
+        super().__init__(normalised)
+        self._model: BaseModel | None = model
+
+    def take(self) -> BaseModel | None:
+        model, self._model = self._model, None
+        return model
 
 
 async def _invoke(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:

@@ -470,6 +470,7 @@ def _port(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `commitgate sandbox`, also those of this module run on its own."""
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -550,6 +551,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="VAR",
         help="require `Authorization: Bearer $VAR` on /v1 (default: no authentication)",
     )
+    parser.set_defaults(func=cmd_sandbox)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -589,15 +591,6 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise SystemExit(f"commitgate sandbox: cannot listen on {args.host}:{args.port}: {reason}") from None
     return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add `commitgate sandbox` to the CLI's subparsers."""
-    parser = subparsers.add_parser(
-        "sandbox", help="run a Stripe-like payments API to wrap (loopback, SQLite)"
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=cmd_sandbox)
 
 
 def main(argv: list[str] | None = None) -> int:

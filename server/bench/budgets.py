@@ -32,6 +32,7 @@ from commitgate.server.core.budgets import Budget
 from commitgate.server.core.requests import CallRequest, GuardedTool, canonical_json
 from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
@@ -78,7 +79,7 @@ async def _fill(ledger: SQLiteLedger, prior: int, principal: str) -> None:
     """`prior` succeeded operations of the budget in `principal`'s scope, claimed in batches."""
     check = BudgetCheck("bench", "principal", Decimal(500), Decimal(10**15), 30 * 86400.0)
     done = Transition(
-        State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
+        State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED, expect_fence=1, result=_RESULT
     )
 
     async def one(i: int) -> None:

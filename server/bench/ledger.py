@@ -28,6 +28,7 @@ from typing import Any
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateCheck, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
 
@@ -57,7 +58,7 @@ def _request(session: str, step: str, detection: bool = False) -> ClaimRequest:
 
 
 _SUCCEEDED = Transition(
-    State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
+    State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED, expect_fence=1, result=_RESULT
 )
 
 

@@ -25,6 +25,7 @@ import asyncpg
 
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Transition
 from commitgate.server.ledger.postgres import PostgresLedger, migrate, redact
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult
 
@@ -56,7 +57,7 @@ async def _claim_and_complete(ledger: PostgresLedger, session: str, step: str, o
     if claim.kind is not ClaimKind.NEW:
         raise RuntimeError(f"benchmark key {step!r} was not new: {claim.kind}")
     done = Transition(
-        State.SUCCEEDED, frozenset({State.RUNNING}), "succeeded", expect_fence=1, result=_RESULT
+        State.SUCCEEDED, frozenset({State.RUNNING}), AuditEvent.SUCCEEDED, expect_fence=1, result=_RESULT
     )
     if await ledger.update(claim.operation.operation_id, done, time.time()) is None:
         raise RuntimeError(f"could not record the outcome of {step!r}")

@@ -177,13 +177,8 @@ def _show_log_tail(console: Console, path: Path, lines: int = 30) -> None:
 # --- command line ------------------------------------------------------------------------------------------------
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `commitgate bench` to the CLI's subcommands."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "bench",
-        help="measure safety (duplicate effects under faults) and cost (time per call) against real server"
-        " processes",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `commitgate bench`."""
     parser.add_argument("--quick", action="store_true", help="everything small (under a minute)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the figures (needs matplotlib)")
@@ -197,7 +192,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="random seed of the bench client, for repeatable runs (default: 7)",
     )
     parser.set_defaults(func=cmd_bench)
-    return parser
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -225,9 +219,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commitgate")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="commitgate bench")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     return int(args.func(args))
 
 

@@ -25,12 +25,10 @@ CONFIG_FILES = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "claude-config",
-        help="print the Claude Desktop entry that starts this installation, and where it goes",
-        description="Print the mcpServers entry for Claude Desktop (JSON on stdout) with the absolute path"
-        " of this commitgate and of the policy, and say (on stderr) where Claude Desktop's config file is.",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print the mcpServers entry for Claude Desktop (JSON on stdout) with the absolute path of this"
+        " commitgate and of the policy, and say (on stderr) where Claude Desktop's config file is."
     )
     parser.add_argument(
         "--policy", help="policy file to serve (default: $COMMITGATE_POLICY, else the bundled demo policy)"

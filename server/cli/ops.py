@@ -25,8 +25,7 @@ from rich.text import Text
 
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
-from commitgate.server.cli.policy import console
-from commitgate.server.cli.shown import cell, json_text
+from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.budgets import budget_report
 from commitgate.server.core.resolutions import (
@@ -47,6 +46,7 @@ from commitgate.server.ledger import (
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -86,15 +86,16 @@ def _limit(text: str) -> int:
 _BY = "(default: the OS user); an operator of the policy's [[auth.tokens]] when it has any, never an agent"
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
-    where.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
-    where.add_argument("--json", action="store_true", help="machine-readable output")
+def add_where_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Which ledger a command works on, and how it answers."""
+    parser.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
+    parser.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
 
-    ops = subparsers.add_parser(
-        "ops", help="list, show, approve, deny, resolve and purge operations in the ledger"
-    )
+
+def add_ops_arguments(ops: argparse.ArgumentParser) -> None:
+    where = add_where_arguments(argparse.ArgumentParser(add_help=False))
     actions = ops.add_subparsers(dest="action", required=True)
 
     listing = actions.add_parser("list", parents=[where], help="list operations, newest first")
@@ -161,7 +162,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     migrate.set_defaults(func=cmd_migrate)
 
-    stats = subparsers.add_parser("stats", parents=[where], help="counts by state and event; stale unknowns")
+
+def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
+    add_where_arguments(stats)
     stats.add_argument(
         "--unresolved-after",
         type=_duration,
@@ -564,8 +567,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 # --- stats ------------------------------------------------------------------------------------------
 
-RETRY_EVENTS = ("retry", "rerun_claimed", "retry_claimed")
-RECONCILE_EVENTS = ("reconciled_found", "reconciled_not_found", "reconcile_undecided")
+RETRY_EVENTS = (AuditEvent.RETRY, AuditEvent.RERUN_CLAIMED, AuditEvent.RETRY_CLAIMED)
+RECONCILE_EVENTS = (
+    AuditEvent.RECONCILED_FOUND,
+    AuditEvent.RECONCILED_NOT_FOUND,
+    AuditEvent.RECONCILE_UNDECIDED,
+)
 
 
 async def stale_operations(ledger: Ledger, cutoff: float, now: float) -> list[Operation]:
@@ -592,7 +599,7 @@ def summarise(counts: Counts) -> dict[str, Any]:
         "events": events,
         "retries": sum(events.get(e, 0) for e in RETRY_EVENTS),
         "reconciliations": sum(events.get(e, 0) for e in RECONCILE_EVENTS),
-        "resolved_by_operator": events.get("resolved", 0),
+        "resolved_by_operator": events.get(AuditEvent.RESOLVED, 0),
         "not_in_ledger": "replays and conflicts write nothing to the ledger; count them from /metrics",
     }
 

@@ -11,11 +11,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from commitgate.server.cli import policy_init
+from commitgate.server.cli.commands import CommandParser
+from commitgate.server.cli.shown import console
 from commitgate.server.model.amounts import with_unit
 from commitgate.server.model.durations import format_duration
 from commitgate.server.policy.loading import (
@@ -30,9 +30,8 @@ from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.checking import check_policy_file, format_report, policy_warnings
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    policy = subparsers.add_parser("policy", help="check, show or describe a policy file")
-    actions = policy.add_subparsers(dest="action", required=True)
+def add_arguments(policy: argparse.ArgumentParser) -> None:
+    actions = policy.add_subparsers(dest="action", required=True, parser_class=CommandParser)
 
     check = actions.add_parser(
         "check", help="validate a policy file and print every problem with its location"
@@ -55,14 +54,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     schema = actions.add_parser("schema", help="write the JSON Schema of policy files (editor completion)")
     schema.add_argument("-o", "--output", help="file to write (default: stdout)")
     schema.set_defaults(func=cmd_schema)
-    policy_init.register(actions)
-
-
-def console() -> Console:
-    out = Console(highlight=False)
-    if not out.is_terminal:
-        out.width = max(out.width, 200)  # piped output: do not fold tables at 80 columns
-    return out
+    actions.add_parser(
+        "init",
+        help="write a policy that wraps the servers of an MCP client config (Claude Desktop, Cursor, VS Code)",
+        arguments="commitgate.server.cli.policy_init:add_arguments",
+    )
 
 
 # --- check ----------------------------------------------------------------------------

@@ -36,13 +36,11 @@ DEFAULT_CONNECT_TIMEOUT = "60s"
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    init = actions.add_parser(
-        "init",
-        help="write a policy that wraps the servers of an MCP client config (Claude Desktop, Cursor, VS Code)",
-        description="Connect to each server of an MCP client config, list its tools and write a policy"
-        " serving them through commitgate, each with the class its annotations give; then print the"
-        " client entry that replaces them.",
+def add_arguments(init: argparse.ArgumentParser) -> None:
+    init.description = (
+        "Connect to each server of an MCP client config, list its tools and write a policy serving them"
+        " through commitgate, each with the class its annotations give; then print the client entry that"
+        " replaces them."
     )
     init.add_argument(
         "--from-config",

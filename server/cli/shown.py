@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.console import Console
 from rich.text import Text
 
 
@@ -40,3 +41,10 @@ def _visible(ch: str) -> str:
 def json_text(value: Any, *, indent: int | None = 2) -> str:
     """JSON for a terminal: characters JSON leaves raw (DEL, C1 controls, bidi marks...) become \\u escapes."""
     return visible(json.dumps(value, indent=indent, ensure_ascii=False, default=str))
+
+
+def console() -> Console:
+    out = Console(highlight=False)
+    if not out.is_terminal:
+        out.width = max(out.width, 200)  # piped output: do not fold tables at 80 columns
+    return out

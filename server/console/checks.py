@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commitgate.server.ledger.base import Ledger, LedgerUnavailable, Transition
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -85,7 +86,7 @@ async def note(ledger: Ledger, op: Operation, checked: Checked, by: str, at: flo
     change = Transition(
         State.UNKNOWN,
         frozenset({State.UNKNOWN}),
-        "reconcile_undecided",
+        AuditEvent.RECONCILE_UNDECIDED,
         reconciliation=reconciliation,
         actor=by,
     )

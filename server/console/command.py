@@ -26,14 +26,11 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 8766
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    console = subparsers.add_parser(
-        "console",
-        help="a web page for operators: approvals to decide, unknown outcomes to resolve, operations to"
-        " search, budgets to watch",
-        description="Serve the operator's console over the ledger, beside any running server."
-        " On loopback (the default) it prints a link with a one-time token; elsewhere it needs"
-        ' an operator\'s token in the policy ([[auth.tokens]] with role = "operator").',
+def add_arguments(console: argparse.ArgumentParser) -> None:
+    console.description = (
+        "Serve the operator's console over the ledger, beside any running server. On loopback (the"
+        " default) it prints a link with a one-time token; elsewhere it needs an operator's token in the"
+        ' policy ([[auth.tokens]] with role = "operator").'
     )
     console.add_argument(
         "--policy",

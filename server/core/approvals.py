@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
 from commitgate.server.model.amounts import decimal_of, left, with_unit
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.approvals import ApprovalPolicy, Decider
@@ -136,7 +137,7 @@ def approve_change(op: Operation, by: str, via: str, reason: str | None, now: fl
     return Transition(
         State.PENDING,
         frozenset({State.AWAITING_APPROVAL}),
-        "approved",
+        AuditEvent.APPROVED,
         expect_fence=op.fence,
         approval=_decided(op, ApprovalState.APPROVED, by, via, reason, now),
         actor=by,
@@ -149,7 +150,7 @@ def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float
     return Transition(
         State.FAILED_FINAL,
         frozenset({State.AWAITING_APPROVAL}),
-        "denied",
+        AuditEvent.DENIED,
         expect_fence=op.fence,
         error={"code": ErrorCode.APPROVAL_DENIED.value, "message": f"denied by {by} ({via}){why}"},
         approval=_decided(op, ApprovalState.DENIED, by, via, reason, now),
@@ -163,7 +164,7 @@ def expire_change(op: Operation, now: float) -> Transition:
     return Transition(
         State.FAILED_FINAL,
         frozenset({State.AWAITING_APPROVAL}),
-        "approval_expired",
+        AuditEvent.APPROVAL_EXPIRED,
         expect_fence=op.fence,
         error={
             "code": ErrorCode.APPROVAL_EXPIRED.value,
@@ -179,7 +180,7 @@ def take_change(op: Operation, lease: Lease, budget: BudgetCheck | None = None) 
     return Transition(
         State.RUNNING,
         frozenset({State.PENDING}),
-        "approved_claimed",
+        AuditEvent.APPROVED_CLAIMED,
         expect_fence=op.fence,
         lease=lease,
         budget=budget,

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from enum import Enum
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
@@ -52,8 +53,9 @@ from commitgate.server.ledger.base import (
     lease_over,
     this_owner,
 )
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event, Observer
+from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
@@ -87,21 +89,59 @@ class CommitBoundary:
     leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
-    def emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def emit(
+        self,
+        kind: Event,
+        tool: str,
+        cls: IdempotencyClass,
+        *,
+        operation_id: str | None = None,
+        outcome: Outcome | None = None,
+        verdict: Verdict | None = None,
+        state: State | None = None,
+        seconds: float | None = None,
+        budget: str | None = None,
+        scope: str | None = None,
+        amount: Decimal | None = None,
+    ) -> None:
+        """Tell every observer: one event, built only when someone listens."""
+        if self.observers:
+            self.tell(
+                BoundaryEvent(
+                    kind, tool, cls, operation_id, outcome, verdict, state, seconds, budget, scope, amount
+                )
+            )
+
+    def tell(self, event: BoundaryEvent) -> None:
+        """Every observer gets the same event (a status check tells its verdict inside its own span)."""
         for observer in self.observers:
-            observer(event, tool, cls, **fields)
+            observer(event)
 
     # --- entry point ---------------------------------------------------------------
 
     async def call(self, request: CallRequest) -> Answer:
+        """Every refusal or failure below is raised as a GateError where it is found; this is where a
+        call's raised error becomes its answer (and `_work` does the same for a task's)."""
         try:
             if not request.tool.idempotency_class.keyed:
                 return await self._unguarded(request)
             return await self._guarded(request)
         except GateError as exc:
-            return Answer(None, exc.operation, False, exc)
+            return Answer.refused(exc)
 
     async def _guarded(self, request: CallRequest) -> Answer:
+        """Claim, then answer from what the claim found. A budgeted re-run of a failed operation
+        claims once more (the claim is what checks the budget), so this loops at most twice."""
+        while True:
+            found = await self._claimed(request)
+            if isinstance(found, Answer):
+                return found
+            answer = await self._on_existing(request, found, claimed=True)
+            if answer is not _CLAIM_AGAIN:
+                return answer
+
+    async def _claimed(self, request: CallRequest) -> Answer | Operation:
+        """Claim the call's key: an Answer when this call ran it, else the operation recorded before."""
         tool = request.tool
         arguments_json = request.arguments_json or canonical_json(request.arguments)
         step = request.key if request.key is not None else _missing_key(tool)
@@ -109,7 +149,7 @@ class CommitBoundary:
         now = self.clock()
         known = self.final.get(request.principal, request.session, step, now)
         if known is not None and known.tool == tool.name and known.fingerprint == digest:
-            return await self._on_existing(request, known, waited=False)
+            return known
         approval = approvals.requirement(
             tool.policy, request.arguments, request.principal, request.session, tool.name, now
         )
@@ -166,7 +206,7 @@ class CommitBoundary:
                 )
             return await self._own(request, claim.operation)
         self.final.remember(claim.operation)
-        return await self._on_existing(request, claim.operation, waited=False, claim_request=claim_request)
+        return claim.operation
 
     def _awaiting_approval(self, request: CallRequest, op: Operation) -> GateError:
         """`approval_pending` for an operation just recorded to wait (past its budget, perhaps)."""
@@ -201,7 +241,7 @@ class CommitBoundary:
 
     async def _duplicate_to_approval(
         self, request: CallRequest, claim_request: ClaimRequest, earlier: Operation
-    ) -> Answer:
+    ) -> Answer | Operation:
         """`duplicates = {action = "approval"}`: the repeat waits for a person, who sees the earlier one."""
         record = approvals.record(
             approvals.duplicate_settings(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
@@ -220,7 +260,7 @@ class CommitBoundary:
             raise errors.approval_pending(claim.operation)
         if claim.kind is ClaimKind.NEW:
             return await self._own(request, claim.operation)
-        return await self._on_existing(request, claim.operation, waited=False)
+        return claim.operation
 
     async def _duplicate(self, request: CallRequest, earlier: Operation) -> GateError:
         """`possible_duplicate`, showing the earlier operation as a poll would (reconciled if due)."""
@@ -238,47 +278,64 @@ class CommitBoundary:
     # --- an operation someone already recorded -----------------------------------------
 
     async def _on_existing(
-        self, request: CallRequest, op: Operation, *, waited: bool, claim_request: ClaimRequest | None = None
-    ) -> Answer:
+        self, request: CallRequest, op: Operation, *, claimed: bool
+    ) -> Answer | _ClaimAgain:
+        """One loop over `on_existing` decisions. Each step answers, raises, or hands back the
+        operation as it now stands (someone moved it first, a wait ended) to decide again."""
+        waited = False
+        while True:
+            action = on_existing(op.idempotency_class, op.state, request.tool.policy.forwards_key)
+            step = await self._decide(request, op, action, claimed=claimed, waited=waited)
+            if not isinstance(step, Operation):
+                return step
+            # One wait per call: a second RUNNING answers in_progress (a person's wait keeps the mark).
+            op, claimed = step, False
+            waited = action is OnExisting.WAIT or (waited and action is OnExisting.AWAIT)
+
+    async def _decide(
+        self, request: CallRequest, op: Operation, action: OnExisting, *, claimed: bool, waited: bool
+    ) -> Answer | Operation | _ClaimAgain:
         tool = request.tool
-        action = on_existing(op.idempotency_class, op.state, tool.policy.forwards_key)
-        if action is OnExisting.RERUN and op.state is State.FAILED_RETRYABLE and tool.budget is not None:
-            # Running it again spends again: go through the claim, which checks the budget as it
-            # takes the operation over (unless this very claim just saw it, and lost it to another).
-            if claim_request is None:
-                return await self._guarded(request)
-            return Answer(None, op, True, error_for_state(op))
         if action is OnExisting.REPLAY:
             self.emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
             return Answer(op.result, op, True)
         if action is OnExisting.FAIL:  # a recorded outcome, not this call's execution: replayed
             self.emit(Event.REPLAY, tool.name, tool.idempotency_class, operation_id=op.operation_id)
-            return Answer(None, op, True, error_for_state(op))
+            raise _replayed(error_for_state(op))
         if action is OnExisting.AWAIT:
-            return await self._awaiting(request, op, waited)
+            return await self._awaiting(op)
         if action is OnExisting.TAKE:
             return await self._take(request, op)
         if action is OnExisting.WAIT:
-            return await self._wait_then_answer(request, op, waited)
+            if waited:
+                raise errors.in_progress(op)
+            return await self._wait(op)
         if action is OnExisting.RECONCILE:
             return await self._reconcile_in_call(request, op)
-        if action is OnExisting.RERUN:  # from UNKNOWN (forwards_key) an earlier attempt may have applied
-            return await self._rerun(request, op, maybe_applied=op.state is State.UNKNOWN)
-        return Answer(None, op, True, errors.outcome_unknown(op))
+        if action is OnExisting.RERUN:
+            return await self._run_again(request, op, claimed=claimed)
+        raise _replayed(errors.outcome_unknown(op))
 
-    async def _awaiting(self, request: CallRequest, op: Operation, waited: bool) -> Answer:
+    async def _run_again(
+        self, request: CallRequest, op: Operation, *, claimed: bool
+    ) -> Answer | Operation | _ClaimAgain:
+        if op.state is State.FAILED_RETRYABLE and request.tool.budget is not None:
+            # Running it again spends again: go through the claim, which checks the budget as it
+            # takes the operation over (unless this very claim just saw it, and lost it to another).
+            if not claimed:
+                return _CLAIM_AGAIN
+            raise _replayed(error_for_state(op))
+        # From UNKNOWN (the downstream dedups on the key), an earlier attempt may have applied.
+        return await self._rerun(request, op, maybe_applied=op.state is State.UNKNOWN)
+
+    async def _awaiting(self, op: Operation) -> Operation:
         """A person has yet to decide: nothing runs. (Past its timeout, this touch expires it.)"""
         current = await self.touch_approval(op)
         if current.state is State.AWAITING_APPROVAL:
             raise errors.approval_pending(current)
-        return await self._on_existing(request, current, waited=waited)
+        return current
 
-    async def _wait_then_answer(self, request: CallRequest, op: Operation, waited: bool) -> Answer:
-        if waited:
-            raise errors.in_progress(op)
-        return await self._on_existing(request, await self._wait(op), waited=True)
-
-    async def _take(self, request: CallRequest, op: Operation) -> Answer:
+    async def _take(self, request: CallRequest, op: Operation) -> Answer | Operation:
         """Run an approved operation: of all the calls that find it PENDING, one takes it. A budgeted
         one spends now: the ledger checks its budget with the take (docs/contract.md#budgets)."""
         tool, now = request.tool, self.clock()
@@ -297,7 +354,7 @@ class CommitBoundary:
             assert check is not None
             return await self._refuse_take(request, op, check, over.spent)
         if taken is None:  # another call took it (or it moved on): answer from what it did
-            return await self._on_existing(request, await self._reread(op), waited=False)
+            return await self._reread(op)
         if check is not None and tool.budget is not None:
             self.emit(
                 Event.BUDGET_SPENT,
@@ -312,7 +369,7 @@ class CommitBoundary:
 
     async def _refuse_take(
         self, request: CallRequest, op: Operation, check: BudgetCheck, spent: Decimal
-    ) -> Answer:
+    ) -> Operation:
         """An approved operation whose budget has no room when it is taken: FAILED_FINAL with
         `budget_exceeded`, on this answer and every replay; nothing ran."""
         tool, budget = request.tool, request.tool.budget
@@ -324,7 +381,7 @@ class CommitBoundary:
         change = Transition(
             State.FAILED_FINAL,
             frozenset({State.PENDING}),
-            "budget_exceeded",
+            AuditEvent.BUDGET_EXCEEDED,
             expect_fence=op.fence,
             error=error,
         )
@@ -333,8 +390,8 @@ class CommitBoundary:
         except LedgerUnavailable as exc:
             raise _unavailable(exc) from None
         if failed is None:  # taken or decided meanwhile: answer from what happened
-            return await self._on_existing(request, await self._reread(op), waited=False)
-        return Answer(None, failed, False, errors.budget_exceeded_recorded(failed))
+            return await self._reread(op)
+        raise errors.budget_exceeded_recorded(failed)
 
     async def _wait(self, op: Operation) -> Operation:
         """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
@@ -375,7 +432,7 @@ class CommitBoundary:
         change = Transition(
             State.UNKNOWN,
             frozenset({State.RUNNING}),
-            "lease_expired",
+            AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
             error=dict(LEASE_LOST),
         )
@@ -385,21 +442,23 @@ class CommitBoundary:
         self.emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
         return expired
 
-    async def _rerun(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
+    async def _rerun(
+        self, request: CallRequest, op: Operation, *, maybe_applied: bool = False
+    ) -> Answer | Operation:
         """Run again with the same key: the operation certainly did not apply, or the downstream dedups."""
         change = Transition(  # only from exactly what was seen: a newer attempt may have moved it since
             State.RUNNING,
             frozenset({op.state}) & {State.UNKNOWN, State.FAILED_RETRYABLE},
-            "rerun_claimed",
+            AuditEvent.RERUN_CLAIMED,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
         )
         taken = await self.ledger.update(op.operation_id, change, self.clock())
         if taken is None:  # someone else moved it first: answer from what they did
-            return await self._on_existing(request, await self._reread(op), waited=False)
+            return await self._reread(op)
         return await self._own(request, taken, maybe_applied=maybe_applied)
 
-    async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer:
+    async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer | Operation:
         verdict, found, note = await self._status_check(request.tool, op)
         if verdict is Verdict.FOUND:
             recorded = await self._record_reconciled(op, found, note)
@@ -415,7 +474,7 @@ class CommitBoundary:
 
     async def _status_check(self, tool: GuardedTool, op: Operation, attempt: int | None = None) -> Check:
         return await tracing.reconciled(
-            reconcile.status_check(tool, op, self.clock(), self.emit, attempt), op
+            reconcile.status_check(tool, op, self.clock(), self.tell, attempt), op
         )
 
     async def _record_reconciled(
@@ -482,6 +541,8 @@ class CommitBoundary:
     ) -> Answer | None:
         try:
             answer = await self._execute(request, op, maybe_applied)
+        except GateError as exc:  # the work's refusal is its answer, as in `call`
+            answer = Answer.refused(exc)
         except asyncio.CancelledError:
             answered.cancel()
             raise
@@ -516,14 +577,16 @@ class CommitBoundary:
                     Event.ATTEMPT,
                     tool.name,
                     tool.idempotency_class,
-                    outcome=attempt.outcome.value,
+                    outcome=attempt.outcome,
                     operation_id=op.operation_id,
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
                 if next_move is Next.RECONCILE:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
-                        return await self._finish(op, State.SUCCEEDED, "reconciled_found", found, None, note)
+                        return await self._finish(
+                            op, State.SUCCEEDED, AuditEvent.RECONCILED_FOUND, found, None, note
+                        )
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
                         next_move, attempt = (
                             Next.RETRY,
@@ -534,18 +597,20 @@ class CommitBoundary:
                         next_move, maybe_applied = Next.RETRY, True
                     else:
                         return await self._finish(
-                            op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error, note
+                            op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, note
                         )
                 if next_move is Next.RECORD_SUCCESS:
-                    return await self._finish(op, State.SUCCEEDED, "succeeded", attempt.result, None)
+                    return await self._finish(op, State.SUCCEEDED, AuditEvent.SUCCEEDED, attempt.result, None)
                 if next_move is Next.RECORD_FAILED_FINAL:
-                    return await self._finish(op, State.FAILED_FINAL, "failed_final", None, attempt.error)
+                    return await self._finish(
+                        op, State.FAILED_FINAL, AuditEvent.FAILED_FINAL, None, attempt.error
+                    )
                 if next_move is Next.RECORD_UNKNOWN:
-                    return await self._finish(op, State.UNKNOWN, Outcome.AMBIGUOUS.value, None, attempt.error)
+                    return await self._finish(op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error)
                 retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
-                    return await self._finish(op, state, "retries_exhausted", None, attempt.error)
+                    return await self._finish(op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error)
                 op = retried
         finally:
             self.leases.pop(op.operation_id, None)
@@ -571,7 +636,7 @@ class CommitBoundary:
         change = Transition(
             State.RUNNING,
             frozenset({State.RUNNING}),
-            "retry",
+            AuditEvent.RETRY,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
             error=error,
@@ -587,7 +652,7 @@ class CommitBoundary:
         self,
         op: Operation,
         state: State,
-        event: str,
+        event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
         reconciliation: dict[str, Any] | None = None,
@@ -613,7 +678,7 @@ class CommitBoundary:
             Event.COMPLETED,
             op.tool,
             op.idempotency_class,
-            state=state.value,
+            state=state,
             operation_id=op.operation_id,
             seconds=self.clock() - op.created_at,
         )
@@ -621,11 +686,10 @@ class CommitBoundary:
             current = await self._reread(op)
             if current.state is State.SUCCEEDED:
                 return Answer(current.result, current, True)
-            return self._error_answer(current)
-        replayed = reconciliation is not None
+            raise self._error_of(current)
         if state is State.SUCCEEDED:
-            return Answer(recorded.result, recorded, replayed)
-        return self._error_answer(recorded)
+            return Answer(recorded.result, recorded, replayed=reconciliation is not None)
+        raise self._error_of(recorded)
 
     def _bounded(self, result: ToolResult, op: Operation) -> ToolResult:
         """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
@@ -672,7 +736,7 @@ class CommitBoundary:
         late = dataclasses.replace(
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
-            event="late_outcome",
+            event=AuditEvent.LATE_OUTCOME,
             reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
         )
         try:
@@ -687,9 +751,9 @@ class CommitBoundary:
             )
         return recorded
 
-    def _error_answer(self, op: Operation) -> Answer:
+    def _error_of(self, op: Operation) -> GateError:
         tool = self.tools.get(op.tool)
-        return Answer(None, op, False, error_for_state(op, bool(tool and tool.policy.forwards_key)))
+        return error_for_state(op, bool(tool and tool.policy.forwards_key))
 
     # --- safe-retry: no ledger -------------------------------------------------------------------
 
@@ -730,6 +794,21 @@ class CommitBoundary:
         pending = list(self._inflight.values())
         if pending:
             await asyncio.wait(pending, timeout=timeout)
+
+
+class _ClaimAgain(Enum):
+    """`_on_existing`'s answer when the call must go through the claim once more."""
+
+    CLAIM_AGAIN = "claim again"
+
+
+_CLAIM_AGAIN = _ClaimAgain.CLAIM_AGAIN
+
+
+def _replayed(error: GateError) -> GateError:
+    """A recorded failure answered again: not this call's execution."""
+    error.replayed = True
+    return error
 
 
 def _settle(answered: asyncio.Future[Answer | None], answer: Answer | None) -> None:

@@ -25,6 +25,7 @@ class GateError(Exception):
         self.message = message
         self.operation = operation
         self.details = details or {}
+        self.replayed = False  # answered from a recorded failure, not from this call's execution
 
 
 def _reason(op: Operation) -> str:

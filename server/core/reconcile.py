@@ -13,8 +13,9 @@ from typing import Any
 
 from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import Transition
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import State
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.model.records import Operation, ToolResult
@@ -23,9 +24,14 @@ Check = tuple[Verdict, ToolResult | None, dict[str, Any]]  # the verdict, what w
 
 
 async def status_check(
-    tool: GuardedTool, op: Operation, now: float, emit: Callable[..., None], attempt: int | None = None
+    tool: GuardedTool,
+    op: Operation,
+    now: float,
+    tell: Callable[[BoundaryEvent], None],
+    attempt: int | None = None,
 ) -> Check:
-    """Ask `tool`'s status check about `op` (under the tool's timeout); a failing check cannot tell."""
+    """Ask `tool`'s status check about `op` (under the tool's timeout); a failing check cannot tell.
+    Observers are told the verdict here, inside the check's span."""
     ctx = OperationContext(
         op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
     )
@@ -40,12 +46,10 @@ async def status_check(
     else:
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note["verdict"] = verdict.value
-    emit(
-        Event.RECONCILIATION,
-        tool.name,
-        tool.idempotency_class,
-        verdict=verdict.value,
-        operation_id=op.operation_id,
+    tell(
+        BoundaryEvent(
+            Event.RECONCILIATION, tool.name, tool.idempotency_class, op.operation_id, verdict=verdict
+        )
     )
     return verdict, found, note
 
@@ -53,7 +57,11 @@ async def status_check(
 def found(result: ToolResult | None, note: dict[str, Any]) -> Transition:
     """It happened: SUCCEEDED with what the check found."""
     return Transition(
-        State.SUCCEEDED, frozenset({State.UNKNOWN}), "reconciled_found", result=result, reconciliation=note
+        State.SUCCEEDED,
+        frozenset({State.UNKNOWN}),
+        AuditEvent.RECONCILED_FOUND,
+        result=result,
+        reconciliation=note,
     )
 
 
@@ -62,7 +70,7 @@ def not_found(op: Operation, note: dict[str, Any]) -> Transition:
     return Transition(
         State.FAILED_RETRYABLE,
         frozenset({State.UNKNOWN}),
-        "reconciled_not_found",
+        AuditEvent.RECONCILED_NOT_FOUND,
         expect_fence=op.fence,  # the check covered attempts up to this one only
         reconciliation=note,
         error={"outcome": Outcome.RETRYABLE.value, "message": "the status check found no trace of it"},
@@ -71,4 +79,6 @@ def not_found(op: Operation, note: dict[str, Any]) -> Transition:
 
 def undecided(note: dict[str, Any]) -> Transition:
     """The check could not tell: still UNKNOWN, with the note of this try."""
-    return Transition(State.UNKNOWN, frozenset({State.UNKNOWN}), "reconcile_undecided", reconciliation=note)
+    return Transition(
+        State.UNKNOWN, frozenset({State.UNKNOWN}), AuditEvent.RECONCILE_UNDECIDED, reconciliation=note
+    )

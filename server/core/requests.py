@@ -50,6 +50,11 @@ class Answer:
     replayed: bool
     error: GateError | None = None
 
+    @classmethod
+    def refused(cls, error: GateError) -> Answer:
+        """The answer of a call that ended in a raised error: the one way errors become answers."""
+        return cls(None, error.operation, error.replayed, error)
+
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

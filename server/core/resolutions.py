@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from commitgate.server.ledger.base import Ledger, Transition, lease_over
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
@@ -72,7 +73,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
         return Transition(
             State.SUCCEEDED,
             frozenset({State.UNKNOWN}),
-            "resolved",
+            AuditEvent.RESOLVED,
             result=_result(resolution.result_json, by, reason),
             reconciliation=note,
             actor=by,
@@ -95,7 +96,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
     return Transition(
         state,
         frozenset({State.UNKNOWN}),
-        "resolved",
+        AuditEvent.RESOLVED,
         error=error,
         reconciliation=note,
         actor=by,
@@ -123,7 +124,7 @@ async def current(ledger: Ledger, operation_id: str, now: float, principal: str 
     change = Transition(
         State.UNKNOWN,
         frozenset({State.RUNNING}),
-        "lease_expired",
+        AuditEvent.LEASE_EXPIRED,
         expect_fence=op.fence,
         error={"code": "lease_expired", "message": "the process running this operation stopped answering"},
     )

@@ -19,6 +19,7 @@ from commitgate.server.core import errors
 from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.requests import Answer, CallRequest, GuardedTool
 from commitgate.server.ledger.base import Ledger, OperationFilter, Transition
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import CompensateSpec
@@ -149,7 +150,7 @@ class Saga:
         change = Transition(
             State.COMPENSATED,
             frozenset({State.SUCCEEDED}),
-            "compensated",
+            AuditEvent.COMPENSATED,
             actor=forward.principal,
             detail=detail,
         )

@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from commitgate.server.model.amounts import number
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 
@@ -213,7 +214,7 @@ class Transition:
 
     to_state: State
     expect_states: frozenset[State]
-    event: str
+    event: AuditEvent
     expect_fence: int | None = None
     result: ToolResult | None = None
     error: dict[str, Any] | None = None

@@ -10,7 +10,6 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from commitgate.server.verify.effects import CouldNotRun
 from commitgate.server.verify.run import Options, Report, verify
@@ -18,16 +17,12 @@ from commitgate.server.verify.run import Options, Report, verify
 EXIT_PASSED, EXIT_FAILED, EXIT_COULD_NOT_RUN = 0, 1, 2
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "verify",
-        help="run the three tests every write tool must pass (lost answer, failure before, duplicates)",
-        description=(
-            "Runs a real server over the policy with a private temporary ledger and calls TOOL against its "
-            "real target with faults injected at the boundary: an answer lost after success, a failure "
-            "before the call, concurrent duplicates. Then checks the policy's claims about the tool "
-            "(status check, forwards_key). This performs real effects."
-        ),
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Runs a real server over the policy with a private temporary ledger and calls TOOL against its "
+        "real target with faults injected at the boundary: an answer lost after success, a failure "
+        "before the call, concurrent duplicates. Then checks the policy's claims about the tool "
+        "(status check, forwards_key). This performs real effects."
     )
     parser.add_argument(
         "tool",

@@ -26,11 +26,13 @@ from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.amounts import amount as exact
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.policy.tokens import TokenTable
 from commitgate.server.serve.gateway import Gateway
+from support.ledgers import OUTCOME_EVENTS
 
 BASE_URL = "http://127.0.0.1:8766"
 EMAIL = {"to": "ann@example.com", "subject": "Your receipt", "body": "Thanks"}
@@ -150,7 +152,9 @@ async def spend(
             )
             op = (await ledger.claim(request, at)).operation
             if state is not State.RUNNING:
-                change = Transition(state, frozenset({State.RUNNING}), "spent", expect_fence=op.fence)
+                change = Transition(
+                    state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence
+                )
                 assert await ledger.update(op.operation_id, change, at) is not None
     finally:
         await ledger.close()
@@ -208,7 +212,7 @@ async def claim(
                 {"code": "ambiguous", "message": "the answer was lost"} if state is State.UNKNOWN else None
             )
             change = Transition(
-                state, frozenset({State.RUNNING}), "ambiguous", expect_fence=op.fence, error=error
+                state, frozenset({State.RUNNING}), AuditEvent.AMBIGUOUS, expect_fence=op.fence, error=error
             )
             assert await ledger.update(op.operation_id, change, now) is not None
         return op.operation_id
@@ -247,7 +251,9 @@ async def seed(ledger_path: Path, count: int, unknown_every: int = 5, awaiting_e
             if op.state is State.AWAITING_APPROVAL:
                 continue
             state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
-            change = Transition(state, frozenset({State.RUNNING}), "seeded", expect_fence=op.fence)
+            change = Transition(
+                state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence
+            )
             await ledger.update(op.operation_id, change, now + i * 1e-3)
     finally:
         await ledger.close()

@@ -11,6 +11,17 @@ from pathlib import Path
 
 from commitgate.server.ledger.base import Ledger
 from commitgate.server.ledger.sqlite import SQLiteLedger
+from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.facts import State
+
+# The audit event the boundary records with each outcome, for tests that write outcomes directly.
+OUTCOME_EVENTS: dict[State, AuditEvent] = {
+    State.SUCCEEDED: AuditEvent.SUCCEEDED,
+    State.FAILED_FINAL: AuditEvent.FAILED_FINAL,
+    State.FAILED_RETRYABLE: AuditEvent.RETRIES_EXHAUSTED,
+    State.UNKNOWN: AuditEvent.AMBIGUOUS,
+    State.COMPENSATED: AuditEvent.COMPENSATED,
+}
 
 BACKENDS: list[str] = ["sqlite", "postgres"]
 

@@ -44,6 +44,7 @@ from commitgate.server.ledger.sqlite._schema import (
     dump,
 )
 from commitgate.server.model.amounts import joined, split
+from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -52,7 +53,7 @@ def _audit(
     conn: sqlite3.Connection,
     operation_id: str,
     now: float,
-    event: str,
+    event: AuditEvent,
     from_state: str | None,
     to_state: str | None,
     fence: int,
@@ -68,7 +69,7 @@ def to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
         " error = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
         (now, dump(LEASE_LOST), op.operation_id, op.fence),
     )
-    _audit(conn, op.operation_id, now, "lease_expired", "RUNNING", "UNKNOWN", op.fence, detail=None)
+    _audit(conn, op.operation_id, now, AuditEvent.LEASE_EXPIRED, "RUNNING", "UNKNOWN", op.fence, detail=None)
     op.state, op.lease_owner, op.lease_expires_at, op.updated_at = State.UNKNOWN, None, None, now
     op.error = dict(LEASE_LOST)
 
@@ -400,7 +401,7 @@ def _claim_new(
             conn,
             op.operation_id,
             now,
-            "possible_duplicate",
+            AuditEvent.POSSIBLE_DUPLICATE,
             None,
             op.state.value,
             op.fence,
@@ -423,7 +424,15 @@ def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRe
     over = (request.approval or {}).get("over_budget")
     if over is not None:
         _audit(
-            conn, op.operation_id, now, "budget_exceeded", None, op.state.value, op.fence, request.owner, over
+            conn,
+            op.operation_id,
+            now,
+            AuditEvent.BUDGET_EXCEEDED,
+            None,
+            op.state.value,
+            op.fence,
+            request.owner,
+            over,
         )
 
 
@@ -448,7 +457,7 @@ def _await_over_budget(
         completed_at=None,
         expires_at=None,
     )
-    _audit(conn, op.operation_id, now, "approval_requested", op.state.value, waiting.state.value, op.fence,
+    _audit(conn, op.operation_id, now, AuditEvent.APPROVAL_REQUESTED, op.state.value, waiting.state.value, op.fence,
            request.owner)  # fmt: skip
     _audit_over_budget(conn, waiting, request, now)
     return waiting
@@ -622,7 +631,7 @@ def _retake(lease: Lease) -> Transition:
     return Transition(
         to_state=State.RUNNING,
         expect_states=frozenset({State.FAILED_RETRYABLE}),
-        event="retry_claimed",
+        event=AuditEvent.RETRY_CLAIMED,
         lease=lease,
     )
 
@@ -677,7 +686,7 @@ def _budget_columns(request: ClaimRequest) -> tuple[str | None, int | None, int 
 
 
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
-    return (op.operation_id, op.created_at, "claimed", None, "RUNNING", 1, op.lease_owner, None)
+    return (op.operation_id, op.created_at, AuditEvent.CLAIMED, None, "RUNNING", 1, op.lease_owner, None)
 
 
 def _insert(
@@ -707,7 +716,7 @@ def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float
          op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at,
          *_budget_columns(request)),
     )  # fmt: skip
-    _audit(conn, op.operation_id, now, "approval_requested", None, op.state.value, 0, request.owner)
+    _audit(conn, op.operation_id, now, AuditEvent.APPROVAL_REQUESTED, None, op.state.value, 0, request.owner)
     return op
 
 
