@@ -64,8 +64,8 @@ WAIT = "20s"
 
 def deployment(root: Path) -> Deployment:
     made = Deployment.create(root)
-    options = {"respond_within": WAIT, "in_progress_wait": WAIT}
-    made.policy.write_text(policy_toml(**options).replace(TOOLS_TOML, TOOLS), encoding="utf-8")
+    waits = policy_toml(respond_within=WAIT, in_progress_wait=WAIT)
+    made.policy.write_text(waits.replace(TOOLS_TOML, TOOLS), encoding="utf-8")
     return made
 
 
@@ -215,15 +215,6 @@ async def test_not_decided_in_time_expires_and_never_sends(operators: Server) ->
 # --- the client's user decides -----------------------------------------------------------------------
 
 
-def person(action: str, asked: list[str], reason: str | None = None) -> ElicitationFnT:
-    async def callback(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
-        asked.append(params.message)
-        content = {"reason": reason} if reason else None
-        return types.ElicitResult(action=action, content=content if action == "accept" else None)
-
-    return callback
-
-
 @dataclass
 class Person:
     """The client's user: answers each question with `action` (and `reason`), noting the questions."""
@@ -238,7 +229,13 @@ class Person:
         return self.asked
 
     async def __call__(self, context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
-        return await person(self.action, self.asked, self.reason)(context, params)
+        self.asked.append(params.message)
+        content = {"reason": self.reason} if self.reason and self.action == "accept" else None
+        return types.ElicitResult(action=self.action, content=content)
+
+
+def person(action: str, asked: list[str], reason: str | None = None) -> ElicitationFnT:
+    return Person(action, reason, asked)
 
 
 @dataclass
