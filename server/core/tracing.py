@@ -20,15 +20,13 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from commitgate.server.ledger.base import OverBudget
+from commitgate.server.ledger.base import Claim, OverBudget
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.model.records import Operation
 from commitgate.server.model.traces import SWITCH
-
-T = TypeVar("T")
 
 OPERATION_ID = "commitgate.operation_id"
 CLASS = "commitgate.class"
@@ -60,13 +58,13 @@ def _failed(span: Any, reason: str, exc: BaseException | None = None) -> None:
     span.set_status(Status(StatusCode.ERROR, reason))
 
 
-def claimed(step: Awaitable[T], cls: IdempotencyClass) -> Awaitable[T]:
+def claimed(step: Awaitable[Claim], cls: IdempotencyClass) -> Awaitable[Claim]:
     """`step` (a ledger claim) inside `commitgate.claim` when tracing is on: which operation, in
     which state, and how it was found (new, existing, conflict...). Off, `step` itself."""
     return step if SWITCH.tracer is None else _claimed(step, cls)
 
 
-async def _claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
+async def _claimed(step: Awaitable[Claim], cls: IdempotencyClass) -> Claim:
     with _span("commitgate.claim", {CLASS: cls.value}) as span:
         try:
             claim = await step
@@ -76,13 +74,9 @@ async def _claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
         except Exception as exc:
             _failed(span, "ledger_unavailable", exc)
             raise
-        op = getattr(claim, "operation", None)
-        if op is not None:
-            span.set_attribute(OPERATION_ID, op.operation_id)
-            span.set_attribute(STATE, op.state.value)
-        kind = getattr(claim, "kind", None)
-        if kind is not None:
-            span.set_attribute(CLAIM, str(getattr(kind, "value", kind)))
+        span.set_attribute(OPERATION_ID, claim.operation.operation_id)
+        span.set_attribute(STATE, claim.operation.state.value)
+        span.set_attribute(CLAIM, claim.kind.value)
         return claim
 
 
