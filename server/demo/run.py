@@ -10,6 +10,8 @@ same agent through commitgate), and a charge refused by a spending budget.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import random
 import sys
@@ -315,6 +317,18 @@ async def _checked_answers(client: Any, bookings: int) -> int:
     listed = await client.call_tool("list_operations", {"tool": "charge_card", "limit": bookings})
     operations = (listed.structured_content or {}).get("operations", [])
     return sum(1 for op in operations if (op.get("reconciliation") or {}).get("verdict") == "found")
+
+
+def add_arguments(demo: argparse.ArgumentParser) -> None:
+    """The arguments of `commitgate demo`."""
+    demo.add_argument(
+        "--quick", action="store_true", help="a shorter run: fewer calls per step (default: off)"
+    )
+    demo.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return asyncio.run(run_demo(quick=args.quick))
 
 
 async def run_demo(quick: bool = False) -> int:
