@@ -12,16 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from commitgate.server.model.facts import ApprovalState
-
-_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})  # shared: a record never changes it
-
-
-def _no_extra() -> Mapping[str, Any]:
-    return _NO_EXTRA
 
 
 def _present(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -29,10 +22,8 @@ def _present(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: value for name in names if (value := getattr(record, name)) is not None}
 
 
-def _unknown(data: Mapping[str, Any], known: frozenset[str]) -> Mapping[str, Any]:
-    return (
-        {key: value for key, value in data.items() if key not in known} if data.keys() - known else _NO_EXTRA
-    )
+def _unknown(data: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if key not in known}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +39,7 @@ class ErrorRecord:
     budget: Mapping[str, Any] | None = (
         None  # `error.budget` of budget_exceeded: {name, limit, spent, window[, unit]}
     )
-    extra: Mapping[str, Any] = field(default_factory=_no_extra, repr=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     _ORDER = ("code", "outcome", "type", "message", "detail", "budget")
 
@@ -82,7 +73,7 @@ class ReconciliationNote:
     reason: str | None = None  # by = "operator": why
     asked_by: str | None = None  # a status check asked from the console: who asked
     error: str | None = None  # a status check that failed: why it could not tell
-    extra: Mapping[str, Any] = field(default_factory=_no_extra, repr=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     _ORDER = ("by", "operator", "reason", "at", "verdict", "asked_by", "error")
 
@@ -123,7 +114,7 @@ class ApprovalRecord:
     via: str | None = None
     reason: str | None = None
     decided_at: float | None = None
-    extra: Mapping[str, Any] = field(default_factory=_no_extra, repr=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     _OPTIONAL = ("requested_at", "expires_at", "duplicate_of", "required_because", "over_budget")
 
