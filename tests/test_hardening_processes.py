@@ -144,13 +144,19 @@ def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
+# The server's HEADER_TIMEOUT (10 s), shortened in its process: the test waits it out for a connection
+# that never finishes its headers.
+SHORT_HEADER_TIMEOUT = "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1"
+
+
 def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
     from support.http_servers import running, write_policy
 
     policy, ledger = write_policy(tmp_path, auth=False), tmp_path / "ledger.db"
     with running(
-        tmp_path, policy, "streamable-http", ledger=ledger, sandbox=tmp_path / "sandbox.db"
-    ) as served:
+        tmp_path, policy, "streamable-http", ledger=ledger, sandbox=tmp_path / "sandbox.db",
+        preamble=SHORT_HEADER_TIMEOUT,
+    ) as served:  # fmt: skip
         port = served.port
 
         def healthz(host: str) -> int:
@@ -187,7 +193,7 @@ def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
         result = json.loads(data[0] if data else answer.split(b"\r\n\r\n", 1)[1])["result"]
         assert result["capabilities"]["tools"]["listChanged"] is True  # it does send the notification
 
-        with socket.create_connection(("127.0.0.1", port), timeout=40) as slow:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as slow:
             slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end of it
             try:
                 closed = slow.recv(1024) == b""

@@ -1,22 +1,26 @@
 """The http source: a REST API wrapped by editing the policy alone.
 
 End to end: a real `commitgate serve` process (stdio, debug logging) in front of the sandbox payments
-API (its own process and SQLite store, which is what gets counted). Unit level: request building and
+API (its own process and SQLite store, which is what gets counted); one of each for the module, each
+test with keys of its own. Unit level: request building and
 the status/transport → outcome mapping on real httpx2 objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
+from mcp import Client
 from mcp.types import CallToolResult
 from support.wrapping import call, error_code, operation, serve
 
@@ -47,6 +51,8 @@ CHARGE_SCHEMA = (
 )
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
 AUTH = 'headers = { Authorization = "Bearer ${PAYMENTS_TOKEN}" }'
+WRONG_AUTH = 'headers = { Authorization = "Bearer ${PAYMENTS_WRONG_TOKEN}" }'
+SERVER_ENV = {"PAYMENTS_TOKEN": TOKEN, "PAYMENTS_WRONG_TOKEN": "sk_wrong"}
 
 
 def policy_text(url: str, ledger: Path) -> str:
@@ -86,6 +92,13 @@ description = "Charge a card on an API that answers 500 only before it acts."
 http = {{ method = "POST", url = "{url}/v1/charges", {AUTH}, timeout = "3s", outcomes = {{ "500" = "retryable" }} }}
 {FAST_RETRY}
 
+[tools.charge_wrong_token]
+class = "key-required"
+forwards_key = true
+{CHARGE_SCHEMA}
+http = {{ method = "POST", url = "{url}/v1/charges", {WRONG_AUTH}, timeout = "3s" }}
+{FAST_RETRY}
+
 [tools.get_charge]
 class = "safe-retry"
 input_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
@@ -103,12 +116,31 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxProcess
         yield api
 
 
+@dataclass
+class Gateway:
+    """The `commitgate serve` process the end-to-end tests share (each with keys of its own)."""
+
+    client: Client
+    stderr: Path
+    ledger: Path
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    tmp_path_factory: pytest.TempPathFactory, sandbox: SandboxProcess, anyio_backend: str
+) -> AsyncIterator[Gateway]:
+    root = tmp_path_factory.mktemp("gateway")
+    policy, stderr, ledger = root / "policy.toml", root / "stderr.log", root / "ledger.db"
+    policy.write_text(policy_text(sandbox.url, ledger), encoding="utf-8")
+    async with serve(policy, stderr, SERVER_ENV) as client:
+        yield Gateway(client, stderr, ledger)
+
+
 @pytest.fixture
-def policy(tmp_path: Path, sandbox: SandboxProcess) -> Path:
-    sandbox.configure()  # every test starts without faults, idempotency on
-    path = tmp_path / "policy.toml"
-    path.write_text(policy_text(sandbox.url, tmp_path / "ledger.db"), encoding="utf-8")
-    return path
+def api(sandbox: SandboxProcess) -> SandboxProcess:
+    """The payments API, without faults and deduplicating by key until a test says otherwise."""
+    sandbox.configure()
+    return sandbox
 
 
 def requests_for(sandbox: SandboxProcess, key: str) -> list[dict[str, Any]]:
@@ -130,17 +162,16 @@ def succeeded(result: CallToolResult) -> dict[str, Any]:
 
 @pytest.mark.anyio
 async def test_a_lost_response_after_commit_is_retried_with_the_same_key(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
+    gateway: Gateway, api: SandboxProcess
 ) -> None:
-    sandbox.configure(lose_response=1.0, lose_mode="drop", fault_budget=1)
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        first = await call(client, "charge_forwarding", charge(1200, "lost-1"))
-        body = succeeded(first)
-        assert operation(first)["attempts"] == 2 and operation(first)["state"] == "SUCCEEDED"
-        again = await call(client, "charge_forwarding", charge(1200, "lost-1"))
+    api.configure(lose_response=1.0, lose_mode="drop", fault_budget=1)
+    first = await call(gateway.client, "charge_forwarding", charge(1200, "lost-1"))
+    body = succeeded(first)
+    assert operation(first)["attempts"] == 2 and operation(first)["state"] == "SUCCEEDED"
+    again = await call(gateway.client, "charge_forwarding", charge(1200, "lost-1"))
     assert succeeded(again) == body and operation(again)["replayed"] is True
-    assert sandbox.count("charges", idempotency_key="lost-1") == 1
-    assert [r["fault"] for r in requests_for(sandbox, "lost-1")] == [
+    assert api.count("charges", idempotency_key="lost-1") == 1
+    assert [r["fault"] for r in requests_for(api, "lost-1")] == [
         "lose_response",
         None,
     ]  # replay: no request
@@ -148,112 +179,98 @@ async def test_a_lost_response_after_commit_is_retried_with_the_same_key(
 
 @pytest.mark.anyio
 async def test_without_downstream_dedup_an_ambiguous_failure_is_never_rerun(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
+    gateway: Gateway, api: SandboxProcess
 ) -> None:
-    sandbox.configure(idempotency=False, lose_response=1.0, fault_budget=1)
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        first = await call(client, "charge_plain", charge(700, "plain-1"))
-        again = await call(client, "charge_plain", charge(700, "plain-1"))
+    api.configure(idempotency=False, lose_response=1.0, fault_budget=1)
+    first = await call(gateway.client, "charge_plain", charge(700, "plain-1"))
+    again = await call(gateway.client, "charge_plain", charge(700, "plain-1"))
     assert error_code(first) == error_code(again) == "operation_outcome_unknown"
     assert operation(again)["state"] == "UNKNOWN"
-    assert sandbox.count("charges", idempotency_key="plain-1") == 1
-    assert len(requests_for(sandbox, "plain-1")) == 1
+    assert api.count("charges", idempotency_key="plain-1") == 1
+    assert len(requests_for(api, "plain-1")) == 1
 
 
 @pytest.mark.anyio
 async def test_a_status_declared_retryable_is_retried_and_acts_once(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
+    gateway: Gateway, api: SandboxProcess
 ) -> None:
     # The API does not dedup, and answers 500 before acting: declared so, the 500 is retried; left
     # to the default mapping, the same 500 is ambiguous and never re-run.
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        sandbox.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
-        declared = await call(client, "charge_500_before_acting", charge(400, "declared-500"))
-        sandbox.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
-        default = await call(client, "charge_plain", charge(400, "default-500"))
+    api.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
+    declared = await call(gateway.client, "charge_500_before_acting", charge(400, "declared-500"))
+    api.configure(idempotency=False, fail_5xx=1.0, fault_budget=1)
+    default = await call(gateway.client, "charge_plain", charge(400, "default-500"))
     assert operation(declared)["attempts"] == 2 and operation(declared)["state"] == "SUCCEEDED"
-    assert sandbox.count("charges", idempotency_key="declared-500") == 1
-    assert [r["status"] for r in requests_for(sandbox, "declared-500")] == [500, 200]
+    assert api.count("charges", idempotency_key="declared-500") == 1
+    assert [r["status"] for r in requests_for(api, "declared-500")] == [500, 200]
     assert error_code(default) == "operation_outcome_unknown"
-    assert sandbox.count("charges", idempotency_key="default-500") == 0
-    assert [r["status"] for r in requests_for(sandbox, "default-500")] == [500]
+    assert api.count("charges", idempotency_key="default-500") == 0
+    assert [r["status"] for r in requests_for(api, "default-500")] == [500]
 
 
 @pytest.mark.anyio
-async def test_429_retry_after_is_honoured(policy: Path, sandbox: SandboxProcess, tmp_path: Path) -> None:
-    sandbox.configure(rate_limit=1.0, retry_after=1.0, fault_budget=1)
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        result = await call(client, "charge_forwarding", charge(300, "rate-1"))
+async def test_429_retry_after_is_honoured(gateway: Gateway, api: SandboxProcess) -> None:
+    api.configure(rate_limit=1.0, retry_after=0.5, fault_budget=1)
+    result = await call(gateway.client, "charge_forwarding", charge(300, "rate-1"))
     succeeded(result)
-    limited, accepted = requests_for(sandbox, "rate-1")
+    limited, accepted = requests_for(api, "rate-1")
     assert (limited["status"], accepted["status"]) == (429, 200)
-    # The policy's own backoff is at most 10 ms: only Retry-After explains a wait of a second.
-    assert accepted["at"] - limited["at"] >= 1.0
-    assert sandbox.count("charges", idempotency_key="rate-1") == 1
+    # The policy's own backoff is at most 10 ms: only Retry-After explains a wait of half a second.
+    assert accepted["at"] - limited["at"] >= 0.5
+    assert api.count("charges", idempotency_key="rate-1") == 1
 
 
 @pytest.mark.anyio
-async def test_a_4xx_is_recorded_as_failed_final_and_replayed(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
-) -> None:
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        first = await call(client, "charge_forwarding", charge(500, "declined-1", DECLINED))
-        again = await call(client, "charge_forwarding", charge(500, "declined-1", DECLINED))
-        status = await call(client, "get_operation_status", {"idempotency_key": "declined-1"})
+async def test_a_4xx_is_recorded_as_failed_final_and_replayed(gateway: Gateway, api: SandboxProcess) -> None:
+    first = await call(gateway.client, "charge_forwarding", charge(500, "declined-1", DECLINED))
+    again = await call(gateway.client, "charge_forwarding", charge(500, "declined-1", DECLINED))
+    status = await call(gateway.client, "get_operation_status", {"idempotency_key": "declined-1"})
     assert error_code(first) == error_code(again) == "operation_failed"
     assert "declined" in first.structured_content["error"]["message"]
     op = succeeded(status)["operation"]
     assert op["state"] == "FAILED_FINAL" and op["retry_advice"] == "do_not_retry"
     assert op["error"]["detail"]["error"]["code"] == "card_declined"  # the response body is kept
-    assert sandbox.count("charges", idempotency_key="declined-1") == 0
-    assert len(requests_for(sandbox, "declined-1")) == 1
+    assert api.count("charges", idempotency_key="declined-1") == 0
+    assert len(requests_for(api, "declined-1")) == 1
 
 
 @pytest.mark.anyio
 async def test_a_timeout_is_reconciled_by_the_http_status_check(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
+    gateway: Gateway, api: SandboxProcess
 ) -> None:
-    sandbox.configure(lose_response=1.0, lose_mode="hang", hang=3.0, fault_budget=1)
-    async with serve(policy, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": TOKEN}) as client:
-        result = await call(client, "charge_checked", charge(900, "hang-1"))
-        by_id = await call(client, "get_charge", {"id": succeeded(result)["id"]})
+    api.configure(lose_response=1.0, lose_mode="hang", hang=3.0, fault_budget=1)
+    result = await call(gateway.client, "charge_checked", charge(900, "hang-1"))
+    by_id = await call(gateway.client, "get_charge", {"id": succeeded(result)["id"]})
     body = succeeded(result)
     op = operation(result)
     assert op["state"] == "SUCCEEDED" and op["replayed"] is True  # the answer came from the status check
-    (row,) = sandbox.rows("charges", idempotency_key="hang-1")
+    (row,) = api.rows("charges", idempotency_key="hang-1")
     assert body["id"] == row["id"] and body["amount_cents"] == 900
     assert succeeded(by_id)["id"] == row["id"]
-    assert [(r["method"], r["fault"]) for r in requests_for(sandbox, "hang-1")] == [("POST", "lose_response")]
+    assert [(r["method"], r["fault"]) for r in requests_for(api, "hang-1")] == [("POST", "lose_response")]
 
 
 @pytest.mark.anyio
-async def test_secrets_never_reach_the_logs_or_the_ledger(
-    policy: Path, sandbox: SandboxProcess, tmp_path: Path
-) -> None:
-    stderr = tmp_path / "stderr.log"
-    sandbox.configure(lose_response=1.0, fault_budget=1)
-    async with serve(policy, stderr, {"PAYMENTS_TOKEN": TOKEN}) as client:
-        succeeded(await call(client, "charge_forwarding", charge(100, "secret-1")))
-        assert error_code(await call(client, "charge_forwarding", charge(100, "secret-2", DECLINED)))
-    assert sandbox.count("charges", idempotency_key="secret-1") == 1  # the token was sent: no 401
-    log = stderr.read_text(encoding="utf-8")
-    assert "charge_forwarding: POST 127.0.0.1:" in log  # debug logging was on and saw the calls
+async def test_secrets_never_reach_the_logs_or_the_ledger(gateway: Gateway, api: SandboxProcess) -> None:
+    earlier = len(gateway.stderr.read_text(encoding="utf-8"))  # the log is shared with earlier tests
+    api.configure(lose_response=1.0, fault_budget=1)
+    succeeded(await call(gateway.client, "charge_forwarding", charge(100, "secret-1")))
+    assert error_code(await call(gateway.client, "charge_forwarding", charge(100, "secret-2", DECLINED)))
+    assert api.count("charges", idempotency_key="secret-1") == 1  # the token was sent: no 401
+    log = gateway.stderr.read_text(encoding="utf-8")  # each call's log line precedes its answer
+    assert "charge_forwarding: POST 127.0.0.1:" in log[earlier:]  # debug logging was on and saw the calls
     assert TOKEN not in log and "Bearer" not in log
-    ledger = sqlite3.connect(tmp_path / "ledger.db")
-    dumped = "\n".join(ledger.iterdump())
+    with contextlib.closing(sqlite3.connect(gateway.ledger)) as ledger:
+        dumped = "\n".join(ledger.iterdump())
     assert "secret-2" in dumped and TOKEN not in dumped
 
 
 @pytest.mark.anyio
-async def test_a_wrong_token_is_a_permanent_failure(tmp_path: Path, sandbox: SandboxProcess) -> None:
-    sandbox.configure()
-    path = tmp_path / "policy.toml"
-    path.write_text(policy_text(sandbox.url, tmp_path / "ledger.db"), encoding="utf-8")
-    async with serve(path, tmp_path / "stderr.log", {"PAYMENTS_TOKEN": "sk_wrong"}) as client:
-        result = await call(client, "charge_forwarding", charge(100, "wrong-token-1"))
+async def test_a_wrong_token_is_a_permanent_failure(gateway: Gateway, api: SandboxProcess) -> None:
+    result = await call(gateway.client, "charge_wrong_token", charge(100, "wrong-token-1"))
     assert error_code(result) == "operation_failed"
     assert "HTTP 401" in result.structured_content["error"]["message"]
-    assert sandbox.count("charges", idempotency_key="wrong-token-1") == 0
+    assert api.count("charges", idempotency_key="wrong-token-1") == 0
 
 
 # --- requests and outcomes, in process ------------------------------------------------------------

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.e2e import as_meta, text_of
 from support.http_servers import (
+    GATED_ENV,
+    GATED_TOOL,
     TOKEN_ENV,
     TOKENS,
     RoundRobin,
@@ -35,6 +37,7 @@ from support.http_servers import (
     free_port,
     operation_of,
     running,
+    running_together,
     server_env,
     start_server,
     write_policy,
@@ -57,22 +60,23 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shared(workdir: Path) -> Iterator[dict[str, Served]]:
-    """One server per transport with two principals (alice by token_env, bob by token_sha256)."""
-    policy = write_policy(workdir, max_concurrent_per_principal=2)
-    servers: dict[str, Served] = {}
-    try:
-        for transport in TRANSPORTS:
-            servers[transport] = start_server(
-                workdir,
-                policy,
-                transport,
-                ledger=workdir / f"ledger-{transport}.db",
-                sandbox=workdir / "sandbox.db",
-            )
-        yield servers
-    finally:
-        for served in servers.values():
-            served.stop()
+    """One server per transport with two principals (alice by token_env, bob by token_sha256), logging
+    at debug level: the log tests read what every test of the module made them write."""
+    policy = write_policy(workdir, max_concurrent_per_principal=2, extra_tools=GATED_TOOL)
+    starts = [
+        {
+            "workdir": workdir,
+            "policy": policy,
+            "transport": transport,
+            "ledger": workdir / f"ledger-{transport}.db",
+            "sandbox": workdir / "sandbox.db",
+            "env": GATED_ENV,
+            "log_level": "debug",
+        }
+        for transport in TRANSPORTS
+    ]
+    with running_together(*starts) as servers:
+        yield dict(zip(TRANSPORTS, servers, strict=True))
 
 
 @pytest.fixture(autouse=True)
@@ -291,27 +295,33 @@ async def test_oversized_inputs_are_answered_clearly_and_the_server_stays_up(
 
 @pytest.mark.anyio
 async def test_calls_beyond_the_per_principal_limit_are_refused_and_nothing_runs(
-    shared: dict[str, Served],
+    shared: dict[str, Served], workdir: Path
 ) -> None:
     served = shared["streamable-http"]  # max_concurrent_per_principal = 2
     slow = [new_key(), new_key()]
     extra, bobs = new_key(), new_key()
+    gate = workdir / f"gate-{slow[0]}"  # the two slow calls stay in flight until it exists
     async with connect(served, "alice") as alice, connect(served, "bob") as bob:
         async with anyio.create_task_group() as tg:
             for key in slow:
                 tg.start_soon(
-                    alice.call_tool, "slow_task", {"seconds": 3, "label": key, "idempotency_key": key}
+                    alice.call_tool, "gated_task", {"gate": str(gate), "label": key, "idempotency_key": key}
                 )
-            for key in slow:
-                await wait_for_state(served, key, "RUNNING")  # meta tools stay available meanwhile
-            refused = await alice.call_tool(
-                "slow_task", {"seconds": 0, "label": extra, "idempotency_key": extra}
-            )
-            other = await bob.call_tool("slow_task", {"seconds": 0, "label": bobs, "idempotency_key": bobs})
-            status = await alice.call_tool("get_operation_status", {"idempotency_key": slow[0]})
-            assert (
-                status.structured_content["operation"]["state"] == "RUNNING"
-            )  # the limit was really reached
+            try:
+                for key in slow:
+                    await wait_for_state(served, key, "RUNNING")  # meta tools stay available meanwhile
+                refused = await alice.call_tool(
+                    "slow_task", {"seconds": 0, "label": extra, "idempotency_key": extra}
+                )
+                other = await bob.call_tool(
+                    "slow_task", {"seconds": 0, "label": bobs, "idempotency_key": bobs}
+                )
+                status = await alice.call_tool("get_operation_status", {"idempotency_key": slow[0]})
+                assert (
+                    status.structured_content["operation"]["state"] == "RUNNING"
+                )  # the limit was really reached
+            finally:
+                gate.touch()
         assert error_code(refused) == "retries_exhausted"
         assert "max_concurrent_per_principal" in text_of(refused)
         assert refused.structured_content["error"]["operation"] is None
@@ -369,12 +379,11 @@ async def test_stateless_replicas_sharing_a_ledger_execute_concurrent_duplicates
     ledger, store = tmp_path / "ledger.db", tmp_path / "sandbox.db"
     slow_charge = {"COMMITGATE_SANDBOX_FAULTS": "charge_card.latency=0.5s"}  # duplicates overlap the first
     key = new_key()
-    with (
-        running(tmp_path, policy, "streamable-http", ledger=ledger, sandbox=store, args=["--stateless"],
-                env=slow_charge) as a,
-        running(tmp_path, policy, "streamable-http", ledger=ledger, sandbox=store, args=["--stateless"],
-                env=slow_charge) as b,
-    ):  # fmt: skip
+    replica = {
+        "workdir": tmp_path, "policy": policy, "transport": "streamable-http", "ledger": ledger,
+        "sandbox": store, "args": ["--stateless"], "env": slow_charge,
+    }  # fmt: skip
+    with running_together(replica, replica) as (a, b):
         results: list[Any] = []
 
         async def duplicate(served: Served, mode: str) -> None:
@@ -417,15 +426,18 @@ async def test_stateless_replicas_sharing_a_ledger_execute_concurrent_duplicates
 async def test_shutdown_lets_an_operation_in_flight_record_its_outcome(
     tmp_path: Path, transport: str, stop_signal: int, client_waits: bool
 ) -> None:
-    policy, ledger, store = write_policy(tmp_path), tmp_path / "ledger.db", tmp_path / "sandbox.db"
-    served = start_server(tmp_path, policy, transport, ledger=ledger, sandbox=store)
-    key = new_key()
+    policy = write_policy(tmp_path, extra_tools=GATED_TOOL)
+    ledger, store = tmp_path / "ledger.db", tmp_path / "sandbox.db"
+    served = start_server(tmp_path, policy, transport, ledger=ledger, sandbox=store, env=GATED_ENV)
+    key, gate = new_key(), tmp_path / "gate"  # the task runs until the gate exists
     gave_up, left = anyio.CancelScope(), anyio.Event()
 
     async def call() -> None:
         with gave_up, contextlib.suppress(Exception):  # the connection may close under it
             async with connect(served, "alice") as client:
-                await client.call_tool("slow_task", {"seconds": 1.5, "label": key, "idempotency_key": key})
+                await client.call_tool(
+                    "gated_task", {"gate": str(gate), "label": key, "idempotency_key": key}
+                )
         left.set()
 
     try:
@@ -435,8 +447,14 @@ async def test_shutdown_lets_an_operation_in_flight_record_its_outcome(
             if not client_waits:
                 gave_up.cancel()  # the client disconnects before the signal
                 await left.wait()
-            code = await anyio.to_thread.run_sync(served.stop, stop_signal)
+            served.send(stop_signal)
+            with anyio.fail_after(20):  # the effect happens only once the server is shutting down
+                while "Shutting down" not in served.stderr():
+                    await anyio.sleep(0.02)
+            gate.touch()
+            code = await anyio.to_thread.run_sync(served.stop)
     finally:
+        gate.touch()
         served.stop()
     assert code == 0, served.stderr()[-2000:]
     recorded = await open_ledger(f"sqlite:///{ledger}")
@@ -523,23 +541,40 @@ async def exercise_with_secrets(served: Served) -> str:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_logs_are_json_lines_without_tokens_or_argument_values(tmp_path: Path, transport: str) -> None:
-    policy, store = write_policy(tmp_path), tmp_path / "sandbox.db"
-    with running(
-        tmp_path, policy, transport, ledger=tmp_path / "l.db", sandbox=store, log_level="debug"
-    ) as served:
-        operation_id = await exercise_with_secrets(served)
-    text = served.stderr()
-    records = [json.loads(line) for line in text.splitlines()]  # every line is one JSON object
-    calls = [r for r in records if r.get("event") == "call" and r.get("operation_id") == operation_id]
+async def test_logs_are_json_lines_without_tokens_or_argument_values(
+    shared: dict[str, Served], transport: str
+) -> None:
+    served = shared[transport]  # at debug level, with what every earlier test of the module sent it
+    operation_id = await exercise_with_secrets(served)
+
+    def ours(event: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in records if r.get("event") == event and r.get("operation_id") == operation_id]
+
+    text, records = await logged_until(served, lambda records: len(ours("call", records)) >= 2)
+    calls = ours("call", records)
     assert [(c["tool"], c["class"], c["principal"], c["code"], c["replayed"]) for c in calls] == [
         ("charge_card", "key-and-status-check", "alice", "ok", False),
         ("charge_card", "key-and-status-check", "alice", "ok", True),
     ]
     assert all(c["state"] == "SUCCEEDED" and c["seconds"] >= 0 for c in calls)
-    assert any(r.get("event") == "completed" and r.get("state") == "SUCCEEDED" for r in records)
+    assert [r.get("state") for r in ours("completed", records)] == ["SUCCEEDED"]
     for secret in (SECRET, TOKENS["alice"], TOKENS["bob"]):
         assert secret not in text
+
+
+async def logged_until(
+    served: Served, done: Callable[[list[dict[str, Any]]], bool]
+) -> tuple[str, list[dict[str, Any]]]:
+    """The server's log so far and its records, once `done(records)`: a line is written after the
+    answer it logs may have reached the client. Every whole line must be one JSON object."""
+    with anyio.fail_after(10):
+        while True:
+            text = served.stderr()
+            text = text[: text.rfind("\n") + 1]  # a line being written is read on the next turn
+            records = [json.loads(line) for line in text.splitlines()]
+            if done(records):
+                return text, records
+            await anyio.sleep(0.02)
 
 
 @pytest.mark.anyio
@@ -555,49 +590,73 @@ async def test_debug_unredacted_is_the_only_way_to_see_argument_values(tmp_path:
 
 # --- a client we did not write ------------------------------------------------------------------------
 
-INSPECTOR = ["npx", "-y", "@modelcontextprotocol/inspector", "--cli"]
+INSPECTOR_PACKAGE = "@modelcontextprotocol/inspector"
 
 
 @functools.cache
-def inspector_available() -> str | None:
-    """None when the MCP Inspector CLI runs here; otherwise why not."""
+def inspector() -> list[str] | str:
+    """The MCP Inspector's CLI as a command, or why it cannot run here. npx fetches it once; its
+    installed command then runs without npx's few seconds of resolving the package on every call."""
     if shutil.which("npx") is None:
         return "npx (Node.js) is not installed"
+    find = ["npx", "-y", "-p", INSPECTOR_PACKAGE, "-c", "command -v mcp-inspector"]
     try:
-        probe = subprocess.run([*INSPECTOR, "--help"], capture_output=True, text=True, timeout=180)
+        found = subprocess.run(find, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
-        return "npx could not fetch @modelcontextprotocol/inspector within 180 s"
+        return f"npx could not fetch {INSPECTOR_PACKAGE} within 180 s"
+    if found.returncode != 0 or not found.stdout.strip():
+        return f"npx could not install {INSPECTOR_PACKAGE}: {found.stderr.strip()[-300:]}"
+    command = [found.stdout.strip().splitlines()[-1], "--cli"]
+    probe = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
-        return f"npx could not run @modelcontextprotocol/inspector: {probe.stderr.strip()[-300:]}"
-    return None
+        return f"{INSPECTOR_PACKAGE} does not run: {probe.stderr.strip()[-300:]}"
+    return command
+
+
+@pytest.fixture(scope="module")
+def inspector_command() -> list[str]:
+    command = inspector()
+    if isinstance(command, str):
+        pytest.skip(command)
+    return command
+
+
+@pytest.fixture(scope="module")
+def without_auth(workdir: Path) -> Iterator[dict[str, Served]]:
+    """One server per transport without tokens, for a client that cannot send headers (loopback only)."""
+    policy = write_policy(workdir, auth=False, name="policy-without-auth.toml")
+    starts = [
+        {
+            "workdir": workdir,
+            "policy": policy,
+            "transport": transport,
+            "ledger": workdir / f"ledger-without-auth-{transport}.db",
+            "sandbox": workdir / "sandbox.db",
+        }
+        for transport in TRANSPORTS
+    ]
+    with running_together(*starts) as servers:
+        yield dict(zip(TRANSPORTS, servers, strict=True))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_the_mcp_inspector_cli_lists_and_calls_tools(tmp_path: Path, transport: str) -> None:
-    reason = inspector_available()
-    if reason:
-        pytest.skip(reason)
-    # The Inspector CLI cannot send headers, so this server has no tokens (loopback only).
-    policy, store = write_policy(tmp_path, auth=False), tmp_path / "sandbox.db"
-    with running(tmp_path, policy, transport, ledger=tmp_path / "l.db", sandbox=store) as served:
-        listed = subprocess.run(
-            [*INSPECTOR, served.endpoint, "--method", "tools/list"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert listed.returncode == 0, listed.stderr
-        names = {tool["name"] for tool in json.loads(listed.stdout)["tools"]}
-        assert {"charge_card", "create_ticket", "get_operation_status", "list_operations"} <= names
-        key = new_key()
-        called = [
-            *INSPECTOR, served.endpoint, "--method", "tools/call", "--tool-name", "create_ticket",
-            "--tool-arg", "title=inspected", f"idempotency_key={key}",
-        ]  # fmt: skip
-        for _ in range(2):
-            done = subprocess.run(called, capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, done.stderr
-            assert json.loads(done.stdout)["structuredContent"]["title"] == "inspected"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COMMITGATE_SANDBOX", str(store))
-        assert demo.count("tickets", idempotency_key=key) == 1
+def test_the_mcp_inspector_cli_lists_and_calls_tools(
+    inspector_command: list[str], without_auth: dict[str, Served], transport: str
+) -> None:
+    command, served = inspector_command, without_auth[transport]
+    listed = subprocess.run(
+        [*command, served.endpoint, "--method", "tools/list"], capture_output=True, text=True, timeout=120
+    )
+    assert listed.returncode == 0, listed.stderr
+    names = {tool["name"] for tool in json.loads(listed.stdout)["tools"]}
+    assert {"charge_card", "create_ticket", "get_operation_status", "list_operations"} <= names
+    key = new_key()
+    called = [
+        *command, served.endpoint, "--method", "tools/call", "--tool-name", "create_ticket",
+        "--tool-arg", "title=inspected", f"idempotency_key={key}",
+    ]  # fmt: skip
+    for _ in range(2):
+        done = subprocess.run(called, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["structuredContent"]["title"] == "inspected"
+    assert demo.count("tickets", idempotency_key=key) == 1

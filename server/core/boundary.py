@@ -55,7 +55,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event, Observer
+from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
@@ -90,9 +90,33 @@ class CommitBoundary:
     leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
-    def emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def emit(
+        self,
+        kind: Event,
+        tool: str,
+        cls: IdempotencyClass,
+        *,
+        operation_id: str | None = None,
+        outcome: Outcome | None = None,
+        verdict: Verdict | None = None,
+        state: State | None = None,
+        seconds: float | None = None,
+        budget: str | None = None,
+        scope: str | None = None,
+        amount: Decimal | None = None,
+    ) -> None:
+        """Tell every observer: one event, built only when someone listens."""
+        if self.observers:
+            self.tell(
+                BoundaryEvent(
+                    kind, tool, cls, operation_id, outcome, verdict, state, seconds, budget, scope, amount
+                )
+            )
+
+    def tell(self, event: BoundaryEvent) -> None:
+        """Every observer gets the same event (a status check tells its verdict inside its own span)."""
         for observer in self.observers:
-            observer(event, tool, cls, **fields)
+            observer(event)
 
     # --- entry point ---------------------------------------------------------------
 
@@ -455,7 +479,7 @@ class CommitBoundary:
 
     async def _status_check(self, tool: GuardedTool, op: Operation, attempt: int | None = None) -> Check:
         return await tracing.reconciled(
-            reconcile.status_check(tool, op, self.clock(), self.emit, attempt), op
+            reconcile.status_check(tool, op, self.clock(), self.tell, attempt), op
         )
 
     async def _record_reconciled(
@@ -558,7 +582,7 @@ class CommitBoundary:
                     Event.ATTEMPT,
                     tool.name,
                     tool.idempotency_class,
-                    outcome=attempt.outcome.value,
+                    outcome=attempt.outcome,
                     operation_id=op.operation_id,
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
@@ -659,7 +683,7 @@ class CommitBoundary:
             Event.COMPLETED,
             op.tool,
             op.idempotency_class,
-            state=state.value,
+            state=state,
             operation_id=op.operation_id,
             seconds=self.clock() - op.created_at,
         )

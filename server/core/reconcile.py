@@ -14,7 +14,7 @@ from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import Transition
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, Verdict
@@ -24,9 +24,14 @@ Check = tuple[Verdict, ToolResult | None, ReconciliationNote]  # the verdict, wh
 
 
 async def status_check(
-    tool: GuardedTool, op: Operation, now: float, emit: Callable[..., None], attempt: int | None = None
+    tool: GuardedTool,
+    op: Operation,
+    now: float,
+    tell: Callable[[BoundaryEvent], None],
+    attempt: int | None = None,
 ) -> Check:
-    """Ask `tool`'s status check about `op` (under the tool's timeout); a failing check cannot tell."""
+    """Ask `tool`'s status check about `op` (under the tool's timeout); a failing check cannot tell.
+    Observers are told the verdict here, inside the check's span."""
     ctx = OperationContext(
         op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
     )
@@ -40,12 +45,10 @@ async def status_check(
     else:
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
         note = ReconciliationNote("status_check", now, verdict.value)
-    emit(
-        Event.RECONCILIATION,
-        tool.name,
-        tool.idempotency_class,
-        verdict=verdict.value,
-        operation_id=op.operation_id,
+    tell(
+        BoundaryEvent(
+            Event.RECONCILIATION, tool.name, tool.idempotency_class, op.operation_id, verdict=verdict
+        )
     )
     return verdict, found, note
 

@@ -57,7 +57,7 @@ from commitgate.server.model.facts import (
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
-from commitgate.server.serve import asking
+from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.metrics import UNKNOWN_TOOL
@@ -358,15 +358,15 @@ class Gateway:
         answer = await self.boundary.call(request)
         op = answer.operation
         if channel is None or op is None or not _asks_client(answer) or not channel.can_ask:
-            return render(answer)
+            return _rendered(answer)
         if channel.multi_round:
             if channel.answered_operation is not None:  # asked already; cancelled or unanswered
-                return render(answer)
+                return _rendered(answer)
             raise asking.InputRequired(
                 asking.input_required(op.operation_id, (await self._question(op)).text)
             )
         assert channel.elicit is not None
-        return render(await self._ask_now(request, op, channel))
+        return _rendered(await self._ask_now(request, op, channel))
 
     async def _question(self, op: Operation) -> approvals.Question:
         served = self.served.get(op.tool)
@@ -574,6 +574,12 @@ def _parse(model: type[M], args: dict[str, Any]) -> M:
 
 
 # --- rendering ---------------------------------------------------------------------------------
+
+
+def _rendered(answer: Answer) -> types.CallToolResult:
+    """A guarded call's answer, its operation told to the `tools/call` span (when tracing is on)."""
+    tracing.annotate(answer.operation, answer.replayed)
+    return render(answer)
 
 
 def render(answer: Answer) -> types.CallToolResult:

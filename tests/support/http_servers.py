@@ -51,6 +51,20 @@ python = "commitgate.tools.demo:slow_task"
 timeout = "60s"
 """
 
+# A task that waits for a gate file the test creates (tests/tools_e2e/gated.py): the test, not a
+# sleep, decides how long it stays in flight. The server needs GATED_ENV to import it.
+GATED_TOOL = """
+[tools.gated_task]
+class = "key-required"
+python = "tools_e2e.gated:gated_task"
+timeout = "60s"
+"""
+GATED_ENV = {
+    "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")])
+    )
+}
+
 
 def token_entry(principal: str, token: str) -> str:
     return f'[[auth.tokens]]\nprincipal = "{principal}"\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
@@ -75,6 +89,7 @@ def write_policy(
     max_concurrent_per_principal: int = 8,
     name: str = "policy.toml",
     extra_tokens: dict[str, str] | None = None,
+    extra_tools: str = "",
 ) -> Path:
     text = f"""
 [server]
@@ -93,6 +108,7 @@ synchronous = "NORMAL"
 
 {auth_section(extra_tokens) if auth else ""}
 {TOOLS}
+{extra_tools}
 """
     path = directory / name
     path.write_text(text, encoding="utf-8")
@@ -105,8 +121,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_argv(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "commitgate.server.cli", "serve", *args]
+def server_argv(args: Sequence[str], preamble: str = "") -> list[str]:
+    """`commitgate serve ARGS`; with `preamble`, Python run in the server process before the CLI."""
+    if not preamble:
+        return [sys.executable, "-m", "commitgate.server.cli", "serve", *args]
+    script = f"{preamble}\nimport sys\nfrom commitgate.server.cli.main import main\nsys.exit(main())"
+    return [sys.executable, "-c", script, "serve", *args]
 
 
 @dataclass
@@ -117,6 +137,7 @@ class Served:
     stderr_path: Path
     host: str = "127.0.0.1"
     _stderr: Any = field(default=None, repr=False)
+    _signalled: bool = field(default=False, repr=False)
 
     @property
     def base(self) -> str:
@@ -129,9 +150,15 @@ class Served:
     def stderr(self) -> str:
         return self.stderr_path.read_text(encoding="utf-8", errors="replace")
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
+    def send(self, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` once: a second SIGINT would make uvicorn skip its graceful shutdown."""
+        if self.proc.poll() is None and not self._signalled:
             self.proc.send_signal(sig)
+            self._signalled = True
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.send(sig)
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -162,13 +189,15 @@ def start_server(
     log_level: str = "info",
     port: int | None = None,
     wait: bool = True,
+    preamble: str = "",
 ) -> Served:
     port = port or free_port()
     argv = server_argv(
         [
             "--transport", transport, "--host", "127.0.0.1", "--port", str(port), "--policy", str(policy),
             "--ledger", f"sqlite:///{ledger}", "--log-level", log_level, *args,
-        ]
+        ],
+        preamble,
     )  # fmt: skip
     stderr_path = workdir / f"server-{transport}-{port}.stderr"
     stderr = stderr_path.open("wb")
@@ -201,6 +230,24 @@ def running(*args: Any, **kwargs: Any) -> Iterator[Served]:
         yield served
     finally:
         served.stop()
+
+
+@contextlib.contextmanager
+def running_together(*starts: dict[str, Any]) -> Iterator[list[Served]]:
+    """Several servers (`start_server` keyword arguments each), started at once: their imports
+    overlap instead of queueing one after another."""
+    servers: list[Served] = []
+    try:
+        for start in starts:
+            servers.append(start_server(**start, wait=False))
+        for served in servers:
+            wait_ready(served)
+        yield servers
+    finally:
+        for served in servers:
+            served.send()  # they stop at once too
+        for served in servers:
+            served.stop()
 
 
 def bearer(principal: str | None) -> dict[str, str]:
