@@ -33,6 +33,7 @@ from support.e2e import (
     operation,
     policy_toml,
     serve,
+    together,
 )
 
 from commitgate.client import ApprovalDenied, Backoff, Gate
@@ -351,7 +352,7 @@ async def test_the_second_round_may_reach_another_replica_and_is_checked_against
     shared = {"COMMITGATE_REQUEST_STATE_KEYS": KEY}
     asked: list[str] = []
     callback = person("accept", asked)
-    async with serve(d, env=shared, elicitation_callback=callback) as a, serve(d, env=shared) as b:
+    async with together(serve(d, env=shared, elicitation_callback=callback), serve(d, env=shared)) as (a, b):
         arguments = email("mail-r")
         first = await a.client.session.call_tool(
             "send_email", arguments, meta=as_meta({SESSION_META: "run-1"}), allow_input_required=True
@@ -442,7 +443,7 @@ async def test_on_postgres_two_replicas_run_an_approved_call_exactly_once(tmp_pa
 
     url = await fresh_url()
     d = deployment(tmp_path)
-    async with serve(d, ledger=url) as one, serve(d, ledger=url) as two:
+    async with together(serve(d, ledger=url), serve(d, ledger=url)) as (one, two):
         first = await one.call("send_email", email("mail-pg"))
         assert error_code(first) == "approval_pending"
         approve = await ops(d, "approve", operation(first)["operation_id"], ledger=url)
@@ -467,7 +468,7 @@ async def test_over_http_behind_a_round_robin_each_round_may_reach_another_repli
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
-    from support.http_servers import RoundRobin, bearer, running, write_policy
+    from support.http_servers import RoundRobin, bearer, running_together, write_policy
 
     policy = write_policy(tmp_path)
     text = policy.read_text(encoding="utf-8").replace(
@@ -478,10 +479,8 @@ async def test_over_http_behind_a_round_robin_each_round_may_reach_another_repli
     where = {"ledger": tmp_path / "ledger.db", "sandbox": tmp_path / "sandbox.db"}
     shared = {"COMMITGATE_REQUEST_STATE_KEYS": KEY}
     asked: list[str] = []
-    with (
-        running(tmp_path, policy, "streamable-http", env=shared, **where) as a,
-        running(tmp_path, policy, "streamable-http", env=shared, **where) as b,
-    ):
+    replica = {"workdir": tmp_path, "policy": policy, "transport": "streamable-http", "env": shared, **where}
+    with running_together(replica, replica) as (a, b):
         balancer = RoundRobin([a.port, b.port])
         async with (
             httpx2.AsyncClient(headers=bearer("alice"), timeout=httpx2.Timeout(30, read=60), transport=balancer) as http,

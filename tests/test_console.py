@@ -472,8 +472,17 @@ def test_the_console_searches_resolves_and_decides_on_a_postgresql_ledger() -> N
         assert "FAILED_FINAL" in page and "carol" in page
 
     waiting = asyncio.run(claim(url, session="pg-run", step="pg-3", state=State.AWAITING_APPROVAL))
-    late = asyncio.run(claim(url, session="pg-run", step="pg-4", state=State.AWAITING_APPROVAL, timeout=0.05))
-    time.sleep(0.1)
+    # Recorded a second ago with a wait of 50 ms: its wait ran out before the console lists it.
+    late = asyncio.run(
+        claim(
+            url,
+            session="pg-run",
+            step="pg-4",
+            state=State.AWAITING_APPROVAL,
+            at=time.time() - 1,
+            timeout=0.05,
+        )
+    )
     with console_client(url, loopback_access("carol")) as client:
         listed = client.get("/approvals").text
         assert waiting in listed and late not in listed  # the listing expired the one that ran out

@@ -267,14 +267,19 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         document = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
         backup = write_with_backup(config.path, document)
         print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
+        if config.had_comments:
+            print(f"Its comments were not kept (the rewrite is plain JSON); {backup.name} still has them.")
         print("Restart the client to use it.")
     else:
         key = config.where[-1]
         shown = {key: {name: client_entry(config, out, listings, fill=False)}}
         print(
-            f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry (or rerun with --write-config):"
+            f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry"
+            " (or rerun with --write-config --force: init writes the policy again and puts the entry there):"
         )
         print(json.dumps(shown, indent=2))
+    if name != "commitgate":
+        print(f"(It is called {name!r} because the entry 'commitgate' already in the config stays as it is.)")
     secrets = [s for listing in listings for s in listing.entry.secrets.values()]
     variables = sorted({s.variable for s in secrets})
     if secrets:
