@@ -355,6 +355,14 @@ def test_a_config_that_cannot_be_read_says_what_is_wrong(tmp_path: Path, text: s
         read_client_config(path)
 
 
+def test_a_missing_config_says_where_to_find_the_real_one(tmp_path: Path) -> None:
+    # The quick start prints the macOS path; elsewhere that file is not there.
+    with pytest.raises(
+        ClientConfigError, match=re.escape("no such file (`commitgate claude-config` says where")
+    ):
+        read_client_config(tmp_path / "claude_desktop_config.json")
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='/*,"\\\n ab{}[]'),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),

@@ -95,6 +95,11 @@ class ClientConfig:
 def read_client_config(path: Path) -> ClientConfig:
     try:
         text = path.read_text(encoding="utf-8-sig")  # Windows editors may start the file with a BOM
+    except FileNotFoundError as exc:
+        raise ClientConfigError(
+            f"cannot read {path}: no such file (`commitgate claude-config` says where Claude Desktop's"
+            " config is on this machine)"
+        ) from exc
     except OSError as exc:
         raise ClientConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:

@@ -46,7 +46,8 @@ def add_arguments(init: argparse.ArgumentParser) -> None:
         "--from-config",
         required=True,
         metavar="FILE",
-        help="the client's config: claude_desktop_config.json, Cursor's mcp.json, VS Code's mcp.json",
+        help="the client's config: claude_desktop_config.json, Cursor's mcp.json, VS Code's mcp.json or"
+        " settings.json (comments and trailing commas allowed)",
     )
     init.add_argument(
         "--server",
