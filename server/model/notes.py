@@ -22,8 +22,12 @@ def _present(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: value for name in names if (value := getattr(record, name)) is not None}
 
 
-def _unknown(data: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
-    return {key: value for key, value in data.items() if key not in known}
+def _split(data: Mapping[str, Any], known: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`data`'s keys that are fields, and the others (kept as `extra`)."""
+    if data.keys() <= known:
+        return dict(data), {}
+    fields = {key: value for key, value in data.items() if key in known}
+    return fields, {key: value for key, value in data.items() if key not in known}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +52,8 @@ class ErrorRecord:
 
     @classmethod
     def from_stored(cls, data: Mapping[str, Any]) -> ErrorRecord:
-        return cls(
-            message=data.get("message"),
-            code=data.get("code"),
-            outcome=data.get("outcome"),
-            type=data.get("type"),
-            detail=data.get("detail"),
-            budget=data.get("budget"),
-            extra=_unknown(data, _ERROR_KEYS),
-        )
+        fields, extra = _split(data, _ERROR_KEYS)
+        return cls(**fields, extra=extra)
 
 
 _ERROR_KEYS = frozenset(ErrorRecord._ORDER)
@@ -66,7 +63,7 @@ _ERROR_KEYS = frozenset(ErrorRecord._ORDER)
 class ReconciliationNote:
     """Who last tried to settle an operation's outcome, when, and what they found."""
 
-    by: str | None  # "status_check" | "owner" | "operator"
+    by: str | None = None  # "status_check" | "owner" | "operator"
     at: float | None = None
     verdict: str | None = None  # a Verdict value, "succeeded"/"failed", or the owner's state (lowercase)
     operator: str | None = None  # by = "operator": who
@@ -82,16 +79,8 @@ class ReconciliationNote:
 
     @classmethod
     def from_stored(cls, data: Mapping[str, Any]) -> ReconciliationNote:
-        return cls(
-            by=data.get("by"),
-            at=data.get("at"),
-            verdict=data.get("verdict"),
-            operator=data.get("operator"),
-            reason=data.get("reason"),
-            asked_by=data.get("asked_by"),
-            error=data.get("error"),
-            extra=_unknown(data, _NOTE_KEYS),
-        )
+        fields, extra = _split(data, _NOTE_KEYS)
+        return cls(**fields, extra=extra)
 
 
 _NOTE_KEYS = frozenset(ReconciliationNote._ORDER)
@@ -127,20 +116,10 @@ class ApprovalRecord:
 
     @classmethod
     def from_stored(cls, data: Mapping[str, Any]) -> ApprovalRecord:
-        return cls(
-            state=ApprovalState(data["state"]),
-            deciders=tuple(data.get("deciders") or ()),
-            requested_at=data.get("requested_at"),
-            expires_at=data.get("expires_at"),
-            duplicate_of=data.get("duplicate_of"),
-            required_because=data.get("required_because"),
-            over_budget=data.get("over_budget"),
-            by=data.get("by"),
-            via=data.get("via"),
-            reason=data.get("reason"),
-            decided_at=data.get("decided_at"),
-            extra=_unknown(data, _APPROVAL_KEYS),
-        )
+        fields, extra = _split(data, _APPROVAL_KEYS)
+        fields["state"] = ApprovalState(fields["state"])
+        fields["deciders"] = tuple(fields.get("deciders") or ())
+        return cls(**fields, extra=extra)
 
     def decided(
         self, state: ApprovalState, by: str | None, via: str, reason: str | None, now: float
