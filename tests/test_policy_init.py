@@ -158,7 +158,7 @@ def test_an_unreachable_server_is_written_with_why_and_init_exits_1(setup: Setup
     assert setup.result.returncode == 1, setup.result
     not_reached = [line for line in setup.result.stderr.splitlines() if "not reached" in line]
     assert len(not_reached) == 1 and not_reached[0].startswith("commitgate: gone: not reached: ")
-    assert "skipped guard: it already runs commitgate" in setup.result.stderr
+    assert "skipped 'guard': it already runs commitgate" in setup.result.stderr
     text = setup.policy.read_text(encoding="utf-8")
     assert "# gone could not be reached, so it has no [tools.X] entries yet" in text
     upstreams = tomllib.loads(text)["upstreams"]
@@ -262,6 +262,7 @@ VSCODE_JSONC = """\ufeff{
       "type": "stdio",
       "command": "/no-such-dir/server", /* never starts */
       "args": ["--path", "C:\\\\tmp\\\\"],
+      "env": {"GONE_TOKEN": "${env:GONE_TOKEN}"}, // from the shell VS Code started in
     },
   },
 }
@@ -293,6 +294,9 @@ def test_write_config_on_jsonc_writes_json_the_client_reads_and_says_the_comment
     written = json.loads(config.read_text(encoding="utf-8"))  # strict JSON: VS Code reads it too
     assert list(written["servers"]) == ["commitgate", "gh", "commitgate-2"]
     assert written["servers"]["commitgate-2"]["type"] == "stdio"
+    # VS Code hands commitgate the variable it handed the server; `policy show` needs it set too.
+    assert written["servers"]["commitgate-2"]["env"] == {"GONE_TOKEN": "${env:GONE_TOKEN}"}
+    assert "Check the classes (with GONE_TOKEN set in this shell" in result.stdout
     assert written["servers"]["gh"]["url"] == "https://api.example.com//mcp/*v1*/"
     assert written["inputs"][0]["id"] == "gh"
     lines = result.stdout.splitlines()
@@ -333,6 +337,7 @@ def test_vs_code_servers_with_http_entries_and_its_references(tmp_path: Path) ->
     assert (gh.url, gh.transport) == ("http://127.0.0.1:1/sse", "sse")
     assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Org": "${ORG}"}
     assert not gh.secrets["Authorization"].known  # VS Code asks for it: the variable is set by hand
+    assert (gh.environment, fs.environment) == ({"ORG"}, set())
     assert (fs.command, fs.args, fs.env, fs.secrets) == ("npx", ["-y", "fs"], {"HOME_DIR": "/h"}, {})
 
 

@@ -57,6 +57,7 @@ class ServerEntry:
     transport: Literal["streamable-http", "sse"] = "streamable-http"
     headers: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, Secret] = field(default_factory=dict)  # by env name or header name
+    environment: set[str] = field(default_factory=set)  # what the client reads from its own (`${env:NAME}`)
 
     @property
     def runs_commitgate(self) -> bool:
@@ -173,6 +174,7 @@ def _secret_or_value(
     """The value as the policy writes it: a credential (every header, an env name that says so, or a
     value the client asks the user for) becomes a `${NAME}` reference; the rest stays as it is."""
     if _VSCODE_ENV.search(value):
+        entry.environment.update(m[1] for m in _VSCODE_ENV.finditer(value))
         return _VSCODE_ENV.sub(r"${\1}", value)  # the client reads the environment: so does the policy
     if not (always or _SECRET_NAME.search(key) or "${" in value):
         return value

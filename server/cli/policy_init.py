@@ -111,7 +111,7 @@ def _chosen(config: ClientConfig, names: list[str]) -> list[ServerEntry]:
         if names and name not in names:
             continue
         if entry.runs_commitgate:
-            print(f"commitgate: skipped {name}: it already runs commitgate", file=sys.stderr)
+            print(f"commitgate: skipped {name!r}: it already runs commitgate", file=sys.stderr)
             continue
         entries.append(entry)
     return entries
@@ -242,6 +242,8 @@ def client_entry(config: ClientConfig, out: Path, listings: list[Listing], *, fi
         for secret in listing.entry.secrets.values():
             # The rewritten config keeps each value where it was already; a printed one is left to fill in.
             env[secret.variable] = secret.value if fill else f"<{secret.variable}>"
+        for name in sorted(listing.entry.environment):
+            env[name] = "${env:" + name + "}"  # the client passes it on as it did to the server
     return {**entry, "env": env} if env else entry
 
 
@@ -292,10 +294,9 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         )
         print(f"\nSecrets stay out of the policy: it refers to {names}; {how}", end="")
         print(" (or set them in the environment commitgate starts in).")
+    needed = sorted({*variables, *(name for listing in listings for name in listing.entry.environment)})
     first = (
-        f" (with {', '.join(variables)} set in this shell: it reads them as the server will)"
-        if variables
-        else ""
+        f" (with {', '.join(needed)} set in this shell: it reads them as the server will)" if needed else ""
     )
     print(
         f"Check the classes{first}: commitgate policy show {out}  (what each class means: docs/wrapping.md)"
