@@ -40,9 +40,8 @@ class ErrorRecord:
     outcome: str | None = None  # an Outcome value: how the failure was classified
     type: str | None = None  # the exception's class name, or "OperatorResolution"
     detail: Any = None  # what the tool said about it (ToolOutcomeError.detail)
-    budget: Mapping[str, Any] | None = (
-        None  # `error.budget` of budget_exceeded: {name, limit, spent, window[, unit]}
-    )
+    # `error.budget` of a budget_exceeded recorded at its take: {name, limit, spent, window[, unit]}
+    budget: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     _ORDER = ("code", "outcome", "type", "message", "detail", "budget")
