@@ -21,7 +21,16 @@ import anyio
 import asyncpg
 import pytest
 from mcp.types import CallToolResult
-from support.e2e import CONSOLE_SCRIPT, TOOLS_TOML, Deployment, error, error_code, policy_toml, serve
+from support.e2e import (
+    CONSOLE_SCRIPT,
+    TOOLS_TOML,
+    Deployment,
+    error,
+    error_code,
+    policy_toml,
+    serve,
+    together,
+)
 from test_approvals_e2e import person
 
 from commitgate.server.core import approvals
@@ -125,7 +134,7 @@ async def backdate(url: str, seconds: float) -> None:
 async def test_ten_approved_charges_of_the_whole_limit_charge_once(tmp_path: Path, ledger_url: str) -> None:
     d = deployment(tmp_path, extra='approval = { via = ["operator"] }')
     keys = [f"c{i}" for i in range(10)]
-    async with serve(d, ledger=ledger_url) as one, serve(d, ledger=ledger_url) as two:
+    async with together(serve(d, ledger=ledger_url), serve(d, ledger=ledger_url)) as (one, two):
         waiting = [await one.call("charge_card", charge(key, 1000), session="s") for key in keys]
         assert {error_code(w) for w in waiting} == {"approval_pending"}
         await approve_all(ledger_url, [error(w)["operation"]["operation_id"] for w in waiting])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ from support.e2e import (
     new_id,
     operation,
     policy_toml,
+    run_together,
     serve,
+    together,
 )
 from test_duplicates_e2e import serve_on
 
@@ -179,7 +182,7 @@ async def test_past_the_limit_a_person_decides_approved_charges_once_denied_neve
 CONCURRENT = 10
 
 
-async def together(servers: list[Server], cents: int) -> list[CallToolResult]:
+async def at_once(servers: list[Server], cents: int) -> list[CallToolResult]:
     results: list[CallToolResult] = []
 
     async def one(server: Server, key: str) -> None:
@@ -204,8 +207,8 @@ def assert_never_over(results: list[CallToolResult], d: Deployment) -> None:
 async def test_concurrent_charges_on_one_sqlite_ledger_never_pass_the_limit(tmp_path: Path) -> None:
     d = deployment(tmp_path)
     slow = "charge_card.latency=300ms"  # the calls overlap while the first ones still run
-    async with serve(d, faults=slow) as one, serve(d, faults=slow) as two:
-        assert_never_over(await together([one, two], 700), d)
+    async with together(serve(d, faults=slow), serve(d, faults=slow)) as servers:
+        assert_never_over(await at_once(servers, 700), d)
 
 
 @pytest.mark.anyio
@@ -216,8 +219,8 @@ async def test_concurrent_charges_on_one_postgres_ledger_never_pass_the_limit(tm
     url = await fresh_url()
     d = deployment(tmp_path)
     slow = "charge_card.latency=300ms"
-    async with serve_on(d, url, slow) as one, serve_on(d, url, slow) as two:
-        assert_never_over(await together([one, two], 700), d)
+    async with together(serve_on(d, url, slow), serve_on(d, url, slow)) as (one, two):
+        assert_never_over(await at_once([one, two], 700), d)
         # the window and the states count as on SQLite: a declined charge gives its amount back
         failed = await one.call(
             "charge_card", {**charge("declined", 200), "card": DECLINED_CARD}, session="x"
@@ -264,7 +267,7 @@ async def test_spending_leaves_the_budget_with_the_window(tmp_path: Path) -> Non
 async def test_each_principal_has_a_budget_of_its_own(tmp_path: Path) -> None:
     alice = deployment(tmp_path)
     bob = deployment(tmp_path, principal="bob", name="bob.toml")
-    async with serve(alice) as a, serve(bob) as b:
+    async with together(serve(alice), serve(bob)) as (a, b):
         assert not (await a.call("charge_card", charge("a1", 3000), session="s")).is_error
         assert not (await b.call("charge_card", charge("b1", 3000), session="s")).is_error
         assert_refused(await a.call("charge_card", charge("a2", 1), session="other"), spent=3000)
@@ -272,25 +275,45 @@ async def test_each_principal_has_a_budget_of_its_own(tmp_path: Path) -> None:
     assert alice.count("charges") == 2
 
 
+BAD_AMOUNTS = {  # a budget (and a charge tool spending from it) per amount no call can be charged
+    "by_description": "arguments.description",
+    "below_zero": "arguments.amount_cents",
+    "times_a_float": "arguments.amount_cents * 2.5",
+}
+
+
+@pytest.fixture(scope="module")
+async def bad_amounts(tmp_path_factory: pytest.TempPathFactory, anyio_backend: str) -> AsyncIterator[Server]:
+    """One server for the amounts that are not a number, each with a budget and a tool of its own."""
+    made = Deployment.create(tmp_path_factory.mktemp("bad-amounts"))
+    tools = "".join(
+        f'\n[budgets.{name}]\namount = "{amount}"\nlimit = {LIMIT}\nwindow = "1h"\nper = "principal"\n'
+        f'\n[tools.charge_{name}]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
+        f'status_check = "commitgate.tools.demo:find_charge"\nbudget = "{name}"\n'
+        for name, amount in BAD_AMOUNTS.items()
+    )
+    made.policy.write_text(policy_toml().replace(TOOLS_TOML, tools), encoding="utf-8")
+    async with serve(made) as server:
+        yield server
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("amount", "arguments", "says"),
+    ("budget", "arguments", "says"),
     [
-        ("arguments.description", charge("bad-1", 100), "needs a number for what this call spends"),
-        ("arguments.amount_cents", charge("bad-2", -100), "must be a finite number >= 0, got -100"),
-        ("arguments.amount_cents * 2.5", charge("bad-3", 100), "could not work out what this call spends"),
+        ("by_description", charge("bad-1", 100), "needs a number for what this call spends"),
+        ("below_zero", charge("bad-2", -100), "must be a finite number >= 0, got -100"),
+        ("times_a_float", charge("bad-3", 100), "could not work out what this call spends"),
     ],
 )
 async def test_an_amount_that_is_not_a_number_is_refused_and_nothing_is_recorded(
-    tmp_path: Path, amount: str, arguments: dict[str, Any], says: str
+    bad_amounts: Server, budget: str, arguments: dict[str, Any], says: str
 ) -> None:
-    d = deployment(tmp_path, amount=amount)
-    async with serve(d) as server:
-        refused = await server.call("charge_card", arguments, session="s")
-        assert error_code(refused) == "invalid_arguments"
-        assert says in error(refused)["message"] and "budget 'payments'" in error(refused)["message"]
-        assert await server.operations() == []  # nothing recorded, and the server still answers
-    assert d.count("charges") == 0
+    refused = await bad_amounts.call(f"charge_{budget}", arguments, session="s")
+    assert error_code(refused) == "invalid_arguments"
+    assert says in error(refused)["message"] and f"budget '{budget}'" in error(refused)["message"]
+    assert await bad_amounts.operations() == []  # nothing recorded, and the server still answers
+    assert bad_amounts.deployment.count("charges") == 0
 
 
 @pytest.mark.anyio
@@ -309,7 +332,8 @@ async def test_the_client_raises_budget_exceeded_with_the_budget(tmp_path: Path)
 # --- commitgate ops budgets --------------------------------------------------------------------------------
 
 
-def ops_budgets(d: Deployment, *extra: str) -> subprocess.CompletedProcess[str]:
+def ops_budgets(d: Deployment, *runs: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """`commitgate ops budgets` once for each list of extra arguments, side by side."""
     args = [
         str(CONSOLE_SCRIPT),
         "ops",
@@ -319,21 +343,21 @@ def ops_budgets(d: Deployment, *extra: str) -> subprocess.CompletedProcess[str]:
         "--ledger",
         f"sqlite:///{d.ledger}",
     ]
-    return subprocess.run([*args, *extra], capture_output=True, text=True, env={**d.env(), "COLUMNS": "200"})
+    return run_together(*([*args, *extra] for extra in runs), env={**d.env(), "COLUMNS": "200"})
 
 
 @pytest.mark.anyio
 async def test_ops_budgets_shows_spent_and_limit_per_scope_and_only_reads(tmp_path: Path) -> None:
     d = deployment(tmp_path, principal="alice")
     bob = deployment(tmp_path, principal="bob", name="bob.toml")
-    missing = ops_budgets(d)
+    (missing,) = ops_budgets(d, [])
     assert missing.returncode == 1 and "no ledger at" in missing.stderr
     assert not d.ledger.exists()  # a read-only command never creates the ledger
-    async with serve(d) as a, serve(bob) as b:
+    async with together(serve(d), serve(bob)) as (a, b):
         assert not (await a.call("charge_card", charge("a1", 1200), session="s")).is_error
         assert not (await a.call("pay_booking", charge("a2", 300), session="t")).is_error
         assert not (await b.call("charge_card", charge("b1", 2500), session="s")).is_error
-    done = ops_budgets(d, "--json")
+    done, table = ops_budgets(d, ["--json"], [])
     assert done.returncode == 0, done.stderr
     (budget,) = json.loads(done.stdout)["budgets"]
     assert {k: budget[k] for k in ("name", "limit", "window", "per", "tools", "amount")} == {
@@ -355,7 +379,6 @@ async def test_ops_budgets_shows_spent_and_limit_per_scope_and_only_reads(tmp_pa
             "operations": 2,
         },
     ]
-    table = ops_budgets(d)
     assert table.returncode == 0, table.stderr
     lines = [line for line in table.stdout.splitlines() if "payments" in line]
     assert len(lines) == 2

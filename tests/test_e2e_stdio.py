@@ -7,7 +7,6 @@ principal get their own deployment, since fault budgets live in the sandbox.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from support.e2e import (
     operation,
     serve,
     text_of,
+    together,
 )
 
 from commitgate.tools.demo import DECLINED_CARD
@@ -442,8 +442,7 @@ async def test_a_restarted_server_replays_from_the_ledger(tmp_path: Path) -> Non
 async def test_four_server_processes_on_one_ledger_act_once(tmp_path: Path) -> None:
     d = Deployment.create(tmp_path)
     results: list[CallToolResult] = []
-    async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(serve(d, mode=mode)) for mode in MODES * 2]
+    async with together(*(serve(d, mode=mode) for mode in MODES * 2)) as servers:
 
         async def burst(server: Server) -> None:
             for _ in range(2):
@@ -554,7 +553,7 @@ async def test_a_charge_killed_before_its_effect_is_found_missing_and_runs_once(
 async def test_principals_do_not_see_each_others_operations(tmp_path: Path) -> None:
     alice = Deployment.create(tmp_path, name="alice.toml", principal="alice")
     bob = alice.with_policy("bob.toml", principal="bob")
-    async with serve(alice) as as_alice, serve(bob, mode="legacy") as as_bob:
+    async with together(serve(alice), serve(bob, mode="legacy")) as (as_alice, as_bob):
         first = await as_alice.call("charge_card", charge("p-1"), session="s")
         op_id = succeeded(first)["operation_id"]
 
@@ -605,20 +604,21 @@ async def test_stdio_calls_beyond_the_per_principal_limit_are_refused_and_nothin
     gate = tmp_path / "gate"
     first = {"gate": str(gate), "label": "first", "idempotency_key": "limit-1"}
     second = {"gate": str(gate), "label": "second", "idempotency_key": "limit-2"}
-    async with serve(d) as server, anyio.create_task_group() as tasks:
-        answers: dict[str, CallToolResult] = {}
-
-        async def call_first() -> None:
-            answers["first"] = await server.call("gated_task", first, session="s")
-
-        tasks.start_soon(call_first)
-        await server.wait_for_state("s", "limit-1", {"RUNNING"})  # meta tools are never limited
-        refused = await server.call("gated_task", second, session="s")
-        assert error_code(refused) == "retries_exhausted"
-        assert "max_concurrent_per_principal" in text_of(refused)
-        assert d.count("tasks", idempotency_key="limit-2") == 0
-        gate.touch()
-    assert not answers["first"].is_error
     async with serve(d) as server:
+        answers: dict[str, CallToolResult] = {}
+        async with anyio.create_task_group() as tasks:
+
+            async def call_first() -> None:
+                answers["first"] = await server.call("gated_task", first, session="s")
+
+            tasks.start_soon(call_first)
+            await server.wait_for_state("s", "limit-1", {"RUNNING"})  # meta tools are never limited
+            refused = await server.call("gated_task", second, session="s")
+            assert error_code(refused) == "retries_exhausted"
+            assert "max_concurrent_per_principal" in text_of(refused)
+            assert d.count("tasks", idempotency_key="limit-2") == 0
+            gate.touch()
+        assert not answers["first"].is_error
+        # the refused call left nothing behind: once the first is done, the same key runs
         assert not (await server.call("gated_task", second, session="s")).is_error
     assert d.count("tasks", idempotency_key="limit-1") == d.count("tasks", idempotency_key="limit-2") == 1

@@ -197,9 +197,15 @@ async def test_the_same_conversation_gives_the_same_answers(
     deployments: dict[str, Deployment], mode: str
 ) -> None:
     transcripts = {}
-    for name, deployment in deployments.items():
+
+    async def talk(name: str, deployment: Deployment) -> None:
         async with deployment.client(mode) as client:
             transcripts[name] = await conversation(client)
+
+    async with anyio.create_task_group() as both:  # two servers of their own: side by side
+        for name, deployment in deployments.items():
+            both.start_soon(talk, name, deployment)
+    for deployment in deployments.values():
         assert deployment.count("charges") == 1  # first run, replay, and nothing else
         assert "stray output from a tool: hello" in deployment.stderr()  # stdout went to stderr
     assert transcripts["fast"][0] == ("2026-07-28" if mode == "auto" else transcripts["fast"][0])
@@ -316,7 +322,9 @@ async def raw_transcript(
 
 
 async def test_raw_framing_is_line_for_line_the_sdks(deployments: dict[str, Deployment]) -> None:
-    sdk, fast = [await raw_transcript(deployments[name], RAW_CONVERSATION) for name in ("sdk", "fast")]
+    sdk, fast = await asyncio.gather(  # side by side: each has a server of its own
+        *(raw_transcript(deployments[name], RAW_CONVERSATION) for name in ("sdk", "fast"))
+    )
     replies = [line for line in fast[0] if '"code":-32700' in line or '"code":-32600' in line]
     assert replies == ERROR_REPLIES
     assert fast == sdk

@@ -13,8 +13,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from commitgate.server.model.events import Event
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.events import BoundaryEvent, Event
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve import logs
 from commitgate.server.serve.gateway import Gateway
@@ -136,10 +137,10 @@ async def test_retries_and_reconciliations_are_counted(
 
 def test_the_observer_ignores_what_it_does_not_know_and_never_raises() -> None:
     metrics = Metrics()
-    metrics("no_such_event", "t", KEYED, whatever=object())  # type: ignore[arg-type]
-    metrics(Event.COMPLETED, "t", KEYED, state="SUCCEEDED", seconds="not a number")
-    metrics(Event.LEASE_EXPIRED, "t", KEYED)
-    metrics(Event.COMPLETED, "t", KEYED, state="SUCCEEDED", seconds=1.5)
+    metrics(BoundaryEvent("no_such_event", "t", KEYED, operation_id=object()))  # type: ignore[arg-type]
+    metrics(BoundaryEvent(Event.COMPLETED, "t", KEYED, state=State.SUCCEEDED, seconds="not a number"))  # type: ignore[arg-type]
+    metrics(BoundaryEvent(Event.LEASE_EXPIRED, "t", KEYED))
+    metrics(BoundaryEvent(Event.COMPLETED, "t", KEYED, state=State.SUCCEEDED, seconds=1.5))
     scraped = samples(generate_latest(metrics.registry).decode())
     labels = {"tool": "t", "idempotency_class": "key-required"}
     assert value(scraped, "commitgate_lease_expiries_total", **labels) == 1
@@ -151,7 +152,11 @@ def test_every_boundary_event_has_a_metric() -> None:
     """A new event without a counter would be invisible to operators; this fails until it has one."""
     metrics = Metrics()
     for event in Event:
-        metrics(event, "t", KEYED, outcome="x", verdict="x", state="x")
+        metrics(
+            BoundaryEvent(
+                event, "t", KEYED, outcome=Outcome.SUCCESS, verdict=Verdict.FOUND, state=State.UNKNOWN
+            )
+        )
     scraped = samples(generate_latest(metrics.registry).decode())
     counted = {name for name, _ in scraped if name.endswith("_total")}
     assert len(counted) >= len(Event), sorted(counted)
@@ -165,7 +170,7 @@ async def test_attach_chains_the_existing_observer_once(tmp_path: Path) -> None:
     seen: list[str] = []
     policy = loads_policy(POLICY)
     policy.ledger.url = f"sqlite:///{tmp_path / 'chained.db'}"
-    gw = await Gateway.open(policy, None, observers=[lambda event, tool, cls, **f: seen.append(event)])
+    gw = await Gateway.open(policy, None, observers=[lambda event: seen.append(event.kind)])
     try:
         metrics = Metrics()
         metrics.attach(gw)

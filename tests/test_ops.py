@@ -24,8 +24,9 @@ from support.policy import Run, run
 
 from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger
-from commitgate.server.model.events import Event
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.outcomes import Verdict
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.tools import demo
@@ -378,8 +379,12 @@ async def test_stats_adds_what_only_a_running_server_counts(
 
     metrics = Metrics()
     for event in (Event.REPLAY, Event.REPLAY, Event.CONFLICT, Event.RETRY):
-        metrics(event, "send_email", IdempotencyClass.KEY_REQUIRED)
-    metrics(Event.RECONCILIATION, "charge_card", IdempotencyClass.KEY_AND_STATUS_CHECK, verdict="found")
+        metrics(BoundaryEvent(event, "send_email", IdempotencyClass.KEY_REQUIRED))
+    metrics(
+        BoundaryEvent(
+            Event.RECONCILIATION, "charge_card", IdempotencyClass.KEY_AND_STATUS_CHECK, verdict=Verdict.FOUND
+        )
+    )
     body = generate_latest(metrics.registry)
 
     class Handler(http.server.BaseHTTPRequestHandler):

@@ -7,9 +7,11 @@ what is never put in a span, and that nothing is traced or imported when tracing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from support.boundary import ScriptedTool, SystemOfRecord, call_request, guarded
 from commitgate.server.core import tracing
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model import traces
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.serve.tracing import configure_from_env, wanted
 
@@ -115,8 +118,12 @@ async def test_no_span_carries_arguments_results_or_keys(
 ) -> None:
     await _guarded_call(tmp_path, record, "key-required", ["retryable", "ambiguous_after"])
     (observer,) = tracing.span_events()
-    observer("lease_expired", "charge", IdempotencyClass.KEY_REQUIRED, operation_id="op_1",
-             arguments={"amount": 424242}, message="amount 424242", idempotency_key="key-secret-1")  # fmt: skip
+    # An event has no field for arguments, messages, keys or sessions; the two that may carry what a
+    # client sent (a budget's scope, an amount) stay out of spans.
+    unsafe = {"arguments", "result", "message", "error", "idempotency_key", "key", "session", "principal"}
+    assert not unsafe & {f.name for f in dataclasses.fields(BoundaryEvent)}
+    observer(BoundaryEvent(Event.LEASE_EXPIRED, "charge", IdempotencyClass.KEY_REQUIRED, operation_id="op_1",
+                           scope="session key-secret-1", amount=Decimal(424242)))  # fmt: skip
     text = repr([(s.name, s.attributes, [(e.name, e.attributes) for e in s.events], s.status.description)
                  for s in exported.get_finished_spans()])  # fmt: skip
     assert "424242" not in text and "key-secret-1" not in text and "effect_id" not in text

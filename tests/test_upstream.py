@@ -6,6 +6,9 @@ counted is its own store: the entities in its JSONL file (`MEMORY_FILE_PATH`). A
 ours (tests/support/upstream_server.py) covers what the memory server cannot show: a process dying in
 the middle of a call, error results, `_meta` propagation, streamable HTTP; and a second commitgate
 server stands upstream to show that a chain dedups end to end.
+
+Tests that only call tools share one server per upstream (module scope), each with keys and sessions
+of its own; those that kill, hold down or rewrite an upstream have their own.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import anyio
 import pytest
 from mcp import Client, MCPError
 from mcp.shared.subscriptions import ToolsListChanged
+from support.e2e import run_together, together
 from support.wrapping import (
     CONSOLE_SCRIPT,
     TESTS_DIR,
@@ -119,12 +123,26 @@ def memory(tmp_path: Path, memory_index: Path) -> Memory:
     return Memory(tmp_path, memory_index)
 
 
+@pytest.fixture(scope="module")
+def shared_memory(tmp_path_factory: pytest.TempPathFactory, memory_index: Path) -> Memory:
+    return Memory(tmp_path_factory.mktemp("memory"), memory_index)
+
+
+@pytest.fixture(scope="module")
+async def memory_client(shared_memory: Memory, anyio_backend: str) -> AsyncIterator[Client]:
+    """One server wrapping server-memory, for the tests that leave the upstream running as it is."""
+    async with serve(shared_memory.policy, shared_memory.root / "stderr.log") as client:
+        yield client
+
+
 @pytest.mark.anyio
-async def test_only_declared_tools_are_served_with_their_imported_schemas(memory: Memory) -> None:
-    async with serve(memory.policy, memory.root / "stderr.log") as client:
-        tools = await upstream_listed(client, "create_entities")
-        with pytest.raises(MCPError, match="Unknown tool"):
-            await client.call_tool("search_nodes", {"query": "x"})  # offered upstream, not declared
+async def test_only_declared_tools_are_served_with_their_imported_schemas(
+    shared_memory: Memory, memory_client: Client
+) -> None:
+    memory, client = shared_memory, memory_client
+    tools = await upstream_listed(client, "create_entities")
+    with pytest.raises(MCPError, match="Unknown tool"):
+        await client.call_tool("search_nodes", {"query": "x"})  # offered upstream, not declared
     wrapped = {"create_entities", "forget_entities", "read_graph"}
     assert wrapped <= set(tools) and not {"search_nodes", "delete_entities", "add_observations"} & set(tools)
     create = tools["create_entities"]
@@ -142,19 +160,21 @@ async def test_only_declared_tools_are_served_with_their_imported_schemas(memory
 
 
 @pytest.mark.anyio
-async def test_a_replayed_create_has_no_second_effect_in_the_memory_store(memory: Memory) -> None:
+async def test_a_replayed_create_has_no_second_effect_in_the_memory_store(
+    shared_memory: Memory, memory_client: Client
+) -> None:
+    memory, client = shared_memory, memory_client
     create = {"entities": [entity("alice", "likes tea")], "idempotency_key": "create-alice"}
-    async with serve(memory.policy, memory.root / "stderr.log") as client:
-        first = await call(client, "create_entities", create)
-        assert not first.is_error, text(first)
-        assert memory.entities("alice") == 1
-        forget = await call(
-            client, "forget_entities", {"entityNames": ["alice"], "idempotency_key": "forget-alice"}
-        )
-        assert not forget.is_error and memory.entities("alice") == 0
-        # Run again, the create would bring alice back; replayed, the store stays as it is.
-        replay = await call(client, "create_entities", create)
-        reused = await call(client, "create_entities", {**create, "entities": [entity("bob")]})
+    first = await call(client, "create_entities", create)
+    assert not first.is_error, text(first)
+    assert memory.entities("alice") == 1
+    forget = await call(
+        client, "forget_entities", {"entityNames": ["alice"], "idempotency_key": "forget-alice"}
+    )
+    assert not forget.is_error and memory.entities("alice") == 0
+    # Run again, the create would bring alice back; replayed, the store stays as it is.
+    replay = await call(client, "create_entities", create)
+    reused = await call(client, "create_entities", {**create, "entities": [entity("bob")]})
     assert not replay.is_error and operation(replay)["replayed"] is True
     assert replay.structured_content == first.structured_content
     assert error_code(reused) == "idempotency_key_reused"
@@ -191,24 +211,17 @@ async def test_a_killed_upstream_fails_safely_and_is_reconnected(memory: Memory)
 
 
 def test_policy_check_validates_upstream_tools_without_starting_them(memory: Memory) -> None:
-    checked = subprocess.run(
-        [str(CONSOLE_SCRIPT), "policy", "check", str(memory.policy)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert not memory.pidfile.exists()  # nothing was started
     broken = memory.root / "broken.toml"
     broken.write_text(
         memory.policy.read_text().replace(
             'upstream = "memory"\nclass = "safe-retry"', 'upstream = "memroy"\nclass = "safe-retry"'
         )
     )
-    checked = subprocess.run(
-        [str(CONSOLE_SCRIPT), "policy", "check", str(broken)], capture_output=True, text=True, timeout=60
-    )
-    assert checked.returncode == 1 and "tools.read_graph.upstream" in checked.stdout + checked.stderr
+    check = [str(CONSOLE_SCRIPT), "policy", "check"]
+    good, bad = run_together([*check, str(memory.policy)], [*check, str(broken)])
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert not memory.pidfile.exists()  # nothing was started
+    assert bad.returncode == 1 and "tools.read_graph.upstream" in bad.stdout + bad.stderr
 
 
 @pytest.mark.anyio
@@ -253,13 +266,13 @@ def stub_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture
-def stub(tmp_path: Path) -> Path:
-    log = tmp_path / "stub.jsonl"
-    policy = tmp_path / "policy.toml"
+def stub_policy(root: Path) -> Path:
+    """A policy wrapping our stub over stdio, which logs to `root / "stub.jsonl"`."""
+    log = root / "stub.jsonl"
+    policy = root / "policy.toml"
     server = TESTS_DIR / "support" / "upstream_server.py"
     policy.write_text(
-        SERVER.format(ledger=tmp_path / "ledger.db")
+        SERVER.format(ledger=root / "ledger.db")
         + f'\n[upstreams.stub]\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
         + f'env = {{ STUB_LOG = "{log}" }}\n\n'
         + stub_tools()
@@ -267,37 +280,54 @@ def stub(tmp_path: Path) -> Path:
     return policy
 
 
+@pytest.fixture
+def stub(tmp_path: Path) -> Path:
+    return stub_policy(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return stub_policy(tmp_path_factory.mktemp("stub"))
+
+
+@pytest.fixture(scope="module")
+async def stub_client(shared_stub: Path, anyio_backend: str) -> AsyncIterator[Client]:
+    """One server wrapping the stub, shared by the tests that call it (the stub restarts when it dies)."""
+    async with serve(shared_stub, shared_stub.parent / "stderr.log") as client:
+        yield client
+
+
 @pytest.mark.anyio
-async def test_session_and_step_travel_upstream(stub: Path) -> None:
-    log = stub.parent / "stub.jsonl"
-    async with serve(stub, stub.parent / "stderr.log") as client:
-        tools = {t.name: t for t in (await client.list_tools()).tools}
-        one = await call(client, "record", {"note": "n1", "idempotency_key": "step-1"}, session="run-7")
-        two = await call(client, "record_keyed", {"note": "n2", "idempotency_key": "step-2"}, session="run-7")
+async def test_session_and_step_travel_upstream(shared_stub: Path, stub_client: Client) -> None:
+    log, client = shared_stub.parent / "stub.jsonl", stub_client
+    tools = {t.name: t for t in (await client.list_tools()).tools}
+    one = await call(client, "record", {"note": "n1", "idempotency_key": "step-1"}, session="run-7")
+    two = await call(client, "record_keyed", {"note": "n2", "idempotency_key": "step-2"}, session="run-7")
     assert not one.is_error and not two.is_error, (text(one), text(two))
     assert tools["record_keyed"].input_schema["required"].count("idempotency_key") == 1
-    first, second = stub_log(log)
+    first, second = [entry for entry in stub_log(log) if entry["session"] == "run-7"]
     assert (first["session"], first["step"]) == ("run-7", "step-1")
     assert (second["session"], second["step"], second["key"]) == ("run-7", "step-2", "step-2")
 
 
 @pytest.mark.anyio
-async def test_an_upstream_dying_mid_call_is_ambiguous_and_never_rerun(stub: Path) -> None:
-    log = stub.parent / "stub.jsonl"
-    async with serve(stub, stub.parent / "stderr.log") as client:
-        first = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
-        await eventually(lambda: _succeeds(client, "ping"))  # the stub was restarted
-        again = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
+async def test_an_upstream_dying_mid_call_is_ambiguous_and_never_rerun(
+    shared_stub: Path, stub_client: Client
+) -> None:
+    log, client = shared_stub.parent / "stub.jsonl", stub_client
+    first = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
+    await eventually(lambda: _succeeds(client, "ping"))  # the stub was restarted
+    again = await call(client, "die_after_recording", {"note": "x", "idempotency_key": "die-1"})
     assert error_code(first) == error_code(again) == "operation_outcome_unknown"
     assert operation(again)["state"] == "UNKNOWN"
-    assert len(stub_log(log)) == 1
+    assert [entry["tool"] for entry in stub_log(log)].count("die_after_recording") == 1
 
 
 @pytest.mark.anyio
-async def test_upstream_error_results_become_outcomes(stub: Path) -> None:
-    async with serve(stub, stub.parent / "stderr.log") as client:
-        limited = await call(client, "rate_limited", {"note": "x", "idempotency_key": "rl-1"})
-        refused = await call(client, "refuse", {"note": "acme", "idempotency_key": "rf-1"})
+async def test_upstream_error_results_become_outcomes(stub_client: Client) -> None:
+    client = stub_client
+    limited = await call(client, "rate_limited", {"note": "x", "idempotency_key": "rl-1"})
+    refused = await call(client, "refuse", {"note": "acme", "idempotency_key": "rf-1"})
     assert error_code(limited) == "retries_exhausted" and operation(limited)["attempts"] == 3
     assert error_code(refused) == "operation_failed" and operation(refused)["state"] == "FAILED_FINAL"
     assert "account for 'acme' is closed" in text(refused)
@@ -406,13 +436,14 @@ async def test_a_chain_of_commitgate_servers_dedups_end_to_end(
         '\n[tools.send_email]\nupstream = "inner"\nclass = "key-required"\n'
     )
     mail = {"to": "bob@example.com", "subject": "Hi", "body": "Hello", "idempotency_key": "mail-1"}
-    results = []
+    outers = []
     for outer_ledger in ("outer-1.db", "outer-2.db"):  # the second outer remembers nothing
         outer = tmp_path / f"{outer_ledger}.toml"
         outer.write_text(SERVER.format(ledger=tmp_path / outer_ledger) + upstream)
-        async with serve(outer, tmp_path / "stderr.log") as client:
-            results.append(await call(client, "send_email", mail, session="chain-1"))
-    first, second = results
+        outers.append(serve(outer, tmp_path / f"{outer_ledger}.stderr.log"))
+    async with together(*outers) as (one, two):  # started side by side, called one after the other
+        first = await call(one, "send_email", mail, session="chain-1")
+        second = await call(two, "send_email", mail, session="chain-1")
     assert not first.is_error and not second.is_error, (text(first), text(second))
     assert operation(first)["replayed"] is False and operation(second)["replayed"] is False  # outer view
     assert second.structured_content == first.structured_content  # the inner server replayed its answer

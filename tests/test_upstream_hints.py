@@ -200,6 +200,7 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
     ready = tmp_path / "slow.pid.ready"
     note = {"text": "early", "idempotency_key": "early-1"}
     results: list[Any] = []
+    stuck_results: list[Any] = []
     async with serve(policy, tmp_path / "stderr.log") as client:
         listed = {t.name: t for t in (await client.list_tools()).tools}
         assert not ready.exists()  # initialize and tools/list were answered while it still installs
@@ -208,6 +209,8 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert "lookup" not in listed
         async with anyio.create_task_group() as calls:
             calls.start_soon(_record, results, call(client, "note", note))
+            stuck_note = {"text": "never", "idempotency_key": "stuck-1"}  # meanwhile: its timeout runs out
+            calls.start_soon(_record, stuck_results, call(client, "stuck_note", stuck_note))
             await anyio.sleep(0.5)
             assert not results and not ready.exists()  # the call waits for the connection...
             gate.touch()  # ...and runs once the install ends
@@ -215,7 +218,7 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         assert ready.exists()
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
-        stuck = await call(client, "stuck_note", {"text": "never", "idempotency_key": "stuck-1"})
+        (stuck,) = stuck_results
         sleeper = int((tmp_path / "stuck.pid").read_text())
     with contextlib.suppress(ProcessLookupError):  # a client that stops the server at once may orphan it
         os.kill(sleeper, signal.SIGKILL)
@@ -250,18 +253,23 @@ async def test_an_older_sdk_upstream_is_reached_without_validation_errors(tmp_pa
         + f'\n[upstreams.old]\ncommand = "{SDK1_PYTHON}"\nargs = ["{server}"]\n'
         + tool("ping", "safe-retry", upstream="old")
     )
-    async with serve(policy, tmp_path / "stderr.log") as client:
-        pong = await call(client, "ping")
-    assert not pong.is_error and "pong" in text(pong), text(pong)
-    said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
-    assert "validation error" not in said.lower() and "server/discover" not in said
-    # `policy init` lists its tools the same way; what the server says goes to a file of ours
+    # `policy init` lists its tools the same way (side by side with the server below); what the
+    # old server says goes to a file of ours
     logged = tmp_path / "sdk1.err"
     config = tmp_path / "claude_desktop_config.json"
     started = f"exec {SDK1_PYTHON} {server} 2>>{logged}"
     config.write_text(json.dumps({"mcpServers": {"old": {"command": "sh", "args": ["-c", started]}}}))
     init = [str(CONSOLE_SCRIPT), "policy", "init", "--from-config", str(config)]
-    assert subprocess.run(init, capture_output=True, timeout=90).returncode == 0
+    initialising = subprocess.Popen(init, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async with serve(policy, tmp_path / "stderr.log") as client:
+            pong = await call(client, "ping")
+    finally:
+        _, init_said = initialising.communicate(timeout=90)
+    assert not pong.is_error and "pong" in text(pong), text(pong)
+    said = (tmp_path / "stderr.log").read_text()  # the upstream's stderr is the server's
+    assert "validation error" not in said.lower() and "server/discover" not in said
+    assert initialising.returncode == 0, init_said
     assert "ListToolsRequest" in logged.read_text() and "validation error" not in logged.read_text()
 
 

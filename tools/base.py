@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import httpx2
+from typing import TYPE_CHECKING, Any, Protocol
 
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.server.policy.problems import Problem
+
+if TYPE_CHECKING:  # only the http source uses a client: the others, and `policy check`, never import it
+    import httpx2
 
 
 class InvalidArguments(Exception):

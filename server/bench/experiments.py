@@ -20,7 +20,6 @@ store, a SQLite file), never in commitgate's own answers:
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 import uuid
@@ -364,8 +363,8 @@ async def _duplicates(bench: Bench, *, processes: int, tick: Callable[[int], Non
     )
     answers: Counter[str] = Counter()
     started = time.perf_counter()
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(bench.connect(params)) for _ in range(processes)]
+    async with bench.connect_all({n: params for n in range(processes)}) as by_process:
+        clients = list(by_process.values())
 
         async def one(client: Client, key: str, k: int) -> None:
             result = await client.call_tool(

@@ -267,11 +267,10 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "unguarded_sdk_stdio": bench.serve(policy, bench.ledger("overhead-sdk-stdio-unguarded"), stdio="sdk"),
         "guarded_sdk_stdio": bench.serve(policy, bench.ledger("overhead-sdk-stdio"), stdio="sdk"),
     }
-    async with contextlib.AsyncExitStack() as stack:
-        clients = {name: await stack.enter_async_context(bench.connect(p)) for name, p in servers.items()}
-        variants = _overhead_variants(clients)
+    async with bench.connect_all(servers) as clients:
+        variants = _overhead_variants(clients, scale.warm_up_calls)
         for variant in variants:  # warm every path up; the replays' keys are among these
-            for i in range(_REPLAY_KEYS):
+            for i in range(scale.warm_up_calls):
                 await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
         load_floor, least = DiskFloor(bench.root), LeastClaim(bench.root)
         try:
@@ -282,11 +281,11 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             load_floor.close()
             least.close()
         # The servers stay up but idle: once their background writes have settled, the disk is ours.
-        await settle(bench.root)
+        await settle(bench.root, quiet=scale.quiet_s)
         floor, claim_floor = idle_floors(bench.root, scale.rounds, scale.calls_per_round)
     by_name = {variant.name: variant for variant in variants}
     bench.raw["overhead_us"] = {name: [s for r in v.samples for s in r] for name, v in by_name.items()}
-    sync_us = commit_sync_us(bench.root)
+    sync_us = commit_sync_us(bench.root, scale.sync_samples, warm_up=scale.sync_samples // 4)
     unguarded = statistics.median(bench.raw["overhead_us"]["unguarded"])
     floor_us = statistics.median(s for r in floor for s in r)
 
@@ -344,9 +343,6 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     }
 
 
-_REPLAY_KEYS = 50
-
-
 def keyed_arguments(prefix: str) -> Callable[[int, int], dict[str, Any]]:
     """A guarded variant's arguments for call `i` of round `r`: a new key under `prefix` each time."""
 
@@ -357,8 +353,9 @@ def keyed_arguments(prefix: str) -> Callable[[int, int], dict[str, Any]]:
     return new_key
 
 
-def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
-    """The same no-op nine ways; only the guarded ones carry a key (a new one, or one already seen)."""
+def _overhead_variants(clients: dict[str, Client], replay_keys: int) -> list[_Variant]:
+    """The same no-op nine ways; only the guarded ones carry a key (a new one, or one of the first
+    `replay_keys` already seen)."""
     run = uuid.uuid4().hex[:8]
     new_key = keyed_arguments(run)
 
@@ -366,7 +363,7 @@ def _overhead_variants(clients: dict[str, Client]) -> list[_Variant]:
         return {**new_key(r, i), "idempotency_key": f"{run}-unchecked-{r}-{i}"}
 
     def seen_key(r: int, i: int) -> dict[str, Any]:
-        return new_key(-1, i % _REPLAY_KEYS)  # a call its server's warm-up made
+        return new_key(-1, i % replay_keys)  # a call its server's warm-up made
 
     def bare(r: int, i: int) -> dict[str, Any]:
         return {"n": i}

@@ -87,15 +87,14 @@ async def tracing_cost(bench: Bench) -> dict[str, Any]:
         )
         servers = {"off": off, "sdk_not_installed": missing, "on": on}
         ledgers = {"off": "tracing-off", "sdk_not_installed": "tracing-no-sdk", "on": "tracing-on"}
-        async with contextlib.AsyncExitStack() as stack:
-            clients = {name: await stack.enter_async_context(bench.connect(p)) for name, p in servers.items()}
+        async with bench.connect_all(servers) as clients:
             run = uuid.uuid4().hex[:8]
             variants = [
                 _Variant(name, client, "noop_keyed", keyed_arguments(f"{run}-{name}"), False)
                 for name, client in clients.items()
             ]
             for variant in variants:
-                for i in range(50):
+                for i in range(scale.warm_up_calls):
                     await variant.client.call_tool(variant.tool, variant.arguments(-1, i))
             pids = {name: bench.server_pid(bench.ledger(ledger)) for name, ledger in ledgers.items()}
             cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}

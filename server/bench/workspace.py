@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO, TypeVar, cast
 
 import anyio
 from mcp import Client, StdioServerParameters
@@ -24,6 +24,8 @@ from rich.progress import Progress
 
 from commitgate.server.demo.sandbox import server_pids
 from commitgate.server.model.facts import OPERATION_META, SESSION_META
+
+K = TypeVar("K", bound=Hashable)
 
 
 class BenchError(Exception):
@@ -48,15 +50,21 @@ class Scale:
     tool_latency: float = 0.05  # how long the duplicated effect takes, so duplicates really overlap
     rounds: int = 12
     calls_per_round: int = 200
+    warm_up_calls: int = 50  # per server before the timed rounds; the replays' keys are among them
+    sync_samples: int = 400  # commits per mode timed for what a durable commit's sync costs
+    quiet_s: float = 0.5  # how long the ledgers' directory must be still before the idle floors
     ledger_ops: int = 10_000
     memory_rows: int = 1_000_000
     startups: int = 7
 
 
 FULL = Scale()
+# Every section and figure of the full run from as few real measurements as still give them: a
+# smoke test of the bench, not figures to compare. The safety experiments keep enough calls that a
+# run without a single injected fault (each fires at random) is a one-in-a-million event.
 QUICK = Scale(
-    bookings=60,
-    orders=30,
+    bookings=24,
+    orders=40,
     retriers=20,
     capacity=4,
     median_ms=50.0,
@@ -65,11 +73,14 @@ QUICK = Scale(
     dup_copies=16,
     processes=2,
     tool_latency=0.02,
-    rounds=4,
-    calls_per_round=40,
-    ledger_ops=1000,
-    memory_rows=100_000,
-    startups=2,
+    rounds=2,
+    calls_per_round=10,
+    warm_up_calls=10,
+    sync_samples=100,
+    quiet_s=0.0,
+    ledger_ops=128,
+    memory_rows=10_000,
+    startups=1,
 )
 
 # --- calls and processes ---------------------------------------------------------------------------------
@@ -170,6 +181,32 @@ class Bench:
         """A real MCP client over stdio; the server's stderr goes to the bench log, not the progress bars."""
         async with Client(stdio_client(params, errlog=self.log), read_timeout_seconds=timeout) as client:
             yield client
+
+    @contextlib.asynccontextmanager
+    async def connect_all(self, params: Mapping[K, StdioServerParameters]) -> AsyncIterator[dict[K, Client]]:
+        """Clients of several servers, started at once and stopped at once: a start is mostly an
+        interpreter importing its modules, which the machine's other cores can do meanwhile.
+
+        Each client lives in a task of its own (a client is left in the task that entered it);
+        calls may come from any task."""
+        clients: dict[K, Client] = {}
+        connected, done = anyio.Event(), anyio.Event()
+
+        async def hold(name: K, server: StdioServerParameters) -> None:
+            async with self.connect(server) as client:
+                clients[name] = client
+                if len(clients) == len(params):
+                    connected.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as group:
+            for name, server in params.items():
+                group.start_soon(hold, name, server)
+            await connected.wait()
+            try:
+                yield {name: clients[name] for name in params}  # in the order asked
+            finally:
+                done.set()
 
     def server_pid(self, ledger: Path) -> int:
         """The process serving from `ledger` (each server of the bench has a ledger of its own)."""

@@ -55,8 +55,9 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
-from commitgate.server.model.events import Event, Observer
+from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy
@@ -89,9 +90,33 @@ class CommitBoundary:
     leases: dict[str, int] = field(default_factory=dict)  # operation_id -> fence we hold
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
 
-    def emit(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def emit(
+        self,
+        kind: Event,
+        tool: str,
+        cls: IdempotencyClass,
+        *,
+        operation_id: str | None = None,
+        outcome: Outcome | None = None,
+        verdict: Verdict | None = None,
+        state: State | None = None,
+        seconds: float | None = None,
+        budget: str | None = None,
+        scope: str | None = None,
+        amount: Decimal | None = None,
+    ) -> None:
+        """Tell every observer: one event, built only when someone listens."""
+        if self.observers:
+            self.tell(
+                BoundaryEvent(
+                    kind, tool, cls, operation_id, outcome, verdict, state, seconds, budget, scope, amount
+                )
+            )
+
+    def tell(self, event: BoundaryEvent) -> None:
+        """Every observer gets the same event (a status check tells its verdict inside its own span)."""
         for observer in self.observers:
-            observer(event, tool, cls, **fields)
+            observer(event)
 
     # --- entry point ---------------------------------------------------------------
 
@@ -353,7 +378,11 @@ class CommitBoundary:
         scope = budgets.scope_label(budget, op.principal, op.session)
         self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
         refused = budgets.exceeded(budget, check.amount, spent, op.principal, op.session, recorded=True)
-        error = {"code": ErrorCode.BUDGET_EXCEEDED.value, "message": refused.message, **refused.details}
+        error = ErrorRecord(
+            code=ErrorCode.BUDGET_EXCEEDED.value,
+            message=refused.message,
+            budget=refused.details.get("budget"),
+        )
         change = Transition(
             State.FAILED_FINAL,
             frozenset({State.PENDING}),
@@ -410,7 +439,7 @@ class CommitBoundary:
             frozenset({State.RUNNING}),
             AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
-            error=dict(LEASE_LOST),
+            error=LEASE_LOST,
         )
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:
@@ -450,16 +479,16 @@ class CommitBoundary:
 
     async def _status_check(self, tool: GuardedTool, op: Operation, attempt: int | None = None) -> Check:
         return await tracing.reconciled(
-            reconcile.status_check(tool, op, self.clock(), self.emit, attempt), op
+            reconcile.status_check(tool, op, self.clock(), self.tell, attempt), op
         )
 
     async def _record_reconciled(
-        self, op: Operation, found: ToolResult | None, note: dict[str, Any]
+        self, op: Operation, found: ToolResult | None, note: ReconciliationNote
     ) -> Operation:
         change = reconcile.found(found, note)
         return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
 
-    async def _note_reconciliation(self, op: Operation, note: dict[str, Any]) -> None:
+    async def _note_reconciliation(self, op: Operation, note: ReconciliationNote) -> None:
         change = reconcile.undecided(note)
         with contextlib.suppress(LedgerUnavailable):
             await self.ledger.update(op.operation_id, change, self.clock())
@@ -553,7 +582,7 @@ class CommitBoundary:
                     Event.ATTEMPT,
                     tool.name,
                     tool.idempotency_class,
-                    outcome=attempt.outcome.value,
+                    outcome=attempt.outcome,
                     operation_id=op.operation_id,
                 )
                 maybe_applied |= attempt.outcome is Outcome.AMBIGUOUS and next_move is Next.RETRY
@@ -631,7 +660,7 @@ class CommitBoundary:
         event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
-        reconciliation: dict[str, Any] | None = None,
+        reconciliation: ReconciliationNote | None = None,
     ) -> Answer:
         error_json = error_record(error, classify(error)) if error is not None else None
         if result is not None:
@@ -654,7 +683,7 @@ class CommitBoundary:
             Event.COMPLETED,
             op.tool,
             op.idempotency_class,
-            state=state.value,
+            state=state,
             operation_id=op.operation_id,
             seconds=self.clock() - op.created_at,
         )
@@ -713,7 +742,7 @@ class CommitBoundary:
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
             event=AuditEvent.LATE_OUTCOME,
-            reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
+            reconciliation=ReconciliationNote("owner", self.clock(), change.to_state.value.lower()),
         )
         try:
             recorded = await self.ledger.update(op.operation_id, late, self.clock())

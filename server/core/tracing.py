@@ -20,14 +20,13 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from commitgate.server.ledger.base import OverBudget
+from commitgate.server.ledger.base import Claim, OverBudget
 from commitgate.server.model.context import OperationContext
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.model.records import Operation
 from commitgate.server.model.traces import SWITCH
-
-T = TypeVar("T")
 
 OPERATION_ID = "commitgate.operation_id"
 CLASS = "commitgate.class"
@@ -37,13 +36,11 @@ ATTEMPT = "commitgate.attempt"
 OUTCOME = "commitgate.outcome"
 VERDICT = "commitgate.verdict"
 CLAIM = "commitgate.claim"
+BUDGET = "commitgate.budget"
 
-# Only these fields of a boundary event become span-event attributes: identifiers and fixed sets
-# of words, never anything a client sent (arguments, keys, sessions) or a message that may quote it.
-_SAFE_FIELDS = frozenset(
-    {"operation_id", "state", "verdict", "outcome", "code", "duplicate_of", "budget", "via", "decision"}
-)
-_SPAN_EVENTS_SKIPPED = frozenset({"attempt", "completed"})  # already spans of their own
+# What a span event says beyond the tool and class: identifiers and words of fixed sets, never a
+# budget's scope (it may name a principal or a session) or an amount (it comes from the arguments).
+_SPAN_EVENTS_SKIPPED = frozenset({Event.ATTEMPT, Event.COMPLETED})  # already spans of their own
 
 
 def _span(name: str, attributes: dict[str, Any]) -> Any:
@@ -61,13 +58,13 @@ def _failed(span: Any, reason: str, exc: BaseException | None = None) -> None:
     span.set_status(Status(StatusCode.ERROR, reason))
 
 
-def claimed(step: Awaitable[T], cls: IdempotencyClass) -> Awaitable[T]:
+def claimed(step: Awaitable[Claim], cls: IdempotencyClass) -> Awaitable[Claim]:
     """`step` (a ledger claim) inside `commitgate.claim` when tracing is on: which operation, in
     which state, and how it was found (new, existing, conflict...). Off, `step` itself."""
     return step if SWITCH.tracer is None else _claimed(step, cls)
 
 
-async def _claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
+async def _claimed(step: Awaitable[Claim], cls: IdempotencyClass) -> Claim:
     with _span("commitgate.claim", {CLASS: cls.value}) as span:
         try:
             claim = await step
@@ -77,13 +74,9 @@ async def _claimed(step: Awaitable[T], cls: IdempotencyClass) -> T:
         except Exception as exc:
             _failed(span, "ledger_unavailable", exc)
             raise
-        op = getattr(claim, "operation", None)
-        if op is not None:
-            span.set_attribute(OPERATION_ID, op.operation_id)
-            span.set_attribute(STATE, op.state.value)
-        kind = getattr(claim, "kind", None)
-        if kind is not None:
-            span.set_attribute(CLAIM, str(getattr(kind, "value", kind)))
+        span.set_attribute(OPERATION_ID, claim.operation.operation_id)
+        span.set_attribute(STATE, claim.operation.state.value)
+        span.set_attribute(CLAIM, claim.kind.value)
         return claim
 
 
@@ -163,25 +156,36 @@ class SpanEvents:
     """An observer that adds each boundary event to the current span (a short span of its own when
     none is current, e.g. a lease expiry found by the background sweep)."""
 
-    def __call__(self, event: str, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def __call__(self, event: BoundaryEvent) -> None:
         tracer = SWITCH.tracer
-        if tracer is None or event in _SPAN_EVENTS_SKIPPED:
+        if tracer is None or event.kind in _SPAN_EVENTS_SKIPPED:
             return
         try:
             from opentelemetry import trace
 
-            attributes: dict[str, Any] = {"gen_ai.tool.name": tool, CLASS: cls.value}
-            for name, value in fields.items():
-                if name in _SAFE_FIELDS and isinstance(value, str | int | float | bool):
-                    attributes[f"commitgate.{name}"] = value
+            name = f"commitgate.{event.kind.value}"
             span = trace.get_current_span()
             if span.is_recording():
-                span.add_event(f"commitgate.{event}", attributes)
+                span.add_event(name, _span_event(event))
             else:
-                with tracer.start_as_current_span(f"commitgate.{event}") as own:
-                    own.add_event(f"commitgate.{event}", attributes)
+                with tracer.start_as_current_span(name) as own:
+                    own.add_event(name, _span_event(event))
         except Exception:  # instrumentation must never break a call
             return
+
+
+def _span_event(event: BoundaryEvent) -> dict[str, str]:
+    attributes = {"gen_ai.tool.name": event.tool, CLASS: event.cls.value}
+    for attribute, value in (
+        (OPERATION_ID, event.operation_id),
+        (STATE, event.state),
+        (VERDICT, event.verdict),
+        (OUTCOME, event.outcome),
+        (BUDGET, event.budget),
+    ):
+        if value is not None:
+            attributes[attribute] = str(value)
+    return attributes
 
 
 def span_events() -> list[SpanEvents]:

@@ -32,6 +32,7 @@ __all__ = [
     "Transition",
     "default_ledger_name",
     "default_ledger_url",
+    "ledger_location",
     "open_ledger",
     "parse_ledger_url",
 ]
@@ -56,6 +57,17 @@ def default_ledger_name(policy_path: Path | str | None) -> str:
     return f"ledger-{stem}-{digest}.db"
 
 
+def ledger_location(url: str | None) -> LedgerURL:
+    """Where `url` (else the default ledger) is; LedgerUnavailable saying what is wrong with it."""
+    try:
+        where = parse_ledger_url(url or default_ledger_url())
+        if where.backend is Backend.POSTGRESQL:
+            check_postgres_url(where.url)
+    except ValueError as exc:
+        raise LedgerUnavailable(f"unsupported ledger URL: {exc}") from None
+    return where
+
+
 async def open_ledger(
     url: str | None,
     *,
@@ -69,12 +81,7 @@ async def open_ledger(
     and a database that is not a commitgate ledger is reported as such (LedgerUnavailable).
     `durability`: "full" syncs the claim and the outcome; "claim" syncs the claim and leaves the
     outcome to the next group commit, at most `outcome_sync_within` seconds later."""
-    try:
-        where = parse_ledger_url(url or default_ledger_url())
-        if where.backend is Backend.POSTGRESQL:
-            check_postgres_url(where.url)
-    except ValueError as exc:
-        raise LedgerUnavailable(f"unsupported ledger URL: {exc}") from None
+    where = ledger_location(url)
     if where.backend is Backend.SQLITE:
         from commitgate.server.ledger.sqlite import SQLiteLedger
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from decimal import Decimal
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.outcomes import Outcome, Verdict
 
 
 class Event(StrEnum):
@@ -30,7 +33,37 @@ class Event(StrEnum):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class BoundaryEvent:
+    """One event as every observer receives it: built once, shared, never changed.
+
+    A field the event does not come with is None. None of them carries what a client sent
+    (arguments, keys, sessions) or a message that may quote it, except `scope` (it may name a
+    principal or a session) and `amount` (it comes from the arguments): observers that write
+    things out leave those two to unredacted logs.
+    """
+
+    kind: Event
+    tool: str
+    cls: IdempotencyClass
+    operation_id: str | None = None
+    outcome: Outcome | None = None  # ATTEMPT
+    verdict: Verdict | None = None  # RECONCILIATION
+    state: State | None = None  # COMPLETED: the state recorded
+    seconds: float | None = None  # COMPLETED: from the claim to the recorded outcome
+    budget: str | None = None  # BUDGET_SPENT, BUDGET_EXCEEDED: the budget's name
+    scope: str | None = None  # BUDGET_SPENT, BUDGET_EXCEEDED: whose spending (a principal, a session)
+    amount: Decimal | None = None  # BUDGET_SPENT
+
+    def details(self) -> dict[str, object]:
+        """The fields this event comes with (the set ones past kind, tool and class), by name."""
+        return {name: value for name in _DETAILS if (value := getattr(self, name)) is not None}
+
+
+_DETAILS = tuple(f.name for f in fields(BoundaryEvent))[3:]  # past kind, tool and class
+
+
 class Observer(Protocol):
     """Called on every event; must be quick and must never raise (instrumentation cannot break a call)."""
 
-    def __call__(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None: ...
+    def __call__(self, event: BoundaryEvent) -> None: ...

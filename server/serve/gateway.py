@@ -57,7 +57,7 @@ from commitgate.server.model.facts import (
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
-from commitgate.server.serve import asking
+from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.metrics import UNKNOWN_TOOL
@@ -358,19 +358,19 @@ class Gateway:
         answer = await self.boundary.call(request)
         op = answer.operation
         if channel is None or op is None or not _asks_client(answer) or not channel.can_ask:
-            return render(answer)
+            return _rendered(answer)
         if channel.multi_round:
             if channel.answered_operation is not None:  # asked already; cancelled or unanswered
-                return render(answer)
+                return _rendered(answer)
             raise asking.InputRequired(
                 asking.input_required(op.operation_id, (await self._question(op)).text)
             )
         assert channel.elicit is not None
-        return render(await self._ask_now(request, op, channel))
+        return _rendered(await self._ask_now(request, op, channel))
 
     async def _question(self, op: Operation) -> approvals.Question:
         served = self.served.get(op.tool)
-        earlier_id = (op.approval or {}).get("duplicate_of")
+        earlier_id = op.approval.duplicate_of if op.approval is not None else None
         earlier = await self.ledger.get_by_id(op.principal, earlier_id) if earlier_id else None
         budget = await budgets.standing(
             self.ledger, served.guard.budget if served else None, op, self.boundary.clock()
@@ -563,7 +563,7 @@ def _asks_client(answer: Answer) -> bool:
     op = answer.operation
     if answer.error is None or answer.error.code is not ErrorCode.APPROVAL_PENDING or op is None:
         return False
-    return "client" in ((op.approval or {}).get("deciders") or [])
+    return op.approval is not None and "client" in op.approval.deciders
 
 
 def _parse(model: type[M], args: dict[str, Any]) -> M:
@@ -574,6 +574,12 @@ def _parse(model: type[M], args: dict[str, Any]) -> M:
 
 
 # --- rendering ---------------------------------------------------------------------------------
+
+
+def _rendered(answer: Answer) -> types.CallToolResult:
+    """A guarded call's answer, its operation told to the `tools/call` span (when tracing is on)."""
+    tracing.annotate(answer.operation, answer.replayed)
+    return render(answer)
 
 
 def render(answer: Answer) -> types.CallToolResult:

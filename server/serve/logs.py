@@ -24,8 +24,7 @@ import traceback
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from commitgate.server.model.events import Event
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.events import BoundaryEvent, Event
 
 EVENTS = logging.getLogger("commitgate.events")
 CALLS = logging.getLogger("commitgate.calls")
@@ -33,9 +32,9 @@ CALLS = logging.getLogger("commitgate.calls")
 _OURS = "commitgate"
 _TRUSTED = frozenset({"uvicorn.error", "py.warnings"})  # lifecycle messages and warnings from code
 _FIELD = "commitgate"  # the `extra` attribute carrying structured fields
-_UNSAFE_FIELDS = frozenset(
-    {"arguments", "result", "error", "message", "token", "idempotency_key", "key", "amount", "scope"}
-)
+# An event's fields written only unredacted: a scope may name a principal or a session, an amount
+# comes from the arguments. (An event has no field for arguments, results, messages or keys.)
+_UNSAFE_FIELDS = frozenset({"amount", "scope"})
 # Every event at INFO but these: a person should look at the first, the second is one per attempt.
 _LEVELS = {
     Event.LEASE_EXPIRED: logging.WARNING,
@@ -121,7 +120,7 @@ def extra(**fields: Any) -> dict[str, Any]:
     return {_FIELD: fields}
 
 
-def _safe(fields: dict[str, Any]) -> dict[str, Any]:
+def _safe(fields: dict[str, object]) -> dict[str, object]:
     keep = unredacted()
     return {
         k: v
@@ -130,13 +129,13 @@ def _safe(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def log_event(event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+def log_event(event: BoundaryEvent) -> None:
     """An `Observer`: each boundary event as one JSON line on commitgate.events."""
-    level = _LEVELS.get(event, logging.INFO)
+    level = _LEVELS.get(event.kind, logging.INFO)
     if not EVENTS.isEnabledFor(level):
         return
-    record = {"event": event, "tool": tool, "class": cls.value, **_safe(fields)}
-    EVENTS.log(level, event, extra=extra(**record))
+    record = {"event": event.kind, "tool": event.tool, "class": event.cls.value, **_safe(event.details())}
+    EVENTS.log(level, event.kind, extra=extra(**record))
 
 
 def log_call(

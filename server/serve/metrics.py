@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -39,8 +40,7 @@ from prometheus_client import (
 from commitgate.server.ledger.base import (
     Ledger,
 )
-from commitgate.server.model.events import Event
-from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.policy.budgets import BudgetPolicy
 
 if TYPE_CHECKING:
@@ -74,18 +74,21 @@ class Metrics:
             "commitgate_calls_in_progress", "tools/call requests being answered", registry=r
         )
         counter = self._event_counter
-        # event name -> (counter, name of the extra label taken from the event's fields, or None)
-        self._by_event: dict[Event, tuple[Counter, str | None]] = {
+        # event kind -> (counter, what its extra label reads from the event, or None)
+        self._by_event: dict[Event, tuple[Counter, Callable[[BoundaryEvent], StrEnum | None] | None]] = {
             Event.REPLAY: (counter("replays", "Answers replayed from the ledger"), None),
             Event.CONFLICT: (counter("conflicts", "Keys reused with another tool or other arguments"), None),
             Event.RETRY: (counter("retries", "Automatic retries after a failed attempt"), None),
-            Event.ATTEMPT: (counter("attempts", "Executions by outcome", "outcome"), "outcome"),
+            Event.ATTEMPT: (counter("attempts", "Executions by outcome", "outcome"), lambda e: e.outcome),
             Event.RECONCILIATION: (
                 counter("reconciliations", "Status checks by verdict", "verdict"),
-                "verdict",
+                lambda e: e.verdict,
             ),
             Event.LEASE_EXPIRED: (counter("lease_expiries", "RUNNING operations whose owner stopped"), None),
-            Event.COMPLETED: (counter("completions", "Operations recorded by final state", "state"), "state"),
+            Event.COMPLETED: (
+                counter("completions", "Operations recorded by final state", "state"),
+                lambda e: e.state,
+            ),
             Event.LEDGER_UNAVAILABLE: (
                 counter("ledger_unavailable", "Calls refused: ledger not writable"),
                 None,
@@ -169,19 +172,20 @@ class Metrics:
 
     # --- the Observer hook -------------------------------------------------------------------
 
-    def __call__(self, event: Event, tool: str, cls: IdempotencyClass, **fields: Any) -> None:
+    def __call__(self, event: BoundaryEvent) -> None:
         try:
-            spec = self._by_event.get(event)
+            spec = self._by_event.get(event.kind)
             if spec is None:
                 return
             counter, extra = spec
-            labels = (tool, cls.value, str(fields.get(extra, ""))) if extra else (tool, cls.value)
+            tool, cls = event.tool, event.cls.value
+            labels = (tool, cls, str(extra(event) or "")) if extra else (tool, cls)
             self._child(counter, *labels).inc()
-            seconds = fields.get("seconds")
-            if event is Event.COMPLETED and isinstance(seconds, int | float):
+            seconds = event.seconds
+            if event.kind is Event.COMPLETED and isinstance(seconds, int | float):
                 self._child(self.operation_seconds, *labels).observe(seconds)
         except Exception:  # instrumentation must never break a call
-            log.debug("metrics observer failed for %s", event, exc_info=True)
+            log.debug("metrics observer failed for %s", event.kind, exc_info=True)
 
     # --- calls (recorded by the MCP surface) ----------------------------------------------------
 

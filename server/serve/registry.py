@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mcp.types as types
+# The wire types alone (`mcp.types` mirrors them but imports the whole SDK first): checking a policy
+# builds its tools and their definitions without any client or server stack.
+import mcp_types as types
 
 from commitgate.server.core.budgets import Budget
 from commitgate.server.core.duplicates import add_confirm_property

@@ -9,7 +9,8 @@ protocol, sampler, resource, batching) is read by the SDK from its own
 variables. Without any of them nothing is imported and nothing is traced.
 
 The MCP SDK opens the server span of each `tools/call` (taking its parent from
-the request's `_meta`); `CallSpan` adds commitgate's view of the answer to it.
+the request's `_meta`); the gateway adds commitgate's view of the answer to it
+(`annotate`) where it makes the answer.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from typing import Any
 
 from commitgate.server.core.tracing import ATTEMPT, OPERATION_ID, REPLAYED, STATE, span_events
 from commitgate.server.model import traces
+from commitgate.server.model.records import Operation
 
 log = logging.getLogger("commitgate.tracing")
 
-OPERATION_META = "commitgate/operation"
 _ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -123,46 +124,26 @@ def _otlp(environ: Mapping[str, str]) -> Any:
     return OTLPSpanExporter()
 
 
-class CallSpan:
-    """SDK middleware: the `tools/call` span gets the operation's id, class, state, replayed and attempts."""
-
-    async def __call__(self, ctx: Any, call_next: Any) -> Any:
-        result = await call_next(ctx)
-        if ctx.method == "tools/call" and traces.SWITCH.tracer is not None:
-            annotate(result)
-        return result
-
-
-def annotate(result: Any) -> None:
+def annotate(op: Operation | None, replayed: bool) -> None:
+    """The current `tools/call` span (the SDK's) gets the operation's id, state, replayed and attempts."""
+    if op is None or traces.SWITCH.tracer is None:
+        return
     from opentelemetry import trace
 
     span = trace.get_current_span()
-    meta = getattr(result, "meta", None)
-    if isinstance(result, dict):
-        meta = result.get("_meta")
-    operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
-    if not span.is_recording() or not isinstance(operation, dict):
-        return
-    for attribute, field in (
-        (OPERATION_ID, "operation_id"),
-        (STATE, "state"),
-        (REPLAYED, "replayed"),
-        (ATTEMPT, "attempts"),
-    ):
-        value = operation.get(field)
-        if isinstance(value, str | int | bool):
-            span.set_attribute(attribute, value)
+    if span.is_recording():
+        span.set_attributes(
+            {OPERATION_ID: op.operation_id, STATE: op.state.value, REPLAYED: replayed, ATTEMPT: op.attempts}
+        )
 
 
-__all__ = ["CallSpan", "configure_from_env", "install", "span_events", "wanted"]
+__all__ = ["annotate", "configure_from_env", "install", "span_events", "wanted"]
 
 
 def install(server: Any) -> None:
-    """Annotate this server's `tools/call` spans while tracing is on; when off, no middleware at all:
-    not even the SDK's span of each request, which would go nowhere."""
-    if traces.enabled():
-        server.middleware.append(CallSpan())
-    else:
+    """With tracing off, no middleware at all: not even the SDK's span of each request, which would
+    go nowhere."""
+    if not traces.enabled():
         from mcp.server._otel import OpenTelemetryMiddleware
 
         server.middleware[:] = [m for m in server.middleware if not isinstance(m, OpenTelemetryMiddleware)]

@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 from mcp import Client, StdioServerParameters
@@ -274,6 +276,56 @@ async def serve(
             errlog.flush()
             sys.stderr.write(f"--- stderr of server {tag[:8]} ---\n{log.read_text(encoding='utf-8')}\n")
             raise
+
+
+T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def together(*contexts: AbstractAsyncContextManager[T]) -> AsyncIterator[list[T]]:
+    """Enter `contexts` at once, so server processes start side by side rather than one after another.
+
+    Each context opens and closes in a task of its own (anyio wants both in one task); the body runs
+    in the caller's task, and its own exception comes out as it is, not in a group."""
+    entered: dict[int, T] = {}
+    ready = [anyio.Event() for _ in contexts]
+    stop = anyio.Event()
+
+    async def hold(index: int, context: AbstractAsyncContextManager[T]) -> None:
+        async with context as value:
+            entered[index] = value
+            ready[index].set()
+            await stop.wait()
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            for index, context in enumerate(contexts):
+                tasks.start_soon(hold, index, context)
+            for event in ready:
+                await event.wait()
+            try:
+                yield [entered[index] for index in range(len(contexts))]
+            finally:
+                stop.set()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+def run_together(
+    *commands: list[str], env: Mapping[str, str] | None = None, timeout: float = 60
+) -> list[subprocess.CompletedProcess[str]]:
+    """`subprocess.run` of each command, side by side: CLI processes start in parallel."""
+    started = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for command in commands
+    ]
+    finished = []
+    for command, process in zip(commands, started, strict=True):
+        stdout, stderr = process.communicate(timeout=timeout)
+        finished.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    return finished
 
 
 def operation(result: CallToolResult) -> dict[str, Any]:
