@@ -267,11 +267,14 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
     wrapped = [listing.entry.name for listing in listings]
     name = entry_name(config, wrapped)
     if write_config:
-        document = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
-        backup = write_with_backup(config.path, document)
+        servers = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
+        backup, dropped = write_with_backup(config, servers)
         print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
-        if config.had_comments:
-            print(f"Its comments were not kept (the rewrite is plain JSON); {backup.name} still has them.")
+        if dropped:
+            table = ".".join(config.where)
+            print(
+                f"The comments inside its `{table}` were not kept (the rest of it was); {backup.name} has them."
+            )
         print("Restart the client to use it.")
     else:
         key = config.where[-1]

@@ -76,6 +76,11 @@ def sql_states(states: Iterable[State]) -> str:
     return ", ".join(f"'{state.value}'" for state in states)
 
 
+def sql_state(state: State) -> str:
+    """One state as an SQL string literal, for `state = ...`."""
+    return sql_states((state,))
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetCheck:
     """Spend `amount` of a budget inside the claim, if it fits.

@@ -30,6 +30,7 @@ from commitgate.server.ledger.base import (
     lease_over,
     over_budget_wait,
     scope_of,
+    sql_state,
     sql_states,
 )
 from commitgate.server.ledger.sqlite._ids import new_operation_id
@@ -49,6 +50,8 @@ from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
+_RUNNING = sql_state(State.RUNNING)  # the state an attempt holds, as SQL
+
 
 def _audit(
     conn: sqlite3.Connection,
@@ -66,8 +69,8 @@ def _audit(
 
 def to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
     conn.execute(
-        "UPDATE operations SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?,"
-        " error = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+        f"UPDATE operations SET state = {sql_state(State.UNKNOWN)}, lease_owner = NULL, lease_expires_at = NULL,"
+        f" updated_at = ?, error = ? WHERE operation_id = ? AND fence = ? AND state = {_RUNNING}",
         (now, dump_record(LEASE_LOST), op.operation_id, op.fence),
     )
     _audit(conn, op.operation_id, now, AuditEvent.LEASE_EXPIRED, "RUNNING", "UNKNOWN", op.fence, detail=None)
@@ -132,7 +135,7 @@ _RUNNING_ONLY = frozenset({State.RUNNING})
 _PLAIN_OUTCOME = (
     "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
     " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
-    " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'"
+    f" WHERE operation_id = ? AND fence = ? AND state = {_RUNNING}"
 )
 
 
@@ -142,7 +145,7 @@ _PLAIN_OUTCOMES = (
     "UPDATE operations SET state = v.column1, result = COALESCE(v.column2, result), error = v.column3,"
     " lease_owner = NULL, lease_expires_at = NULL, updated_at = v.column4, completed_at = v.column5,"
     " expires_at = v.column6 + retention FROM ({values}) AS v"
-    " WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = 'RUNNING'"
+    f" WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = {_RUNNING}"
 )
 # AUDIT for many operations, each distinct: every entry numbered after its operation's last one.
 _AUDITS = (
@@ -444,9 +447,10 @@ def _await_over_budget(
     approval = request.approval
     assert approval is not None
     moved = conn.execute(
-        "UPDATE operations SET state = 'AWAITING_APPROVAL', lease_owner = NULL, lease_expires_at = NULL,"
-        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL,"
-        " budget_spent_at = NULL WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
+        f"UPDATE operations SET state = {sql_state(State.AWAITING_APPROVAL)}, lease_owner = NULL,"
+        " lease_expires_at = NULL, approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL,"
+        " expires_at = NULL, budget_spent_at = NULL"
+        f" WHERE operation_id = ? AND fence = ? AND state = {sql_state(State.FAILED_RETRYABLE)}",
         (dump_record(approval), approval.expires_at, now, op.operation_id, op.fence),
     ).rowcount
     if moved != 1:
