@@ -45,6 +45,7 @@ from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
+from commitgate.server.model.notes import ApprovalRecord
 from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import AuthPolicy, AuthToken
@@ -1161,7 +1162,7 @@ def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_ca
         and state_of(ledger_url, theirs) is State.AWAITING_APPROVAL
     )
 
-    async def approval_of(op_id: str) -> dict[str, Any] | None:
+    async def approval_of(op_id: str) -> ApprovalRecord | None:
         ledger = await open_ledger(ledger_url, read_only=True)
         try:
             op = await ledger.get_by_id(None, op_id)
@@ -1170,7 +1171,7 @@ def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_ca
             await ledger.close()
 
     decided = asyncio.run(approval_of(mine))
-    assert decided is not None and decided["by"] == "ops-alice" and decided["via"] == "operator"
+    assert decided is not None and decided.by == "ops-alice" and decided.via == "operator"
 
 
 @pytest.mark.parametrize(

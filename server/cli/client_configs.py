@@ -2,7 +2,8 @@
 
 Claude Desktop and Cursor list servers under `mcpServers`, VS Code under `servers` (in `.vscode/mcp.json`)
 or `mcp.servers` (in its settings). An entry is either stdio (`command`, `args`, `env`, `cwd`) or HTTP
-(`url`, `headers`, `type` or `transport`). See docs/wrapping.md.
+(`url`, `headers`, `type` or `transport`). VS Code's files are JSONC (comments, trailing commas), so
+every config is read as such. See docs/wrapping.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from commitgate.server.cli import jsonc
 from commitgate.server.model.errors import UserFacingError
 
 # Environment variables whose values are credentials: written to a policy as `${NAME}`, never in clear.
@@ -55,6 +57,7 @@ class ServerEntry:
     transport: Literal["streamable-http", "sse"] = "streamable-http"
     headers: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, Secret] = field(default_factory=dict)  # by env name or header name
+    environment: set[str] = field(default_factory=set)  # what the client reads from its own (`${env:NAME}`)
 
     @property
     def runs_commitgate(self) -> bool:
@@ -80,6 +83,7 @@ class ClientConfig:
     document: dict[str, Any]
     where: tuple[str, ...]  # keys from the document to the servers table
     servers: dict[str, ServerEntry]
+    had_comments: bool = False  # a rewrite is plain JSON: it cannot keep them
 
     @property
     def table(self) -> dict[str, Any]:
@@ -91,16 +95,23 @@ class ClientConfig:
 
 def read_client_config(path: Path) -> ClientConfig:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # Windows editors may start the file with a BOM
+    except FileNotFoundError as exc:
+        raise ClientConfigError(
+            f"cannot read {path}: no such file (`commitgate claude-config` says where Claude Desktop's"
+            " config is on this machine)"
+        ) from exc
     except OSError as exc:
         raise ClientConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        document = json.loads(text)
+        parsed = jsonc.loads(text)
     except json.JSONDecodeError as exc:
         raise ClientConfigError(
             f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); an MCP client config is a JSON"
-            " object with `mcpServers` (Claude Desktop, Cursor) or `servers` (VS Code)"
+            " object (comments and trailing commas allowed) with `mcpServers` (Claude Desktop, Cursor)"
+            " or `servers` (VS Code)"
         ) from exc
+    document = parsed.value
     where = _servers_key(document)
     if where is None:
         raise ClientConfigError(
@@ -111,7 +122,7 @@ def read_client_config(path: Path) -> ClientConfig:
         table = table[key]
     used: dict[str, str] = {}
     servers = {name: _entry(path, name, raw, used) for name, raw in table.items()}
-    return ClientConfig(path, document, where, servers)
+    return ClientConfig(path, document, where, servers, parsed.had_comments)
 
 
 def _servers_key(document: Any) -> tuple[str, ...] | None:
@@ -163,6 +174,7 @@ def _secret_or_value(
     """The value as the policy writes it: a credential (every header, an env name that says so, or a
     value the client asks the user for) becomes a `${NAME}` reference; the rest stays as it is."""
     if _VSCODE_ENV.search(value):
+        entry.environment.update(m[1] for m in _VSCODE_ENV.finditer(value))
         return _VSCODE_ENV.sub(r"${\1}", value)  # the client reads the environment: so does the policy
     if not (always or _SECRET_NAME.search(key) or "${" in value):
         return value

@@ -30,6 +30,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.policy.tokens import TokenTable
@@ -224,7 +225,9 @@ async def claim(
         op = (await ledger.claim(request, now)).operation
         if state not in (State.RUNNING, State.AWAITING_APPROVAL):
             error = (
-                {"code": "ambiguous", "message": "the answer was lost"} if state is State.UNKNOWN else None
+                ErrorRecord(code="ambiguous", message="the answer was lost")
+                if state is State.UNKNOWN
+                else None
             )
             change = Transition(
                 state, frozenset({State.RUNNING}), AuditEvent.AMBIGUOUS, expect_fence=op.fence, error=error
@@ -235,7 +238,7 @@ async def claim(
         await ledger.close()
 
 
-def waits(now: float, timeout: float = 3600.0) -> dict[str, Any]:
+def waits(now: float, timeout: float = 3600.0) -> ApprovalRecord:
     """The approval record of a call waiting for a person (the policy's defaults, `timeout` apart)."""
     return approvals.record(ApprovalPolicy(timeout=timeout), now)
 
