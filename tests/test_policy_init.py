@@ -244,6 +244,9 @@ def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Set
     assert "comments" not in result.stdout  # there were none to lose
 
 
+_JSON_LEAF = st.none() | st.booleans() | st.integers() | st.text(alphabet='/*,"\\\n ab{}[]')
+
+
 # VS Code's own `.vscode/mcp.json` as people keep it: comments, trailing commas, `//` inside strings.
 VSCODE_JSONC = """\ufeff{
   // Servers for this workspace
@@ -282,7 +285,7 @@ def test_vs_code_jsonc_with_comments_and_trailing_commas_is_read(tmp_path: Path)
     assert config.had_comments
 
 
-def test_write_config_on_jsonc_writes_json_the_client_reads_and_says_the_comments_went(
+def test_write_config_on_jsonc_replaces_the_servers_table_and_keeps_the_rest_comments_included(
     tmp_path: Path,
 ) -> None:
     config = tmp_path / "mcp.json"
@@ -291,20 +294,49 @@ def test_write_config_on_jsonc_writes_json_the_client_reads_and_says_the_comment
     result = init("--from-config", config, "--server", "gone", "--write-config", "--connect-timeout", "5s")
     assert result.returncode == 1 and "commitgate: gone: not reached" in result.stderr
     assert (tmp_path / "mcp.json.bak").read_text(encoding="utf-8") == VSCODE_JSONC
-    written = json.loads(config.read_text(encoding="utf-8"))  # strict JSON: VS Code reads it too
+    text = config.read_text(encoding="utf-8")
+    before_the_table = VSCODE_JSONC.lstrip("\ufeff").split('"servers": ')[0]
+    assert text.startswith(before_the_table)  # comments, trailing commas and layout as they were
+    assert text.endswith("  },\n}\n")
+    written = jsonc.loads(text).value
     assert list(written["servers"]) == ["commitgate", "gh", "commitgate-2"]
     assert written["servers"]["commitgate-2"]["type"] == "stdio"
     # VS Code hands commitgate the variable it handed the server; `policy show` needs it set too.
     assert written["servers"]["commitgate-2"]["env"] == {"GONE_TOKEN": "${env:GONE_TOKEN}"}
     assert "Check the classes (with GONE_TOKEN set in this shell" in result.stdout
     assert written["servers"]["gh"]["url"] == "https://api.example.com//mcp/*v1*/"
-    assert written["inputs"][0]["id"] == "gh"
+    assert written["inputs"] == [{"id": "gh", "type": "promptString", "password": True}]
     lines = result.stdout.splitlines()
-    assert "Its comments were not kept (the rewrite is plain JSON); mcp.json.bak still has them." in lines
+    assert (
+        "The comments inside its `servers` were not kept (the rest of it was); mcp.json.bak has them."
+        in lines
+    )
     assert (
         "(It is called 'commitgate-2' because the entry 'commitgate' already in the config stays as it is.)"
         in lines
     )
+
+
+def test_a_rewrite_keeps_vs_code_settings_around_the_servers_in_their_own_indentation() -> None:
+    settings = (
+        '{\n    // editor\n    "editor.tabSize": 4,\n    "mcp": {\n        "servers": {"a": {"command": "x"}},'
+        "\n        /* kept */\n    },\n}\n"
+    )
+    text, dropped = jsonc.replace_value(settings, ("mcp", "servers"), {"b": {"url": "http://h//p"}})
+    assert not dropped
+    assert text == (
+        '{\n    // editor\n    "editor.tabSize": 4,\n    "mcp": {\n        "servers": {\n'
+        '            "b": {\n                "url": "http://h//p"\n            }\n        },'
+        "\n        /* kept */\n    },\n}\n"
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), _JSON_LEAF, max_size=3), _JSON_LEAF, st.integers(0, 4))
+def test_replacing_one_value_changes_that_value_only(other: dict[str, Any], new: Any, indent: int) -> None:
+    document = {**other, "servers": {"old": other}, "z": [other]}
+    text, dropped = jsonc.replace_value(json.dumps(document, indent=indent), ("servers",), new)
+    assert json.loads(text) == {**document, "servers": new} and not dropped
 
 
 # --- reading configs (no process) ---------------------------------------------------------------------
@@ -369,7 +401,7 @@ def test_a_missing_config_says_where_to_find_the_real_one(tmp_path: Path) -> Non
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(alphabet='/*,"\\\n ab{}[]'),
+    _JSON_LEAF,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
     max_leaves=12,
 )

@@ -3,7 +3,7 @@
 Claude Desktop and Cursor list servers under `mcpServers`, VS Code under `servers` (in `.vscode/mcp.json`)
 or `mcp.servers` (in its settings). An entry is either stdio (`command`, `args`, `env`, `cwd`) or HTTP
 (`url`, `headers`, `type` or `transport`). VS Code's files are JSONC (comments, trailing commas), so
-every config is read as such. See docs/wrapping.md.
+every config is read as such, and a rewrite replaces the servers table alone. See docs/wrapping.md.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class ClientConfig:
     document: dict[str, Any]
     where: tuple[str, ...]  # keys from the document to the servers table
     servers: dict[str, ServerEntry]
-    had_comments: bool = False  # a rewrite is plain JSON: it cannot keep them
+    text: str  # as read: a rewrite changes the servers table and keeps the rest
+    had_comments: bool = False
 
     @property
     def table(self) -> dict[str, Any]:
@@ -122,7 +123,7 @@ def read_client_config(path: Path) -> ClientConfig:
         table = table[key]
     used: dict[str, str] = {}
     servers = {name: _entry(path, name, raw, used) for name, raw in table.items()}
-    return ClientConfig(path, document, where, servers, parsed.had_comments)
+    return ClientConfig(path, document, where, servers, text, parsed.had_comments)
 
 
 def _servers_key(document: Any) -> tuple[str, ...] | None:
@@ -201,26 +202,22 @@ def _variable_name(server: str, key: str, value: str, kind: str, used: dict[str,
 
 
 def rewritten(config: ClientConfig, wrapped: list[str], name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The config with the wrapped servers replaced by one entry `name`; other entries stay in place."""
-    document = json.loads(json.dumps(config.document))  # a deep copy
-    node: Any = document
-    for key in config.where:
-        node = node[key]
+    """The servers table with the wrapped servers replaced by one entry `name`; others stay in place."""
     servers: dict[str, Any] = {}
-    for key, value in node.items():
+    for key, value in config.table.items():
         if key in wrapped:
             servers.setdefault(name, entry)  # where the first wrapped server was
         elif key != name:
             servers[key] = value
     servers.setdefault(name, entry)
-    node.clear()
-    node.update(servers)
-    return document
+    return servers
 
 
-def write_with_backup(path: Path, document: dict[str, Any]) -> Path:
-    """Write `document` to `path`, keeping the original as `path.bak`."""
-    backup = path.with_name(path.name + ".bak")
-    shutil.copy2(path, backup)
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    return backup
+def write_with_backup(config: ClientConfig, servers: dict[str, Any]) -> tuple[Path, bool]:
+    """Write the config with `servers` as its servers table, keeping the original as `FILE.bak`; the
+    rest of the file stays as it was, comments included. True when comments inside the table went."""
+    text, dropped = jsonc.replace_value(config.text, config.where, servers)
+    backup = config.path.with_name(config.path.name + ".bak")
+    shutil.copy2(config.path, backup)
+    config.path.write_text(text, encoding="utf-8")
+    return backup, dropped

@@ -2,7 +2,8 @@
 
 `//` and `/* */` comments and a trailing comma before `}` or `]` are allowed; inside a string they are
 text (`"http://host//path"` stays as it is). The reader blanks them out and hands the rest to `json`,
-so an error still points at the line and column of the original text.
+so an error still points at the line and column of the original text. `replace_value` rewrites one
+value of such a text and keeps the rest, comments included.
 """
 
 from __future__ import annotations
@@ -81,3 +82,48 @@ def _blank(out: list[str], start: int, end: int) -> None:
     for i in range(start, end):
         if out[i] not in "\r\n":
             out[i] = " "
+
+
+# --- rewriting one value in place -------------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+_BLANKS = " \t\r\n"
+
+
+def replace_value(text: str, path: tuple[str, ...], value: Any) -> tuple[str, bool]:
+    """`text` with the value at `path` (object keys from the top) replaced by `value` as indented JSON,
+    every other byte kept, comments included; and whether comments inside the old value were dropped."""
+    plain, _ = strip(text)
+    start = _blank_end(plain, 0)
+    for key in path:
+        start = _member(plain, start, key)
+    end = _DECODER.raw_decode(plain, start)[1]
+    line = text[text.rfind("\n", 0, start) + 1 : start]
+    margin = line[: len(line) - len(line.lstrip())]
+    unit = margin[: len(margin) // len(path)] if path and len(margin) % len(path) == 0 else ""
+    written = json.dumps(value, indent=unit or "  ", ensure_ascii=False).replace("\n", "\n" + margin)
+    return text[:start] + written + text[end:], strip(text[start:end])[1]
+
+
+def _member(plain: str, start: int, key: str) -> int:
+    """Where the value of `key` starts in the object at `start` (the last one, as `json` reads it)."""
+    if plain[start : start + 1] != "{":
+        raise ValueError(f"no object where {key!r} was expected")
+    found, i = None, _blank_end(plain, start + 1)
+    while plain[i] != "}":
+        name, i = _DECODER.raw_decode(plain, i)
+        value = _blank_end(plain, _blank_end(plain, i) + 1)  # past the colon
+        if name == key:
+            found = value
+        i = _blank_end(plain, _DECODER.raw_decode(plain, value)[1])
+        if plain[i] == ",":
+            i = _blank_end(plain, i + 1)
+    if found is None:
+        raise ValueError(f"no key {key!r}")
+    return found
+
+
+def _blank_end(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _BLANKS:
+        i += 1
+    return i

@@ -256,6 +256,36 @@ def entry_name(config: ClientConfig, wrapped: list[str]) -> str:
     return name
 
 
+def _rewrite(config: ClientConfig, out: Path, listings: list[Listing], wrapped: list[str], name: str) -> None:
+    servers = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
+    backup, dropped = write_with_backup(config, servers)
+    print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
+    _say_why_named(name)
+    if dropped:
+        table = ".".join(config.where)
+        print(
+            f"The comments inside its `{table}` were not kept (the rest of it was); {backup.name} has them."
+        )
+    print("Restart the client to use it.")
+
+
+def _print_entry(
+    config: ClientConfig, out: Path, listings: list[Listing], wrapped: list[str], name: str
+) -> None:
+    shown = {config.where[-1]: {name: client_entry(config, out, listings, fill=False)}}
+    print(
+        f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry"
+        " (or rerun with --write-config --force: init writes the policy again and puts the entry there):"
+    )
+    print(json.dumps(shown, indent=2))
+    _say_why_named(name)
+
+
+def _say_why_named(name: str) -> None:
+    if name != "commitgate":
+        print(f"(It is called {name!r} because the entry 'commitgate' already in the config stays as it is.)")
+
+
 def _report(config: ClientConfig, out: Path, listings: list[Listing], write_config: bool) -> None:
     items = wrapped_tools(listings)
     classes = Counter(proposed_class(item.tool.annotations) for item in items)
@@ -267,22 +297,9 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
     wrapped = [listing.entry.name for listing in listings]
     name = entry_name(config, wrapped)
     if write_config:
-        document = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
-        backup = write_with_backup(config.path, document)
-        print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
-        if config.had_comments:
-            print(f"Its comments were not kept (the rewrite is plain JSON); {backup.name} still has them.")
-        print("Restart the client to use it.")
+        _rewrite(config, out, listings, wrapped, name)
     else:
-        key = config.where[-1]
-        shown = {key: {name: client_entry(config, out, listings, fill=False)}}
-        print(
-            f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry"
-            " (or rerun with --write-config --force: init writes the policy again and puts the entry there):"
-        )
-        print(json.dumps(shown, indent=2))
-    if name != "commitgate":
-        print(f"(It is called {name!r} because the entry 'commitgate' already in the config stays as it is.)")
+        _print_entry(config, out, listings, wrapped, name)
     secrets = [s for listing in listings for s in listing.entry.secrets.values()]
     variables = sorted({s.variable for s in secrets})
     if secrets:
