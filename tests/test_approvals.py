@@ -33,6 +33,7 @@ from commitgate.server.core.approvals import ApprovalRefused
 from commitgate.server.core.views import status_view
 from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateCheck, Lease, Ledger
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
+from commitgate.server.model.notes import ApprovalRecord
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.loading import analyse_text, loads_policy
 from commitgate.server.policy.problems import PolicyError
@@ -43,7 +44,7 @@ WAIT = {"state": "awaiting", "deciders": ["client", "operator"], "requested_at":
 
 
 def awaiting(step: str = "k1", **kw: object) -> ClaimRequest:
-    return dataclasses.replace(request(step, **kw), approval=dict(WAIT))  # type: ignore[arg-type]
+    return dataclasses.replace(request(step, **kw), approval=ApprovalRecord.from_stored(WAIT))  # type: ignore[arg-type]
 
 
 async def waiting_op(ledger: Ledger, step: str = "k1", **kw: object) -> Operation:
@@ -69,7 +70,12 @@ async def test_a_call_needing_approval_is_recorded_with_no_attempt_and_no_lease(
         "fp-1",
     )
     stored = await ledger.get("alice", "s1", "k1")
-    assert stored == op and stored.approval == WAIT and stored.expires_at is None
+    assert (
+        stored == op
+        and stored.approval is not None
+        and stored.approval.stored() == WAIT
+        and stored.expires_at is None
+    )
     assert [e.event for e in await ledger.history(op.operation_id)] == ["approval_requested"]
     # the same key again: the existing operation (never a second one); other arguments: a conflict
     again = await ledger.claim(awaiting(), T0 + 1)
@@ -86,7 +92,7 @@ async def test_approve_then_exactly_one_take_of_many(ledger: Ledger) -> None:
         ledger, op.operation_id, "approve", by="ops-anna", via="operator", reason="ok'd", now=T0 + 5
     )
     assert approved.state is State.PENDING and approved.attempts == 0
-    assert approved.approval is not None and approved.approval["state"] == "approved"
+    assert approved.approval is not None and approved.approval.state == "approved"
     takes = [
         ledger.update(op.operation_id, approvals.take_change(approved, Lease(OWNER, T0 + 20)), T0 + 6)
         for _ in range(8)
@@ -109,7 +115,7 @@ async def test_deny_and_expiry_end_failed_final_and_nothing_is_decided_twice(led
         ledger, denied_op.operation_id, "deny", by="ops-anna", via="operator", reason="too much", now=T0 + 1
     )
     assert denied.state is State.FAILED_FINAL and denied.error is not None
-    assert denied.error["code"] == ErrorCode.APPROVAL_DENIED.value
+    assert denied.error.code == ErrorCode.APPROVAL_DENIED.value
     with pytest.raises(ApprovalRefused, match="already denied by ops-anna"):
         await approvals.decide(
             ledger, denied_op.operation_id, "approve", by="x", via="operator", reason=None, now=T0 + 2
@@ -119,7 +125,7 @@ async def test_deny_and_expiry_end_failed_final_and_nothing_is_decided_twice(led
     expired = await approvals.expire_due(ledger, T0 + 61)
     assert [op.operation_id for op in expired] == [late_op.operation_id]
     assert expired[0].state is State.FAILED_FINAL and expired[0].error is not None
-    assert expired[0].error["code"] == ErrorCode.APPROVAL_EXPIRED.value
+    assert expired[0].error.code == ErrorCode.APPROVAL_EXPIRED.value
     with pytest.raises(ApprovalRefused, match=r"not awaiting approval.*timeout"):
         await approvals.decide(
             ledger, late_op.operation_id, "approve", by="x", via="operator", reason=None, now=T0 + 62
@@ -138,7 +144,9 @@ async def test_decisions_are_refused_for_the_wrong_state_principal_or_decider(le
         await approvals.decide(
             ledger, op.operation_id, "approve", by="bob", via="client", reason=None, now=T0, principal="bob"
         )
-    only_operator = dataclasses.replace(awaiting("k9"), approval={**WAIT, "deciders": ["operator"]})
+    only_operator = dataclasses.replace(
+        awaiting("k9"), approval=ApprovalRecord.from_stored({**WAIT, "deciders": ["operator"]})
+    )
     op9 = (await ledger.claim(only_operator, T0)).operation
     with pytest.raises(ApprovalRefused, match="only via operator, not via client"):
         await approvals.decide(
@@ -253,7 +261,7 @@ async def test_an_expression_that_fails_requires_approval(
     assert answer.error is not None and answer.error.code is ErrorCode.APPROVAL_PENDING
     assert "could not be evaluated" in caplog.text and record.count() == 0
     assert answer.operation is not None and answer.operation.approval is not None
-    assert "missing" in answer.operation.approval["required_because"]
+    assert "missing" in (answer.operation.approval.required_because or "")
 
 
 @pytest.mark.anyio
@@ -269,7 +277,7 @@ async def test_a_duplicate_goes_to_a_person_with_the_earlier_operation(
     repeat = await boundary.call(call_request(tool, "k2"))
     assert repeat.error is not None and repeat.error.code is ErrorCode.APPROVAL_PENDING
     assert repeat.operation is not None and repeat.operation.approval is not None
-    assert repeat.operation.approval["duplicate_of"] == first.operation.operation_id
+    assert repeat.operation.approval.duplicate_of == first.operation.operation_id
     asked = approvals.question(repeat.operation, tool.policy, first.operation)
     assert first.operation.operation_id in asked.text and "Possible duplicate" in asked.text
     await approvals.decide(
@@ -403,7 +411,8 @@ async def test_ops_approve_and_deny_in_process(tmp_path: Path, capsys: pytest.Ca
     now = time.time()  # the CLI decides at the real time: the wait must not have run out
     try:
         claim = dataclasses.replace(
-            awaiting(), approval={**WAIT, "requested_at": now, "expires_at": now + 3600}
+            awaiting(),
+            approval=ApprovalRecord.from_stored({**WAIT, "requested_at": now, "expires_at": now + 3600}),
         )
         op = (await ledger.claim(claim, now)).operation
     finally:
@@ -444,11 +453,17 @@ async def test_the_sweep_expires_every_due_wait_however_many_newer_ones_wait(
     monkeypatch.setattr(approvals, "_SWEEP_BATCH", 3)
     for i in range(7):  # older waits, due first
         await ledger.claim(
-            dataclasses.replace(awaiting(f"old-{i}"), approval={**WAIT, "expires_at": T0 + 10}), T0
+            dataclasses.replace(
+                awaiting(f"old-{i}"), approval=ApprovalRecord.from_stored({**WAIT, "expires_at": T0 + 10})
+            ),
+            T0,
         )
     for i in range(5):  # newer ones, not due yet
         await ledger.claim(
-            dataclasses.replace(awaiting(f"new-{i}"), approval={**WAIT, "expires_at": T0 + 900}), T0 + 1
+            dataclasses.replace(
+                awaiting(f"new-{i}"), approval=ApprovalRecord.from_stored({**WAIT, "expires_at": T0 + 900})
+            ),
+            T0 + 1,
         )
     expired = await approvals.expire_due(ledger, T0 + 60)
     assert sorted(op.step for op in expired) == [f"old-{i}" for i in range(7)]

@@ -161,7 +161,7 @@ async def test_an_ambiguous_failure_after_the_effect_is_never_rerun(
         effect = succeeded(answer, replayed=True)  # not produced by the execution: found by reconciliation
         assert record.effect_ids() == [effect]
         op = await rig.op()
-        assert (op.reconciliation or {}).get("verdict") == "found"
+        assert op.reconciliation is not None and op.reconciliation.verdict == "found"
         assert succeeded(await rig.call(), replayed=True) == effect
     else:
         failed = failed_with(answer, code)
@@ -321,7 +321,7 @@ async def test_a_permanent_failure_is_recorded_and_replayed(
     rig = Rig(ledger, record, cls, ["permanent", "ok"])
     op = failed_with(await rig.call(), ErrorCode.OPERATION_FAILED)
     assert op is not None and op.state is State.FAILED_FINAL
-    assert (op.error or {}).get("message") == "card declined"
+    assert op.error is not None and op.error.message == "card declined"
     again = failed_with(await rig.call(), ErrorCode.OPERATION_FAILED)
     assert again is not None and again.operation_id == op.operation_id
     assert (record.count(), rig.source.calls) == (0, 1)
@@ -389,7 +389,8 @@ async def test_status_check_that_fails_leaves_unknown_until_a_later_check_finds_
     rig = Rig(ledger, record, "key-and-status-check", ["ambiguous_after"], ["fail"])
     op = failed_with(await rig.call(), ErrorCode.OPERATION_OUTCOME_UNKNOWN)
     assert op is not None and op.state is State.UNKNOWN
-    assert ((await rig.op()).reconciliation or {}).get("verdict") == "cannot_tell"
+    noted = (await rig.op()).reconciliation
+    assert noted is not None and noted.verdict == "cannot_tell"
     effect = succeeded(await rig.call(), replayed=True)  # the retry reconciles: found
     assert effect == effect_of((await rig.op()).result)
     assert (record.count(), rig.source.calls, rig.source.status_calls) == (1, 1, 2)
@@ -620,7 +621,7 @@ async def test_a_crash_before_recording_is_never_rerun_blindly(
     else:
         failed = failed_with(answer, code)
         assert failed is not None and failed.state is State.UNKNOWN
-        assert (failed.error or {}).get("code") == "lease_expired"
+        assert failed.error is not None and failed.error.code == "lease_expired"
     assert record.count() == effects
     assert rig.source.calls == 1 + (crash == "crash_before" and cls == "key-and-status-check")
 
@@ -641,7 +642,7 @@ async def test_an_owner_that_outlived_its_lease_still_records_how_it_ended(
     effect = succeeded(await late, replayed=False)  # it ran in this very call
     op = await rig.op()
     assert op.state is State.SUCCEEDED and effect_of(op.result) == effect and op.error is None
-    assert op.reconciliation is not None and op.reconciliation["by"] == "owner"
+    assert op.reconciliation is not None and op.reconciliation.by == "owner"
     assert await rig.events() == ["claimed", "lease_expired", "late_outcome"]
     assert succeeded(await rig.call(), replayed=True) == effect  # a retry replays it, never runs it
     assert (record.count(), rig.source.calls) == (1, 1)
@@ -680,7 +681,7 @@ async def test_a_late_ambiguous_outcome_leaves_unknown_as_it_is(
     rig.source.release()
     await late
     op = await rig.op()
-    assert op.state is State.UNKNOWN and (op.error or {}).get("code") == "lease_expired"
+    assert op.state is State.UNKNOWN and op.error is not None and op.error.code == "lease_expired"
     assert "late_outcome" not in await rig.events()
     assert record.count() == 1
 
@@ -834,7 +835,7 @@ async def test_a_poll_expires_a_lease_whose_owner_is_known_dead(
     claim = await ledger.claim(running_request("k1", dead, 3600.0), time.time())
     polled = await rig.boundary.poll(claim.operation)
     assert polled.state is State.UNKNOWN and (await rig.op()).state is State.UNKNOWN
-    assert (polled.error or {}).get("code") == "lease_expired"
+    assert polled.error is not None and polled.error.code == "lease_expired"
 
 
 # --- safe-retry ----------------------------------------------------------------------------------------------

@@ -23,18 +23,19 @@ from commitgate.server.core import approvals
 from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import BudgetCheck, ClaimKind, Lease, Ledger, OverBudget
 from commitgate.server.model.amounts import amount as exact
-from commitgate.server.model.facts import ErrorCode, State
+from commitgate.server.model.facts import ApprovalState, ErrorCode, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import ToolPolicy
 
 
-def waiting_record(deciders: list[str] | None = None, now: float = T0) -> dict[str, Any]:
-    return {
-        "state": "awaiting",
-        "deciders": deciders or ["operator"],
-        "requested_at": now,
-        "expires_at": now + 3600.0,
-    }
+def waiting_record(deciders: list[str] | None = None, now: float = T0) -> ApprovalRecord:
+    return ApprovalRecord(
+        ApprovalState.AWAITING,
+        deciders=tuple(deciders or ["operator"]),
+        requested_at=now,
+        expires_at=now + 3600.0,
+    )
 
 
 ASK = dataclasses.replace(LIMIT, approval=waiting_record())  # exceeded = "approval"
@@ -73,8 +74,8 @@ async def test_a_call_past_its_budget_waits_for_a_person_with_the_budget_in_reco
     op = claim.operation
     assert op.state is State.AWAITING_APPROVAL and op.attempts == 0
     over = {"name": "payments", "limit": 1000, "spent": 800, "amount": 400}
-    assert op.approval is not None and op.approval["over_budget"] == over
-    assert op.approval["deciders"] == ["operator"] and op.approval["expires_at"] == T0 + 3600.0
+    assert op.approval is not None and op.approval.over_budget == over
+    assert op.approval.deciders == ("operator",) and op.approval.expires_at == T0 + 3600.0
     stored = await ledger.get("alice", "s1", "k2")
     assert stored is not None and stored.approval == op.approval
     events = {entry.event: entry for entry in await ledger.history(op.operation_id)}
@@ -107,14 +108,15 @@ async def test_a_retryable_operation_taken_again_past_its_budget_waits_instead(l
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 600.0))
     assert first is not None
     assert await ledger.update(
-        first.operation_id, finish(first, State.FAILED_RETRYABLE, error={"m": "busy"}), T0
+        first.operation_id, finish(first, State.FAILED_RETRYABLE, error=ErrorRecord(message="busy")), T0
     )
     await spend(ledger, "k2", 600.0)
     claim = await ledger.claim(spending("k1", 600.0, check=ASK), T0 + 1)
     assert claim.kind is ClaimKind.AWAITING
     op = claim.operation
     assert op.operation_id == first.operation_id and op.state is State.AWAITING_APPROVAL
-    assert op.approval is not None and op.approval["over_budget"]["spent"] == 600
+    assert op.approval is not None and op.approval.over_budget is not None
+    assert op.approval.over_budget["spent"] == 600
     history = await ledger.history(op.operation_id)
     assert [(e.event, e.from_state, e.to_state) for e in history[-2:]] == [
         ("approval_requested", "FAILED_RETRYABLE", "AWAITING_APPROVAL"),
@@ -137,7 +139,7 @@ async def test_a_budgeted_call_that_needs_approval_is_checked_on_arrival_and_aga
     fits = dataclasses.replace(spending("k3", 300.0), approval=waiting_record())
     claim = await ledger.claim(fits, T0)
     assert claim.kind is ClaimKind.AWAITING and claim.operation.approval is not None
-    assert "over_budget" not in claim.operation.approval
+    assert claim.operation.approval.over_budget is None
     await spend(ledger, "k4", 300.0)  # waiting, it does not count: 700 + 300 fits
     approved = await approve(ledger, claim.operation.operation_id)
     with pytest.raises(OverBudget) as over:  # approved is not a blank cheque: no room when it is taken
@@ -180,8 +182,9 @@ async def test_a_call_that_needs_approval_anyway_keeps_its_own_record_past_the_b
     claim = await ledger.claim(dataclasses.replace(spending("k2", 400.0, check=ASK), approval=own), T0)
     assert claim.kind is ClaimKind.AWAITING and claim.operation.approval is not None
     # its own timeout and prompt, but an overspend is an operator's to decide, never the client's
-    assert claim.operation.approval["deciders"] == ["operator"]
-    assert claim.operation.approval["over_budget"]["amount"] == 400
+    assert claim.operation.approval.deciders == ("operator",)
+    assert claim.operation.approval.over_budget is not None
+    assert claim.operation.approval.over_budget["amount"] == 400
 
 
 # --- the boundary: the policy's settings, the question, the answer -------------------------------------
@@ -209,8 +212,8 @@ async def test_a_call_past_its_budget_answers_approval_pending_runs_nothing_then
     assert answer.operation is not None and answer.operation.state is State.AWAITING_APPROVAL
     assert record.count() == 1
     op = answer.operation
-    assert op.approval is not None and op.approval["deciders"] == ["operator"]  # never the agent's client
-    assert op.approval["expires_at"] == T0 + 24 * 3600
+    assert op.approval is not None and op.approval.deciders == ("operator",)  # never the agent's client
+    assert op.approval.expires_at == T0 + 24 * 3600
     text = approvals.question(op, tool.policy).text
     assert text.splitlines()[0] == "Approve this call of charge?"
     assert (
@@ -247,7 +250,7 @@ async def test_the_tools_own_approval_settings_apply_past_the_budget(
     assert answer.error is not None and answer.error.code is ErrorCode.APPROVAL_PENDING
     op = answer.operation
     assert op is not None and op.approval is not None
-    assert op.approval["deciders"] == ["operator"] and op.approval["expires_at"] == T0 + 7200
+    assert op.approval.deciders == ("operator",) and op.approval.expires_at == T0 + 7200
     text = approvals.question(op, tool.policy).text
     assert text.startswith("Charge 200?") and "Over budget 'payments'" in text
     assert record.count() == 1

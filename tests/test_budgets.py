@@ -33,6 +33,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import BUDGET_SUMS
 from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.facts import ErrorCode, State
+from commitgate.server.model.notes import ErrorRecord
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.loading import analyse_text, loads_policy
 
@@ -206,7 +207,9 @@ async def test_failed_and_compensated_operations_give_their_amount_back(ledger: 
     assert first is not None
     assert await refused(ledger, "k2") == 800.0
     to = State.SUCCEEDED if state is State.COMPENSATED else state
-    done = await ledger.update(first.operation_id, finish(first, to, result=RESULT, error={"m": "no"}), T0)
+    done = await ledger.update(
+        first.operation_id, finish(first, to, result=RESULT, error=ErrorRecord(message="no")), T0
+    )
     assert done is not None
     if state is State.COMPENSATED:
         undo = finish(done, State.COMPENSATED)
@@ -220,7 +223,9 @@ async def test_failed_and_compensated_operations_give_their_amount_back(ledger: 
 async def test_succeeded_and_unknown_operations_keep_counting(ledger: Ledger, state: State) -> None:
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 800.0))
     assert first is not None
-    assert await ledger.update(first.operation_id, finish(first, state, result=RESULT, error={"m": "?"}), T0)
+    assert await ledger.update(
+        first.operation_id, finish(first, state, result=RESULT, error=ErrorRecord(message="?")), T0
+    )
     assert await refused(ledger, "k2", now=T0 + 10) == 800.0
 
 
@@ -229,7 +234,7 @@ async def test_a_retryable_operation_taken_again_spends_again_only_if_it_fits(le
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 600.0))
     assert first is not None
     assert await ledger.update(
-        first.operation_id, finish(first, State.FAILED_RETRYABLE, error={"m": "busy"}), T0
+        first.operation_id, finish(first, State.FAILED_RETRYABLE, error=ErrorRecord(message="busy")), T0
     )
     await spend(ledger, "k2", 600.0)  # the failed one no longer counts
     assert await refused(ledger, "k1", 600.0, now=T0 + 1) == 600.0  # running it again would pass the limit

@@ -45,6 +45,7 @@ from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
+from commitgate.server.model.notes import ApprovalRecord
 from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import AuthPolicy, AuthToken
@@ -471,8 +472,17 @@ def test_the_console_searches_resolves_and_decides_on_a_postgresql_ledger() -> N
         assert "FAILED_FINAL" in page and "carol" in page
 
     waiting = asyncio.run(claim(url, session="pg-run", step="pg-3", state=State.AWAITING_APPROVAL))
-    late = asyncio.run(claim(url, session="pg-run", step="pg-4", state=State.AWAITING_APPROVAL, timeout=0.05))
-    time.sleep(0.1)
+    # Recorded a second ago with a wait of 50 ms: its wait ran out before the console lists it.
+    late = asyncio.run(
+        claim(
+            url,
+            session="pg-run",
+            step="pg-4",
+            state=State.AWAITING_APPROVAL,
+            at=time.time() - 1,
+            timeout=0.05,
+        )
+    )
     with console_client(url, loopback_access("carol")) as client:
         listed = client.get("/approvals").text
         assert waiting in listed and late not in listed  # the listing expired the one that ran out
@@ -1152,7 +1162,7 @@ def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_ca
         and state_of(ledger_url, theirs) is State.AWAITING_APPROVAL
     )
 
-    async def approval_of(op_id: str) -> dict[str, Any] | None:
+    async def approval_of(op_id: str) -> ApprovalRecord | None:
         ledger = await open_ledger(ledger_url, read_only=True)
         try:
             op = await ledger.get_by_id(None, op_id)
@@ -1161,7 +1171,7 @@ def test_an_operator_of_one_principal_cannot_see_or_decide_another_principals_ca
             await ledger.close()
 
     decided = asyncio.run(approval_of(mine))
-    assert decided is not None and decided["by"] == "ops-alice" and decided["via"] == "operator"
+    assert decided is not None and decided.by == "ops-alice" and decided.via == "operator"
 
 
 @pytest.mark.parametrize(

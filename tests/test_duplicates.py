@@ -22,6 +22,7 @@ from commitgate.server.ledger.base import ClaimKind, ClaimRequest, DuplicateChec
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import DUPLICATE_IN_PRINCIPAL, DUPLICATE_IN_SESSION
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord
 from commitgate.server.model.records import Operation, ToolResult
 
 REJECT = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
@@ -68,7 +69,7 @@ async def test_what_counts_as_the_same_action(ledger: Ledger) -> None:
 @pytest.mark.parametrize("state", [State.FAILED_FINAL, State.FAILED_RETRYABLE])
 async def test_a_failed_operation_is_not_a_duplicate(ledger: Ledger, state: State) -> None:
     op = await claimed(ledger, "k1")
-    assert await ledger.update(op.operation_id, finish(op, state, error={"message": "no"}), T0)
+    assert await ledger.update(op.operation_id, finish(op, state, error=ErrorRecord(message="no")), T0)
     await claimed(ledger, "k2", T0 + 1)
 
 
@@ -78,7 +79,9 @@ async def test_a_succeeded_or_unknown_operation_is(ledger: Ledger) -> None:
     assert await ledger.update(op.operation_id, finish(op, State.SUCCEEDED, result=RESULT), T0)
     assert (await ledger.claim(checked("k2"), T0 + 1)).kind is ClaimKind.DUPLICATE
     other = await claimed(ledger, "u1", fingerprint="fp-u")
-    assert await ledger.update(other.operation_id, finish(other, State.UNKNOWN, error={"m": 1}), T0)
+    assert await ledger.update(
+        other.operation_id, finish(other, State.UNKNOWN, error=ErrorRecord(message="1")), T0
+    )
     assert (await ledger.claim(checked("u2", fingerprint="fp-u"), T0 + 1)).kind is ClaimKind.DUPLICATE
 
 

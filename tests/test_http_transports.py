@@ -578,14 +578,14 @@ async def logged_until(
 
 
 @pytest.mark.anyio
-async def test_debug_unredacted_is_the_only_way_to_see_argument_values(tmp_path: Path) -> None:
-    policy, store = write_policy(tmp_path), tmp_path / "sandbox.db"
-    with running(
-        tmp_path, policy, "streamable-http", ledger=tmp_path / "l.db", sandbox=store, log_level="debug",
-        args=["--debug-unredacted"],
-    ) as served:  # fmt: skip
-        await exercise_with_secrets(served)
-    assert SECRET in served.stderr()
+async def test_debug_unredacted_is_the_only_way_to_see_argument_values(
+    without_auth: dict[str, Served],
+) -> None:
+    served = without_auth["streamable-http"]  # started with --debug-unredacted
+    await exercise_with_secrets(served)
+    with anyio.fail_after(10):
+        while SECRET not in served.stderr():
+            await anyio.sleep(0.02)
 
 
 # --- a client we did not write ------------------------------------------------------------------------
@@ -623,7 +623,8 @@ def inspector_command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def without_auth(workdir: Path) -> Iterator[dict[str, Served]]:
-    """One server per transport without tokens, for a client that cannot send headers (loopback only)."""
+    """One server per transport without tokens, for a client that cannot send headers (loopback only);
+    they log argument values too (`--debug-unredacted`), which the shared servers never do."""
     policy = write_policy(workdir, auth=False, name="policy-without-auth.toml")
     starts = [
         {
@@ -632,6 +633,8 @@ def without_auth(workdir: Path) -> Iterator[dict[str, Served]]:
             "transport": transport,
             "ledger": workdir / f"ledger-without-auth-{transport}.db",
             "sandbox": workdir / "sandbox.db",
+            "log_level": "debug",
+            "args": ["--debug-unredacted"],
         }
         for transport in TRANSPORTS
     ]

@@ -8,6 +8,9 @@ so a lazy import cannot hide an upward dependency.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,3 +181,48 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path, module: str, source: 
         (server / module).write_text(source)
     found = violations({"commitgate.server": server, "commitgate.client": tmp_path / "client"})
     assert len(found) == 1 and reason in found[0], found
+
+
+# Runs one `commitgate` command in a fresh interpreter; writes which of the MCP SDK and httpx2 it imported.
+PROBE = """
+import os, sys
+from commitgate.server.cli.main import main
+try:
+    sys.exit(main(sys.argv[1:]))
+finally:
+    with open(os.environ["PROBE_OUT"], "w") as out:
+        out.write(" ".join(m for m in ("mcp", "httpx2") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["policy", "check", "python_only.toml"], 0),
+        (["serve", "--policy", "does_not_load.toml"], 1),
+        (["ops", "list", "--ledger", "postgresql://u@[::1/db"], 1),
+    ],
+)
+def test_a_command_that_serves_nothing_imports_neither_the_mcp_sdk_nor_an_http_client(
+    tmp_path: Path, argv: list[str], code: int
+) -> None:
+    """Each costs most of a second to import: a command's own modules are imported when it runs,
+    a policy is checked with the wire types alone, and `serve` loads its policy first."""
+    (tmp_path / "tool.py").write_text("def ok(x: int) -> dict:\n    return {'x': x}\n")
+    (tmp_path / "python_only.toml").write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp_path}/l.db"\n[tools.t]\nclass = "key-required"\npython = "tool:ok"\n'
+    )
+    (tmp_path / "does_not_load.toml").write_text('[server]\nretention = "10 s"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMITGATE_")}
+    env.update(PROBE_OUT=str(tmp_path / "loaded"), XDG_STATE_HOME=str(tmp_path / "state"))
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert (tmp_path / "loaded").read_text() == "", done.stdout + done.stderr

@@ -34,6 +34,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 T0 = 1_700_000_000.0
@@ -193,7 +194,7 @@ async def test_claim_turns_an_expired_lease_unknown(ledger: Ledger) -> None:
     assert claim.kind is ClaimKind.EXISTING
     assert claim.operation.state is State.UNKNOWN
     assert claim.operation.lease_owner is None and claim.operation.lease_expires_at is None
-    assert (claim.operation.error or {}).get("code") == "lease_expired"
+    assert claim.operation.error is not None and claim.operation.error.code == "lease_expired"
     stored = await ledger.get_by_id("alice", op.operation_id)
     assert stored is not None and stored.state is State.UNKNOWN
     last = (await ledger.history(op.operation_id))[-1]
@@ -244,14 +245,14 @@ async def test_update_records_an_outcome(ledger: Ledger) -> None:
         op,
         State.SUCCEEDED,
         result=RESULT,
-        reconciliation={"by": "status_check", "verdict": "found"},
+        reconciliation=ReconciliationNote("status_check", verdict="found"),
         actor="tester",
         detail={"why": "because"},
     )
     done = await ledger.update(op.operation_id, change, T0 + 3)
     assert done is not None
     assert (done.state, done.result, done.error) == (State.SUCCEEDED, RESULT, None)
-    assert done.reconciliation == {"by": "status_check", "verdict": "found"}
+    assert done.reconciliation == ReconciliationNote("status_check", verdict="found")
     assert (done.completed_at, done.expires_at, done.updated_at) == (T0 + 3, T0 + 53, T0 + 3)
     assert done.lease_owner is None and done.lease_expires_at is None
     assert await ledger.get("alice", "s1", "k1") == done
@@ -283,7 +284,7 @@ async def test_an_outcome_of_an_operation_the_caller_holds_leaves_the_callers_co
 @pytest.mark.anyio
 async def test_update_keeps_the_error_record(ledger: Ledger) -> None:
     op = await new_op(ledger)
-    error = {"outcome": "permanent", "type": "PermanentError", "message": "card declined"}
+    error = ErrorRecord(outcome="permanent", type="PermanentError", message="card declined")
     done = await ledger.update(op.operation_id, finish(op, State.FAILED_FINAL, error=error), T0)
     assert done is not None and done.error == error
     stored = await ledger.get("alice", "s1", "k1")
@@ -428,10 +429,10 @@ async def test_history_has_every_attempt_and_state_change(ledger: Ledger) -> Non
         AuditEvent.RETRY,
         expect_fence=1,
         lease=Lease(OWNER, T0 + 20),
-        error={"outcome": "retryable", "message": "busy"},
+        error=ErrorRecord(outcome="retryable", message="busy"),
     )
     second = await ledger.update(op.operation_id, retry, T0 + 1)
-    assert second is not None and second.error == {"outcome": "retryable", "message": "busy"}
+    assert second is not None and second.error == ErrorRecord(outcome="retryable", message="busy")
     done = await ledger.update(op.operation_id, finish(second, State.SUCCEEDED, result=RESULT), T0 + 2)
     assert done is not None and done.error is None  # success clears the last attempt's error
     entries = await ledger.history(op.operation_id)
@@ -515,7 +516,7 @@ async def test_a_version_7_sqlite_ledger_keeps_its_counts_listings_and_leases(tm
         await completed(ledger, "ok", State.SUCCEEDED)
         retry = await new_op(ledger, "retry")
         await ledger.update(
-            retry.operation_id, finish(retry, State.FAILED_RETRYABLE, error={"code": "x"}), T0
+            retry.operation_id, finish(retry, State.FAILED_RETRYABLE, error=ErrorRecord(code="x")), T0
         )
         await new_op(ledger, "lost", lease=1.0)
         await new_op(ledger, "live", lease=1e9)

@@ -3,6 +3,7 @@
 Clients such as Claude Desktop show the model a result's content blocks, not its `_meta`; so
 what the model must know (this was a replay; nothing matches that key; the record as JSON it
 can read) has to be in the content, while the structured content stays what the contract says.
+The tests that need no policy of their own share one server, each with keys and a session of its own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,7 +19,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, TextContent
-from support.e2e import Deployment, new_id, operation, serve
+from support.e2e import Deployment, Server, new_id, operation, serve
 
 from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve.registry import definition_for
@@ -47,12 +49,18 @@ def email(key: str) -> dict[str, Any]:
     return {"to": "a@example.com", "subject": "hi", "body": "hello", "idempotency_key": key}
 
 
-async def test_a_replay_says_in_words_that_nothing_ran_again(tmp_path: Path) -> None:
-    d = Deployment.create(tmp_path)
+@pytest.fixture(scope="module")
+async def server(tmp_path_factory: pytest.TempPathFactory, anyio_backend: str) -> AsyncIterator[Server]:
+    """A server over the end-to-end tools with no policy of a test's own."""
+    async with serve(Deployment.create(tmp_path_factory.mktemp("shared"))) as running:
+        yield running
+
+
+async def test_a_replay_says_in_words_that_nothing_ran_again(server: Server) -> None:
+    d = server.deployment
     key, session = new_id("mail"), new_id("s")
-    async with serve(d) as server:
-        first = await server.call("send_email", email(key), session=session)
-        again = await server.call("send_email", email(key), session=session)
+    first = await server.call("send_email", email(key), session=session)
+    again = await server.call("send_email", email(key), session=session)
     assert not first.is_error and not again.is_error
     assert operation(again)["replayed"] is True
     assert again.structured_content == first.structured_content
@@ -64,16 +72,13 @@ async def test_a_replay_says_in_words_that_nothing_ran_again(tmp_path: Path) -> 
     assert d.count("emails", idempotency_key=key, session=session) == 1
 
 
-async def test_meta_tools_answer_readable_json_and_advice_when_nothing_is_found(tmp_path: Path) -> None:
-    d = Deployment.create(tmp_path)
+async def test_meta_tools_answer_readable_json_and_advice_when_nothing_is_found(server: Server) -> None:
+    d = server.deployment
     key, session = new_id("mail"), new_id("s")
-    async with serve(d) as server:
-        await server.call("send_email", email(key), session=session)
-        status = await server.call("get_operation_status", {"idempotency_key": key}, session=session)
-        listing = await server.call("list_operations", {"session": session})
-        missing = await server.call(
-            "get_operation_status", {"idempotency_key": "never-used"}, session=session
-        )
+    await server.call("send_email", email(key), session=session)
+    status = await server.call("get_operation_status", {"idempotency_key": key}, session=session)
+    listing = await server.call("list_operations", {"session": session})
+    missing = await server.call("get_operation_status", {"idempotency_key": "never-used"}, session=session)
     for result in (status, listing):
         text = texts(result)[0]
         assert '\\"' not in text, text  # no JSON escaped inside a JSON string
@@ -89,17 +94,17 @@ async def test_meta_tools_answer_readable_json_and_advice_when_nothing_is_found(
     assert d.count("emails", idempotency_key=key, session=session) == 1
 
 
-async def test_compensate_session_is_offered_only_when_a_tool_can_be_compensated(tmp_path: Path) -> None:
-    plain = Deployment.create(tmp_path / "plain")
+async def test_compensate_session_is_offered_only_when_a_tool_can_be_compensated(
+    server: Server, tmp_path: Path
+) -> None:
+    names = {tool.name for tool in (await server.client.list_tools()).tools}  # no compensable tool
+    with pytest.raises(MCPError, match="Unknown tool: compensate_session"):
+        await server.call("compensate_session", {})
+    assert "compensate_session" not in names and {"get_operation_status", "list_operations"} <= names
     saga = Deployment.create(tmp_path / "saga")
     saga.policy.write_text(saga.policy.read_text() + SAGA_TOOLS)
-    async with serve(plain) as server:
-        names = {tool.name for tool in (await server.client.list_tools()).tools}
-        with pytest.raises(MCPError, match="Unknown tool: compensate_session"):
-            await server.call("compensate_session", {})
-    assert "compensate_session" not in names and {"get_operation_status", "list_operations"} <= names
-    async with serve(saga) as server:
-        names = {tool.name for tool in (await server.client.list_tools()).tools}
+    async with serve(saga) as saga_server:
+        names = {tool.name for tool in (await saga_server.client.list_tools()).tools}
     assert "compensate_session" in names
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from commitgate.server.cli.commands import CommandParser
 from commitgate.server.cli.main import build_parser
+from commitgate.server.cli.serve import say_when_run_by_hand
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
@@ -118,3 +120,17 @@ def test_every_folder_of_shipped_files_is_a_declared_package() -> None:
             for shipped in folder.glob(pattern):
                 if shipped.is_file():  # a file in a subfolder would make that subfolder a package too
                     assert shipped.parent == folder, f"{shipped} is shipped from a folder not declared"
+
+
+def test_serve_run_by_hand_in_a_terminal_says_it_waits_for_a_client(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    say_when_run_by_hand("stdio")
+    said = capsys.readouterr()
+    assert said.out == ""  # stdout is the protocol's
+    assert "serving MCP on stdio, for a client that starts this command itself" in said.err
+    say_when_run_by_hand("streamable-http")  # that one announces its URL
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)  # a client's pipe: not a word
+    say_when_run_by_hand("stdio")
+    assert capsys.readouterr() == ("", "")

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, error_code, operation, serve
 
+from commitgate.server.cli import jsonc
 from commitgate.server.cli.client_configs import ClientConfigError, read_client_config
 from commitgate.server.cli.main import main
 
@@ -154,7 +158,7 @@ def test_an_unreachable_server_is_written_with_why_and_init_exits_1(setup: Setup
     assert setup.result.returncode == 1, setup.result
     not_reached = [line for line in setup.result.stderr.splitlines() if "not reached" in line]
     assert len(not_reached) == 1 and not_reached[0].startswith("commitgate: gone: not reached: ")
-    assert "skipped guard: it already runs commitgate" in setup.result.stderr
+    assert "skipped 'guard': it already runs commitgate" in setup.result.stderr
     text = setup.policy.read_text(encoding="utf-8")
     assert "# gone could not be reached, so it has no [tools.X] entries yet" in text
     upstreams = tomllib.loads(text)["upstreams"]
@@ -169,6 +173,8 @@ def test_the_printed_entry_starts_this_commitgate_on_the_policy_by_absolute_path
     assert entry["command"] == str(CONSOLE_SCRIPT.absolute())
     assert entry["args"] == ["serve", "--policy", str(setup.policy.resolve())]
     assert setup.config.read_text() == setup.original  # only --write-config changes it
+    # The policy exists now: rerunning with --write-config alone would be refused.
+    assert "(or rerun with --write-config --force:" in out
 
 
 def test_the_written_policy_passes_check_once_its_variables_are_set(
@@ -235,6 +241,108 @@ def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Set
     assert entry["args"] == ["serve", "--policy", str(out.resolve())]
     # The secrets stay where they already were, in the client's config, now for commitgate to pass on.
     assert entry["env"] == {"API_TOKEN": "s3cret-notes"}
+    assert "comments" not in result.stdout  # there were none to lose
+
+
+_JSON_LEAF = st.none() | st.booleans() | st.integers() | st.text(alphabet='/*,"\\\n ab{}[]')
+
+
+# VS Code's own `.vscode/mcp.json` as people keep it: comments, trailing commas, `//` inside strings.
+VSCODE_JSONC = """\ufeff{
+  // Servers for this workspace
+  "inputs": [
+    {"id": "gh", "type": "promptString", "password": true}, // asked once
+  ],
+  "servers": {
+    /* the commitgate this workspace already ran */
+    "commitgate": {"type": "stdio", "command": "commitgate", "args": ["serve"]},
+    "gh": {
+      "type": "http",
+      "url": "https://api.example.com//mcp/*v1*/", // a `//` and a `/*` that are text
+      "headers": {"Authorization": "Bearer ${input:gh}", "X-Note": "say \\"hi\\" // twice",},
+    },
+    "gone": {
+      "type": "stdio",
+      "command": "/no-such-dir/server", /* never starts */
+      "args": ["--path", "C:\\\\tmp\\\\"],
+      "env": {"GONE_TOKEN": "${env:GONE_TOKEN}"}, // from the shell VS Code started in
+    },
+  },
+}
+"""
+
+
+def test_vs_code_jsonc_with_comments_and_trailing_commas_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "mcp.json"
+    path.write_text(VSCODE_JSONC, encoding="utf-8")
+    config = read_client_config(path)
+    gh, gone = config.servers["gh"], config.servers["gone"]
+    assert gh.url == "https://api.example.com//mcp/*v1*/"
+    assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Note": "${GH_X_NOTE}"}
+    assert gh.secrets["X-Note"].value == 'say "hi" // twice'
+    assert (gone.command, gone.args) == ("/no-such-dir/server", ["--path", "C:\\tmp\\"])
+    assert config.document["inputs"] == [{"id": "gh", "type": "promptString", "password": True}]
+    assert config.had_comments
+
+
+def test_write_config_on_jsonc_replaces_the_servers_table_and_keeps_the_rest_comments_included(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "mcp.json"
+    config.write_bytes(VSCODE_JSONC.replace("\n", "\r\n").encode())  # as a Windows editor saves it
+    # Only `gone`, which cannot start: no process, and the rewrite happens all the same.
+    result = init("--from-config", config, "--server", "gone", "--write-config", "--connect-timeout", "5s")
+    assert result.returncode == 1 and "commitgate: gone: not reached" in result.stderr
+    assert (tmp_path / "mcp.json.bak").read_bytes() == VSCODE_JSONC.replace("\n", "\r\n").encode()
+    raw = config.read_bytes().decode()
+    assert "\n" not in raw.replace("\r\n", "")  # its line ends as they were, the new lines' too
+    text = raw.replace("\r\n", "\n")
+    before_the_table = VSCODE_JSONC.lstrip("\ufeff").split('"servers": ')[0]
+    assert text.startswith(before_the_table)  # comments, trailing commas and layout as they were
+    assert text.endswith("  },\n}\n")
+    written = jsonc.loads(text).value
+    assert list(written["servers"]) == ["commitgate", "gh", "commitgate-2"]
+    assert written["servers"]["commitgate-2"]["type"] == "stdio"
+    # VS Code hands commitgate the variable it handed the server; `policy show` needs it set too.
+    assert written["servers"]["commitgate-2"]["env"] == {"GONE_TOKEN": "${env:GONE_TOKEN}"}
+    assert "Check the classes (with GONE_TOKEN set in this shell" in result.stdout
+    assert written["servers"]["gh"]["url"] == "https://api.example.com//mcp/*v1*/"
+    assert written["inputs"] == [{"id": "gh", "type": "promptString", "password": True}]
+    lines = result.stdout.splitlines()
+    assert (
+        "The comments inside its `servers` were not kept (the rest of it was); mcp.json.bak has them."
+        in lines
+    )
+    assert (
+        "(It is called 'commitgate-2' because the entry 'commitgate' already in the config stays as it is.)"
+        in lines
+    )
+
+
+def test_a_rewrite_keeps_vs_code_settings_around_the_servers_in_their_own_indentation() -> None:
+    settings = (
+        '{\n    // editor\n    "editor.tabSize": 4,\n    "mcp": {\n        "servers": {"a": {"command": "x"}},'
+        "\n        /* kept */\n    },\n}\n"
+    )
+    text, dropped = jsonc.replace_value(settings, ("mcp", "servers"), {"b": {"url": "http://h//p"}})
+    assert not dropped
+    crlf, _ = jsonc.replace_value(
+        settings.replace("\n", "\r\n"), ("mcp", "servers"), {"b": {"url": "http://h//p"}}
+    )
+    assert crlf == text.replace("\n", "\r\n")
+    assert text == (
+        '{\n    // editor\n    "editor.tabSize": 4,\n    "mcp": {\n        "servers": {\n'
+        '            "b": {\n                "url": "http://h//p"\n            }\n        },'
+        "\n        /* kept */\n    },\n}\n"
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), _JSON_LEAF, max_size=3), _JSON_LEAF, st.integers(0, 4))
+def test_replacing_one_value_changes_that_value_only(other: dict[str, Any], new: Any, indent: int) -> None:
+    document = {**other, "servers": {"old": other}, "z": [other]}
+    text, dropped = jsonc.replace_value(json.dumps(document, indent=indent), ("servers",), new)
+    assert json.loads(text) == {**document, "servers": new} and not dropped
 
 
 # --- reading configs (no process) ---------------------------------------------------------------------
@@ -267,6 +375,7 @@ def test_vs_code_servers_with_http_entries_and_its_references(tmp_path: Path) ->
     assert (gh.url, gh.transport) == ("http://127.0.0.1:1/sse", "sse")
     assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Org": "${ORG}"}
     assert not gh.secrets["Authorization"].known  # VS Code asks for it: the variable is set by hand
+    assert (gh.environment, fs.environment) == ({"ORG"}, set())
     assert (fs.command, fs.args, fs.env, fs.secrets) == ("npx", ["-y", "fs"], {"HOME_DIR": "/h"}, {})
 
 
@@ -277,10 +386,38 @@ def test_vs_code_servers_with_http_entries_and_its_references(tmp_path: Path) ->
         ('{"other": {}}', "no `mcpServers` (Claude Desktop, Cursor) or `servers` (VS Code) object"),
         ('{"mcpServers": {"x": {"args": []}}}', "server 'x': has neither `command` (stdio) nor `url` (HTTP)"),
         ('{"mcpServers": {"x": {"command": "a", "env": []}}}', "server 'x': `env` must be an object"),
+        ('{"mcpServers": {} /* open', "config.json:1:19: not valid JSON (unterminated /* comment)"),
+        ('{\n/* one\n two */ "mcpServers": {"x": 1,,}}', "config.json:3:31: not valid JSON"),
+        ('{"mcpServers": {,}}', "config.json:1:17: not valid JSON"),
     ],
 )
 def test_a_config_that_cannot_be_read_says_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "config.json"
     path.write_text(text)
-    with pytest.raises(ClientConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ClientConfigError, match=re.escape(message)):
         read_client_config(path)
+
+
+def test_a_missing_config_says_where_to_find_the_real_one(tmp_path: Path) -> None:
+    # The quick start prints the macOS path; elsewhere that file is not there.
+    with pytest.raises(
+        ClientConfigError, match=re.escape("no such file (`commitgate claude-config` says where")
+    ):
+        read_client_config(tmp_path / "claude_desktop_config.json")
+
+
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_jsonc_reads_any_json_as_json_does_and_comments_between_tokens_change_nothing(value: Any) -> None:
+    text = json.dumps(value, indent=1)
+    assert jsonc.loads(text) == jsonc.Jsonc(value, had_comments=False)
+    # Between tokens only: json.dumps escapes every line break inside a string.
+    commented = text.replace("\n", ' /* a "b" // */ // c, "d" /*\n') + "\n// the end"
+    assert jsonc.loads(commented) == jsonc.Jsonc(value, had_comments=True)

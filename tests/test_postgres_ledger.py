@@ -297,7 +297,11 @@ async def test_a_sweep_expires_a_dead_owner_on_this_host_before_its_lease_runs_o
         far = await new_op(ledger, "far", owner=f"elsewhere:{finished.pid}:deadbeef", lease=1000.0)
         moved = await ledger.expire_leases(T0 + 1)
         assert [op.operation_id for op in moved] == [gone.operation_id]
-        assert moved[0].state is State.UNKNOWN and moved[0].error["code"] == "lease_expired"  # type: ignore[index]
+        assert (
+            moved[0].state is State.UNKNOWN
+            and moved[0].error is not None
+            and moved[0].error.code == "lease_expired"
+        )
         for op in (mine, far):
             assert (await ledger.get_by_id(None, op.operation_id)).state is State.RUNNING  # type: ignore[union-attr]
 

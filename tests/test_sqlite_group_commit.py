@@ -25,6 +25,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._writes import ClaimWrite, OutcomeWrite, run_writes
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord
 from commitgate.server.model.records import Operation, ToolResult
 
 T0 = 1_700_000_000.0
@@ -48,7 +49,7 @@ def claim(step: str, fingerprint: str = "fp", retention: float = 100.0) -> Claim
 
 
 def outcome(fence: int = 1, state: State = State.SUCCEEDED) -> Transition:
-    error = None if state is State.SUCCEEDED else {"outcome": "permanent", "message": "declined"}
+    error = None if state is State.SUCCEEDED else ErrorRecord(outcome="permanent", message="declined")
     result = RESULT if state is State.SUCCEEDED else None
     return Transition(
         state,

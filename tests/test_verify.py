@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +86,27 @@ def charges_by_key() -> Counter[str]:
     return Counter(row["idempotency_key"] for row in demo.rows("charges"))
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[SandboxProcess]:
-    with SandboxProcess(tmp_path / "api.db") as process:
+@pytest.fixture(scope="module")
+def api_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxProcess]:
+    with SandboxProcess(tmp_path_factory.mktemp("api") / "api.db") as process:
         yield process
+
+
+@dataclass
+class Api:
+    """The sandbox payments API as one test sees it: its settings its own, only its charges counted."""
+
+    process: SandboxProcess
+    earlier: set[str]  # the ids of charges made before this test
+
+    def charges_per_key(self) -> list[int]:
+        mine = [row for row in self.process.rows("charges") if row["id"] not in self.earlier]
+        return sorted(Counter(row["idempotency_key"] for row in mine).values())
+
+
+def api_for(process: SandboxProcess, **settings: Any) -> Api:
+    process.configure(**settings)  # every setting not given back to its default
+    return Api(process, {row["id"] for row in process.rows("charges")})
 
 
 # --- correct tools pass ----------------------------------------------------------------------------
@@ -130,8 +149,11 @@ def test_a_count_function_counts_effects_in_the_system_of_record(tmp_path: Path,
     assert sorted(charges_by_key().values()) == [1, 1, 1]
 
 
-def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api: SandboxProcess) -> None:
-    policy = http_policy(tmp_path / "p.toml", api.url)
+def test_the_sandbox_api_passes_with_its_forwards_key_claim(
+    tmp_path: Path, api_process: SandboxProcess
+) -> None:
+    api = api_for(api_process)
+    policy = http_policy(tmp_path / "p.toml", api_process.url)
     code, report, _ = verify(
         tmp_path,
         "create_charge",
@@ -141,11 +163,11 @@ def test_the_sandbox_api_passes_with_its_forwards_key_claim(tmp_path: Path, api:
         CHARGE,
         "--count",
         "tools_e2e.verify_tools:api_charges",
-        env={API_DB_ENV: str(api.db)},
+        env={API_DB_ENV: str(api_process.db)},
     )
     assert code == 0, report
     assert verdicts(report)["forwards_key: the downstream dedups"] == "pass"
-    assert sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values()) == [1, 1, 1, 1]
+    assert api.charges_per_key() == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -229,23 +251,25 @@ def test_a_status_check_that_lies_fails_its_claim(
     assert sorted(charges_by_key().values()) == [1, 1, 1]
 
 
-def test_a_forwards_key_claim_the_downstream_does_not_honour_fails(tmp_path: Path) -> None:
-    with SandboxProcess(tmp_path / "api.db", "--no-idempotency") as api:
-        policy = http_policy(tmp_path / "p.toml", api.url)
-        code, report, _ = verify(
-            tmp_path,
-            "create_charge",
-            "--policy",
-            str(policy),
-            "--arguments",
-            CHARGE,
-            "--count",
-            "tools_e2e.verify_tools:api_charges",
-            "--concurrency",
-            "3",
-            env={API_DB_ENV: str(api.db)},
-        )
-        per_key = sorted(Counter(row["idempotency_key"] for row in api.rows("charges")).values())
+def test_a_forwards_key_claim_the_downstream_does_not_honour_fails(
+    tmp_path: Path, api_process: SandboxProcess
+) -> None:
+    api = api_for(api_process, idempotency=False)
+    policy = http_policy(tmp_path / "p.toml", api_process.url)
+    code, report, _ = verify(
+        tmp_path,
+        "create_charge",
+        "--policy",
+        str(policy),
+        "--arguments",
+        CHARGE,
+        "--count",
+        "tools_e2e.verify_tools:api_charges",
+        "--concurrency",
+        "3",
+        env={API_DB_ENV: str(api_process.db)},
+    )
+    per_key = api.charges_per_key()
     assert code == 1, report
     failed = [check for check in report["checks"] if check["verdict"] == "fail"]
     assert [check["name"] for check in failed] == ["forwards_key: the downstream dedups"]
@@ -286,10 +310,11 @@ def test_bad_input_is_refused_before_any_effect(
 
 
 def test_a_target_that_is_down_is_could_not_run(tmp_path: Path) -> None:
-    with SandboxProcess(tmp_path / "api.db") as api:
-        url = api.url
-    policy = http_policy(tmp_path / "p.toml", url)  # the sandbox has stopped: nothing listens there
-    code, report, _ = verify(tmp_path, "create_charge", "--policy", str(policy), "--arguments", CHARGE)
+    with socket.socket() as bound:  # a port of ours that never listens: every connection is refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        policy = http_policy(tmp_path / "p.toml", url)
+        code, report, _ = verify(tmp_path, "create_charge", "--policy", str(policy), "--arguments", CHARGE)
     assert code == 2, report
     assert report["reason"].startswith("the first call failed, so nothing could be tested"), report
 

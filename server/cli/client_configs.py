@@ -2,7 +2,8 @@
 
 Claude Desktop and Cursor list servers under `mcpServers`, VS Code under `servers` (in `.vscode/mcp.json`)
 or `mcp.servers` (in its settings). An entry is either stdio (`command`, `args`, `env`, `cwd`) or HTTP
-(`url`, `headers`, `type` or `transport`). See docs/wrapping.md.
+(`url`, `headers`, `type` or `transport`). VS Code's files are JSONC (comments, trailing commas), so
+every config is read as such, and a rewrite replaces the servers table alone. See docs/wrapping.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from commitgate.server.cli import jsonc
 from commitgate.server.model.errors import UserFacingError
 
 # Environment variables whose values are credentials: written to a policy as `${NAME}`, never in clear.
@@ -55,6 +57,7 @@ class ServerEntry:
     transport: Literal["streamable-http", "sse"] = "streamable-http"
     headers: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, Secret] = field(default_factory=dict)  # by env name or header name
+    environment: set[str] = field(default_factory=set)  # what the client reads from its own (`${env:NAME}`)
 
     @property
     def runs_commitgate(self) -> bool:
@@ -80,6 +83,8 @@ class ClientConfig:
     document: dict[str, Any]
     where: tuple[str, ...]  # keys from the document to the servers table
     servers: dict[str, ServerEntry]
+    text: str  # as read: a rewrite changes the servers table and keeps the rest
+    had_comments: bool = False
 
     @property
     def table(self) -> dict[str, Any]:
@@ -91,16 +96,25 @@ class ClientConfig:
 
 def read_client_config(path: Path) -> ClientConfig:
     try:
-        text = path.read_text(encoding="utf-8")
+        # Windows editors may start the file with a BOM; its line ends are kept for a rewrite.
+        with path.open(encoding="utf-8-sig", newline="") as file:
+            text = file.read()
+    except FileNotFoundError as exc:
+        raise ClientConfigError(
+            f"cannot read {path}: no such file (`commitgate claude-config` says where Claude Desktop's"
+            " config is on this machine)"
+        ) from exc
     except OSError as exc:
         raise ClientConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        document = json.loads(text)
+        parsed = jsonc.loads(text)
     except json.JSONDecodeError as exc:
         raise ClientConfigError(
             f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); an MCP client config is a JSON"
-            " object with `mcpServers` (Claude Desktop, Cursor) or `servers` (VS Code)"
+            " object (comments and trailing commas allowed) with `mcpServers` (Claude Desktop, Cursor)"
+            " or `servers` (VS Code)"
         ) from exc
+    document = parsed.value
     where = _servers_key(document)
     if where is None:
         raise ClientConfigError(
@@ -111,7 +125,7 @@ def read_client_config(path: Path) -> ClientConfig:
         table = table[key]
     used: dict[str, str] = {}
     servers = {name: _entry(path, name, raw, used) for name, raw in table.items()}
-    return ClientConfig(path, document, where, servers)
+    return ClientConfig(path, document, where, servers, text, parsed.had_comments)
 
 
 def _servers_key(document: Any) -> tuple[str, ...] | None:
@@ -163,6 +177,7 @@ def _secret_or_value(
     """The value as the policy writes it: a credential (every header, an env name that says so, or a
     value the client asks the user for) becomes a `${NAME}` reference; the rest stays as it is."""
     if _VSCODE_ENV.search(value):
+        entry.environment.update(m[1] for m in _VSCODE_ENV.finditer(value))
         return _VSCODE_ENV.sub(r"${\1}", value)  # the client reads the environment: so does the policy
     if not (always or _SECRET_NAME.search(key) or "${" in value):
         return value
@@ -189,26 +204,23 @@ def _variable_name(server: str, key: str, value: str, kind: str, used: dict[str,
 
 
 def rewritten(config: ClientConfig, wrapped: list[str], name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The config with the wrapped servers replaced by one entry `name`; other entries stay in place."""
-    document = json.loads(json.dumps(config.document))  # a deep copy
-    node: Any = document
-    for key in config.where:
-        node = node[key]
+    """The servers table with the wrapped servers replaced by one entry `name`; others stay in place."""
     servers: dict[str, Any] = {}
-    for key, value in node.items():
+    for key, value in config.table.items():
         if key in wrapped:
             servers.setdefault(name, entry)  # where the first wrapped server was
         elif key != name:
             servers[key] = value
     servers.setdefault(name, entry)
-    node.clear()
-    node.update(servers)
-    return document
+    return servers
 
 
-def write_with_backup(path: Path, document: dict[str, Any]) -> Path:
-    """Write `document` to `path`, keeping the original as `path.bak`."""
-    backup = path.with_name(path.name + ".bak")
-    shutil.copy2(path, backup)
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    return backup
+def write_with_backup(config: ClientConfig, servers: dict[str, Any]) -> tuple[Path, bool]:
+    """Write the config with `servers` as its servers table, keeping the original as `FILE.bak`; the
+    rest of the file stays as it was, comments included. True when comments inside the table went."""
+    text, dropped = jsonc.replace_value(config.text, config.where, servers)
+    backup = config.path.with_name(config.path.name + ".bak")
+    shutil.copy2(config.path, backup)
+    with config.path.open("w", encoding="utf-8", newline="") as file:
+        file.write(text)
+    return backup, dropped

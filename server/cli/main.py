@@ -42,7 +42,11 @@ _COMMANDS = (
         "watch the guard work against a real server process",
         "commitgate.server.demo.run:add_arguments",
     ),
-    ("policy", "check, show or describe a policy file", "commitgate.server.cli.policy:add_arguments"),
+    (
+        "policy",
+        "a policy file: write one from a client config (init), check, show or describe it",
+        "commitgate.server.cli.policy:add_arguments",
+    ),
     (
         "ops",
         "list, show, approve, deny, resolve and purge operations in the ledger",

@@ -46,7 +46,8 @@ def add_arguments(init: argparse.ArgumentParser) -> None:
         "--from-config",
         required=True,
         metavar="FILE",
-        help="the client's config: claude_desktop_config.json, Cursor's mcp.json, VS Code's mcp.json",
+        help="the client's config: claude_desktop_config.json, Cursor's mcp.json, VS Code's mcp.json or"
+        " settings.json (comments and trailing commas allowed)",
     )
     init.add_argument(
         "--server",
@@ -110,7 +111,7 @@ def _chosen(config: ClientConfig, names: list[str]) -> list[ServerEntry]:
         if names and name not in names:
             continue
         if entry.runs_commitgate:
-            print(f"commitgate: skipped {name}: it already runs commitgate", file=sys.stderr)
+            print(f"commitgate: skipped {name!r}: it already runs commitgate", file=sys.stderr)
             continue
         entries.append(entry)
     return entries
@@ -241,6 +242,8 @@ def client_entry(config: ClientConfig, out: Path, listings: list[Listing], *, fi
         for secret in listing.entry.secrets.values():
             # The rewritten config keeps each value where it was already; a printed one is left to fill in.
             env[secret.variable] = secret.value if fill else f"<{secret.variable}>"
+        for name in sorted(listing.entry.environment):
+            env[name] = "${env:" + name + "}"  # the client passes it on as it did to the server
     return {**entry, "env": env} if env else entry
 
 
@@ -251,6 +254,36 @@ def entry_name(config: ClientConfig, wrapped: list[str]) -> str:
         n += 1
         name = f"commitgate-{n}"
     return name
+
+
+def _rewrite(config: ClientConfig, out: Path, listings: list[Listing], wrapped: list[str], name: str) -> None:
+    servers = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
+    backup, dropped = write_with_backup(config, servers)
+    print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
+    _say_why_named(name)
+    if dropped:
+        table = ".".join(config.where)
+        print(
+            f"The comments inside its `{table}` were not kept (the rest of it was); {backup.name} has them."
+        )
+    print("Restart the client to use it.")
+
+
+def _print_entry(
+    config: ClientConfig, out: Path, listings: list[Listing], wrapped: list[str], name: str
+) -> None:
+    shown = {config.where[-1]: {name: client_entry(config, out, listings, fill=False)}}
+    print(
+        f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry"
+        " (or rerun with --write-config --force: init writes the policy again and puts the entry there):"
+    )
+    print(json.dumps(shown, indent=2))
+    _say_why_named(name)
+
+
+def _say_why_named(name: str) -> None:
+    if name != "commitgate":
+        print(f"(It is called {name!r} because the entry 'commitgate' already in the config stays as it is.)")
 
 
 def _report(config: ClientConfig, out: Path, listings: list[Listing], write_config: bool) -> None:
@@ -264,17 +297,9 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
     wrapped = [listing.entry.name for listing in listings]
     name = entry_name(config, wrapped)
     if write_config:
-        document = rewritten(config, wrapped, name, client_entry(config, out, listings, fill=True))
-        backup = write_with_backup(config.path, document)
-        print(f"rewrote {config.path}: {', '.join(wrapped)} replaced by {name!r}; the original is {backup}")
-        print("Restart the client to use it.")
+        _rewrite(config, out, listings, wrapped, name)
     else:
-        key = config.where[-1]
-        shown = {key: {name: client_entry(config, out, listings, fill=False)}}
-        print(
-            f"\nIn {config.path}, replace {', '.join(wrapped)} with this entry (or rerun with --write-config):"
-        )
-        print(json.dumps(shown, indent=2))
+        _print_entry(config, out, listings, wrapped, name)
     secrets = [s for listing in listings for s in listing.entry.secrets.values()]
     variables = sorted({s.variable for s in secrets})
     if secrets:
@@ -286,10 +311,9 @@ def _report(config: ClientConfig, out: Path, listings: list[Listing], write_conf
         )
         print(f"\nSecrets stay out of the policy: it refers to {names}; {how}", end="")
         print(" (or set them in the environment commitgate starts in).")
+    needed = sorted({*variables, *(name for listing in listings for name in listing.entry.environment)})
     first = (
-        f" (with {', '.join(variables)} set in this shell: it reads them as the server will)"
-        if variables
-        else ""
+        f" (with {', '.join(needed)} set in this shell: it reads them as the server will)" if needed else ""
     )
     print(
         f"Check the classes{first}: commitgate policy show {out}  (what each class means: docs/wrapping.md)"

@@ -98,7 +98,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy.ledger.url, why = ledger_choice(args.ledger, policy, path)
     log_ledger(policy.ledger.url, why)
     ledger_location(policy.ledger.url)  # a malformed URL is told before the server stack loads
+    say_when_run_by_hand(args.transport)
     return serve(policy, path, args)
+
+
+def say_when_run_by_hand(transport: str) -> None:
+    """Run by hand in a terminal, a stdio server would otherwise wait in silence for a client."""
+    if transport == "stdio" and sys.stdin.isatty():
+        print(
+            "commitgate: serving MCP on stdio, for a client that starts this command itself"
+            " (`commitgate claude-config` prints its entry); Ctrl-C to stop.",
+            file=sys.stderr,
+        )
 
 
 def _load(path: str | None) -> tuple[Policy, Path | None]:

@@ -18,6 +18,7 @@ from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ReconciliationNote
 from commitgate.server.model.outcomes import Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import Policy
@@ -80,9 +81,9 @@ async def check_again(op: Operation, policy: Policy | None, policy_dir: Path | N
 
 async def note(ledger: Ledger, op: Operation, checked: Checked, by: str, at: float) -> None:
     """The answer in the operation's reconciliation and audit history; the state stays UNKNOWN."""
-    reconciliation = {"by": "status_check", "at": at, "verdict": checked.verdict.value, "asked_by": by}
-    if checked.error is not None:
-        reconciliation["error"] = checked.error
+    reconciliation = ReconciliationNote(
+        "status_check", at, checked.verdict.value, asked_by=by, error=checked.error
+    )
     change = Transition(
         State.UNKNOWN,
         frozenset({State.UNKNOWN}),

@@ -22,6 +22,7 @@ from starlette.responses import HTMLResponse
 from commitgate.server.cli.shown import visible
 from commitgate.server.ledger.base import AuditEntry
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ReconciliationNote
 from commitgate.server.model.outcomes import Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.masking import mask_values
@@ -86,12 +87,12 @@ def shown_result(result: ToolResult | None) -> str | None:
 
 def status_check(op: Operation) -> str | None:
     """What the status check said about an operation, in a sentence; None when nobody asked."""
-    note = op.reconciliation or {}
-    verdict = note.get("verdict")
-    if note.get("by") == "operator":
-        return f"resolved by {note.get('operator')}: {note.get('reason')}"
+    note = op.reconciliation or ReconciliationNote(None)
+    verdict = note.verdict
+    if note.by == "operator":
+        return f"resolved by {note.operator}: {note.reason}"
     if verdict == Verdict.CANNOT_TELL:
-        return f"the status check could not tell: {mask_values(str(note.get('error') or 'no reason given'))}"
+        return f"the status check could not tell: {mask_values(str(note.error or 'no reason given'))}"
     if verdict == Verdict.NOT_FOUND:
         return "the status check found no trace of it"
     if verdict == Verdict.FOUND:

@@ -25,6 +25,7 @@ from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationF
 from commitgate.server.model.amounts import decimal_of, left, with_unit
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.approvals import ApprovalPolicy, Decider
 from commitgate.server.policy.expressions import ExpressionFailed, activation
@@ -59,7 +60,7 @@ def requirement(
     session: str,
     tool: str,
     now: float,
-) -> dict[str, Any] | None:
+) -> ApprovalRecord | None:
     """The approval record a new call starts with, or None when it needs no approval.
 
     An expression that cannot be evaluated for this call (a missing argument, a wrong type)
@@ -78,19 +79,16 @@ def requirement(
 
 def record(
     approval: ApprovalPolicy, now: float, *, duplicate_of: str | None = None, reason: str | None = None
-) -> dict[str, Any]:
+) -> ApprovalRecord:
     """The approval record of an operation that waits for a decision."""
-    entry: dict[str, Any] = {
-        "state": ApprovalState.AWAITING.value,
-        "deciders": list(approval.via),  # who may decide; `via` says, once decided, who did
-        "requested_at": now,
-        "expires_at": now + approval.timeout,
-    }
-    if duplicate_of is not None:
-        entry["duplicate_of"] = duplicate_of
-    if reason is not None:
-        entry["required_because"] = reason
-    return entry
+    return ApprovalRecord(
+        ApprovalState.AWAITING,
+        deciders=tuple(approval.via),  # who may decide; `via` says, once decided, who did
+        requested_at=now,
+        expires_at=now + approval.timeout,
+        duplicate_of=duplicate_of,
+        required_because=reason,
+    )
 
 
 OPERATOR_ONLY: list[Decider] = ["operator"]
@@ -111,10 +109,10 @@ def overrun_settings(policy: ToolPolicy) -> ApprovalPolicy:
 
 def due(op: Operation, now: float) -> bool:
     """An operation whose wait for a decision has run out."""
-    if op.state is not State.AWAITING_APPROVAL:
+    if op.state is not State.AWAITING_APPROVAL or op.approval is None:
         return False
-    expires_at = (op.approval or {}).get("expires_at")
-    return isinstance(expires_at, int | float) and expires_at <= now
+    expires_at = op.approval.expires_at
+    return expires_at is not None and expires_at <= now
 
 
 # --- the transitions ------------------------------------------------------------------------------
@@ -122,15 +120,9 @@ def due(op: Operation, now: float) -> bool:
 
 def _decided(
     op: Operation, state: ApprovalState, by: str | None, via: str, reason: str | None, now: float
-) -> dict[str, Any]:
-    return {
-        **(op.approval or {}),
-        "state": state.value,
-        "by": by,
-        "via": via,
-        "reason": reason,
-        "decided_at": now,
-    }
+) -> ApprovalRecord:
+    asked = op.approval if op.approval is not None else ApprovalRecord(ApprovalState.AWAITING)
+    return asked.decided(state, by, via, reason, now)
 
 
 def approve_change(op: Operation, by: str, via: str, reason: str | None, now: float) -> Transition:
@@ -152,7 +144,7 @@ def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float
         frozenset({State.AWAITING_APPROVAL}),
         AuditEvent.DENIED,
         expect_fence=op.fence,
-        error={"code": ErrorCode.APPROVAL_DENIED.value, "message": f"denied by {by} ({via}){why}"},
+        error=ErrorRecord(code=ErrorCode.APPROVAL_DENIED.value, message=f"denied by {by} ({via}){why}"),
         approval=_decided(op, ApprovalState.DENIED, by, via, reason, now),
         actor=by,
         detail={"via": via, "reason": reason},
@@ -160,16 +152,16 @@ def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float
 
 
 def expire_change(op: Operation, now: float) -> Transition:
-    expires_at = (op.approval or {}).get("expires_at")
+    expires_at = op.approval.expires_at if op.approval is not None else None
+    before = iso(expires_at) if expires_at is not None else "its timeout"
     return Transition(
         State.FAILED_FINAL,
         frozenset({State.AWAITING_APPROVAL}),
         AuditEvent.APPROVAL_EXPIRED,
         expect_fence=op.fence,
-        error={
-            "code": ErrorCode.APPROVAL_EXPIRED.value,
-            "message": f"nobody approved it before {iso(expires_at) if isinstance(expires_at, float | int) else 'its timeout'}",
-        },
+        error=ErrorRecord(
+            code=ErrorCode.APPROVAL_EXPIRED.value, message=f"nobody approved it before {before}"
+        ),
         approval=_decided(op, ApprovalState.EXPIRED, None, "timeout", None, now),
     )
 
@@ -254,22 +246,19 @@ async def decide(
 
 
 def _refusal(op: Operation, via: str) -> str | None:
+    approval = op.approval
     if op.state is not State.AWAITING_APPROVAL:
-        approval = op.approval or {}
-        if approval.get("state") in (ApprovalState.APPROVED, ApprovalState.DENIED):
-            when = (
-                iso(approval["decided_at"])
-                if isinstance(approval.get("decided_at"), int | float)
-                else "earlier"
-            )
+        decided = approval.state if approval is not None else None
+        if approval is not None and decided in (ApprovalState.APPROVED, ApprovalState.DENIED):
+            when = iso(approval.decided_at) if approval.decided_at is not None else "earlier"
             return (
-                f"{op.operation_id} was already {approval['state']} by {approval.get('by')} "
-                f"({approval.get('via')}) at {when}; it is now {op.state.value}. A decision is taken once."
+                f"{op.operation_id} was already {approval.state.value} by {approval.by} "
+                f"({approval.via}) at {when}; it is now {op.state.value}. A decision is taken once."
             )
-        if approval.get("state") == ApprovalState.EXPIRED:
+        if decided is ApprovalState.EXPIRED:
             return f"{op.operation_id} is not awaiting approval: nobody decided before its timeout, it is {op.state.value}"
         return f"{op.operation_id} is not awaiting approval: it is {op.state.value}"
-    allowed = (op.approval or {}).get("deciders") or []
+    allowed = approval.deciders if approval is not None else ()
     if via not in allowed:
         return f"{op.operation_id} may be decided only via {', '.join(allowed)}, not via {via}"
     return None
@@ -339,19 +328,17 @@ def status(op: Operation) -> dict[str, Any] | None:
     approval = op.approval
     if approval is None:
         return None
-    decided_at = approval.get("decided_at")
-    view = {
-        "state": approval.get("state"),
-        "by": approval.get("by"),
-        "via": approval.get("via"),
-        "reason": approval.get("reason"),
-        "decided_at": iso(decided_at) if isinstance(decided_at, int | float) else None,
+    view: dict[str, Any] = {
+        "state": approval.state.value,
+        "by": approval.by,
+        "via": approval.via,
+        "reason": approval.reason,
+        "decided_at": iso(approval.decided_at),
     }
-    expires_at = approval.get("expires_at")
-    if approval.get("state") == ApprovalState.AWAITING and isinstance(expires_at, int | float):
-        view["expires_at"] = iso(expires_at)
-    if approval.get("duplicate_of"):
-        view["duplicate_of"] = approval["duplicate_of"]
+    if approval.state is ApprovalState.AWAITING and approval.expires_at is not None:
+        view["expires_at"] = iso(approval.expires_at)
+    if approval.duplicate_of:
+        view["duplicate_of"] = approval.duplicate_of
     over = over_budget(op)
     if over is not None:
         view["over_budget"] = over
@@ -360,8 +347,8 @@ def status(op: Operation) -> dict[str, Any] | None:
 
 def over_budget(op: Operation) -> dict[str, Any] | None:
     """`{name, limit, spent, amount[, unit]}` of the budget an operation waits past (`exceeded = "approval"`)."""
-    over = (op.approval or {}).get("over_budget")
-    if not isinstance(over, dict):
+    over = op.approval.over_budget if op.approval is not None else None
+    if over is None:
         return None
     return {key: over.get(key) for key in ("name", "limit", "spent", "amount", "unit") if key in over}
 

@@ -57,6 +57,7 @@ from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy
@@ -377,7 +378,11 @@ class CommitBoundary:
         scope = budgets.scope_label(budget, op.principal, op.session)
         self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=budget.name, scope=scope)
         refused = budgets.exceeded(budget, check.amount, spent, op.principal, op.session, recorded=True)
-        error = {"code": ErrorCode.BUDGET_EXCEEDED.value, "message": refused.message, **refused.details}
+        error = ErrorRecord(
+            code=ErrorCode.BUDGET_EXCEEDED.value,
+            message=refused.message,
+            budget=refused.details.get("budget"),
+        )
         change = Transition(
             State.FAILED_FINAL,
             frozenset({State.PENDING}),
@@ -434,7 +439,7 @@ class CommitBoundary:
             frozenset({State.RUNNING}),
             AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
-            error=dict(LEASE_LOST),
+            error=LEASE_LOST,
         )
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:
@@ -478,12 +483,12 @@ class CommitBoundary:
         )
 
     async def _record_reconciled(
-        self, op: Operation, found: ToolResult | None, note: dict[str, Any]
+        self, op: Operation, found: ToolResult | None, note: ReconciliationNote
     ) -> Operation:
         change = reconcile.found(found, note)
         return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
 
-    async def _note_reconciliation(self, op: Operation, note: dict[str, Any]) -> None:
+    async def _note_reconciliation(self, op: Operation, note: ReconciliationNote) -> None:
         change = reconcile.undecided(note)
         with contextlib.suppress(LedgerUnavailable):
             await self.ledger.update(op.operation_id, change, self.clock())
@@ -655,7 +660,7 @@ class CommitBoundary:
         event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
-        reconciliation: dict[str, Any] | None = None,
+        reconciliation: ReconciliationNote | None = None,
     ) -> Answer:
         error_json = error_record(error, classify(error)) if error is not None else None
         if result is not None:
@@ -737,7 +742,7 @@ class CommitBoundary:
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
             event=AuditEvent.LATE_OUTCOME,
-            reconciliation={"by": "owner", "at": self.clock(), "verdict": change.to_state.value.lower()},
+            reconciliation=ReconciliationNote("owner", self.clock(), change.to_state.value.lower()),
         )
         try:
             recorded = await self.ledger.update(op.operation_id, late, self.clock())

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass
+from commitgate.server.model.notes import ErrorRecord
 from commitgate.server.model.records import Operation
 
 
@@ -29,8 +30,8 @@ class GateError(Exception):
 
 
 def _reason(op: Operation) -> str:
-    if op.error and op.error.get("message"):
-        return f" ({op.error['message']})"
+    if op.error is not None and op.error.message:
+        return f" ({op.error.message})"
     return ""
 
 
@@ -133,10 +134,10 @@ def ledger_unavailable() -> GateError:
 
 
 def approval_pending(op: Operation) -> GateError:
-    over = (op.approval or {}).get("over_budget")
+    over = op.approval.over_budget if op.approval is not None else None
     why = (
         f" It would take budget {over.get('name')!r} past its limit, so a person decides whether to spend more."
-        if isinstance(over, dict)
+        if over is not None
         else ""
     )
     return GateError(
@@ -192,11 +193,10 @@ def budget_exceeded(
 
 def budget_exceeded_recorded(op: Operation) -> GateError:
     """The replay of an operation refused at its take: the message and budget it was recorded with."""
-    error = op.error or {}
-    budget = error.get("budget")
+    error = op.error or ErrorRecord()
     return GateError(
         ErrorCode.BUDGET_EXCEEDED,
-        str(error.get("message") or "Budget exceeded: nothing was executed."),
+        str(error.message or "Budget exceeded: nothing was executed."),
         op,
-        details={"budget": budget} if isinstance(budget, dict) else None,
+        details={"budget": dict(error.budget)} if error.budget is not None else None,
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import Transition
@@ -17,10 +16,11 @@ from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import State
+from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 
-Check = tuple[Verdict, ToolResult | None, dict[str, Any]]  # the verdict, what was found, the note
+Check = tuple[Verdict, ToolResult | None, ReconciliationNote]  # the verdict, what was found, the note
 
 
 async def status_check(
@@ -35,17 +35,16 @@ async def status_check(
     ctx = OperationContext(
         op.step, op.session, op.operation_id, attempt or op.attempts, op.principal, tool.name
     )
-    note: dict[str, Any] = {"by": "status_check", "at": now}
     found: ToolResult | None = None
     try:
         async with asyncio.timeout(tool.policy.timeout):
             found = await tool.source.status(op.arguments, ctx)
     except Exception as exc:
         verdict = Verdict.CANNOT_TELL
-        note.update(verdict=verdict.value, error=str(exc) or type(exc).__name__)
+        note = ReconciliationNote("status_check", now, verdict.value, error=str(exc) or type(exc).__name__)
     else:
         verdict = Verdict.NOT_FOUND if found is None else Verdict.FOUND
-        note["verdict"] = verdict.value
+        note = ReconciliationNote("status_check", now, verdict.value)
     tell(
         BoundaryEvent(
             Event.RECONCILIATION, tool.name, tool.idempotency_class, op.operation_id, verdict=verdict
@@ -54,7 +53,7 @@ async def status_check(
     return verdict, found, note
 
 
-def found(result: ToolResult | None, note: dict[str, Any]) -> Transition:
+def found(result: ToolResult | None, note: ReconciliationNote) -> Transition:
     """It happened: SUCCEEDED with what the check found."""
     return Transition(
         State.SUCCEEDED,
@@ -65,7 +64,7 @@ def found(result: ToolResult | None, note: dict[str, Any]) -> Transition:
     )
 
 
-def not_found(op: Operation, note: dict[str, Any]) -> Transition:
+def not_found(op: Operation, note: ReconciliationNote) -> Transition:
     """No trace of it: FAILED_RETRYABLE, for the attempts up to the one checked only."""
     return Transition(
         State.FAILED_RETRYABLE,
@@ -73,11 +72,11 @@ def not_found(op: Operation, note: dict[str, Any]) -> Transition:
         AuditEvent.RECONCILED_NOT_FOUND,
         expect_fence=op.fence,  # the check covered attempts up to this one only
         reconciliation=note,
-        error={"outcome": Outcome.RETRYABLE.value, "message": "the status check found no trace of it"},
+        error=ErrorRecord(outcome=Outcome.RETRYABLE.value, message="the status check found no trace of it"),
     )
 
 
-def undecided(note: dict[str, Any]) -> Transition:
+def undecided(note: ReconciliationNote) -> Transition:
     """The check could not tell: still UNKNOWN, with the note of this try."""
     return Transition(
         State.UNKNOWN, frozenset({State.UNKNOWN}), AuditEvent.RECONCILE_UNDECIDED, reconciliation=note

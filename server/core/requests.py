@@ -97,7 +97,7 @@ def check_session(session: object, where: str) -> str:
 
 
 def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
-    code = (op.error or {}).get("code")
+    code = op.error.code if op.error is not None else None
     if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_DENIED:
         return errors.approval_denied(op)
     if op.state is State.FAILED_FINAL and code == ErrorCode.APPROVAL_EXPIRED:
@@ -116,4 +116,4 @@ def error_for_state(op: Operation, forwards_key: bool = False) -> GateError:
 
 
 def _message(op: Operation) -> str:
-    return str((op.error or {}).get("message") or "no reason recorded")
+    return str((op.error.message if op.error is not None else None) or "no reason recorded")

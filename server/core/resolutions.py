@@ -17,6 +17,7 @@ from commitgate.server.ledger.base import Ledger, Transition, lease_over
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 
@@ -69,7 +70,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
     by = resolution.by
     if resolution.finding is Finding.SUCCEEDED:
         reason = reason or "an operator confirmed it took effect"
-        note = {"by": "operator", "operator": by, "reason": reason, "at": now, "verdict": "succeeded"}
+        note = ReconciliationNote("operator", now, "succeeded", operator=by, reason=reason)
         return Transition(
             State.SUCCEEDED,
             frozenset({State.UNKNOWN}),
@@ -87,12 +88,12 @@ def transition(resolution: Resolution, now: float) -> Transition:
         raise ResolutionError("a result goes only with a succeeded outcome", "result")
     retryable = resolution.finding is Finding.FAILED_RETRYABLE
     state = State.FAILED_RETRYABLE if retryable else State.FAILED_FINAL
-    error = {
-        "outcome": "retryable" if retryable else "permanent",
-        "type": "OperatorResolution",
-        "message": f"{reason} (resolved by {by})",
-    }
-    note = {"by": "operator", "operator": by, "reason": reason, "at": now, "verdict": "failed"}
+    error = ErrorRecord(
+        outcome="retryable" if retryable else "permanent",
+        type="OperatorResolution",
+        message=f"{reason} (resolved by {by})",
+    )
+    note = ReconciliationNote("operator", now, "failed", operator=by, reason=reason)
     return Transition(
         state,
         frozenset({State.UNKNOWN}),
@@ -126,7 +127,9 @@ async def current(ledger: Ledger, operation_id: str, now: float, principal: str 
         frozenset({State.RUNNING}),
         AuditEvent.LEASE_EXPIRED,
         expect_fence=op.fence,
-        error={"code": "lease_expired", "message": "the process running this operation stopped answering"},
+        error=ErrorRecord(
+            code="lease_expired", message="the process running this operation stopped answering"
+        ),
     )
     return await ledger.update(op.operation_id, change, now) or await _reread(ledger, op, principal)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from commitgate.server.model.notes import ErrorRecord
 from commitgate.server.model.outcomes import Outcome, PermanentError, RetryableError, ToolOutcomeError
 from commitgate.server.policy.models import RetryPolicy
 
@@ -18,15 +19,13 @@ def classify(exc: BaseException) -> Outcome:
     return Outcome.AMBIGUOUS  # AmbiguousError, and anything undeclared
 
 
-def error_record(exc: BaseException, outcome: Outcome) -> dict[str, object]:
+def error_record(exc: BaseException, outcome: Outcome) -> ErrorRecord:
     """What the ledger keeps of a failure: its kind and message, never the arguments."""
     message = exc.message if isinstance(exc, ToolOutcomeError) else (str(exc) or type(exc).__name__)
     if isinstance(exc, TimeoutError):
         message = "the tool did not answer within its timeout"
-    record: dict[str, object] = {"outcome": outcome.value, "type": type(exc).__name__, "message": message}
-    if isinstance(exc, ToolOutcomeError) and exc.detail is not None:
-        record["detail"] = exc.detail
-    return record
+    detail = exc.detail if isinstance(exc, ToolOutcomeError) else None
+    return ErrorRecord(outcome=outcome.value, type=type(exc).__name__, message=message, detail=detail)
 
 
 @dataclass(slots=True)

@@ -46,11 +46,11 @@ def status_view(op: Operation, forwards_key: bool, now: float | None = None) -> 
     if op.result is not None:
         view["result"] = {"content": op.result.content, "structuredContent": op.result.structured}
     if op.error is not None:
-        view["error"] = op.error
+        view["error"] = op.error.stored()
     if op.reconciliation is not None:
-        reconciliation = dict(op.reconciliation)
-        if isinstance(reconciliation.get("at"), int | float):
-            reconciliation["at"] = iso(reconciliation["at"])
+        reconciliation = op.reconciliation.stored()
+        if isinstance(op.reconciliation.at, int | float):
+            reconciliation["at"] = iso(op.reconciliation.at)
         view["reconciliation"] = reconciliation
     if op.approval is not None:
         view["approval"] = approval_status(op)

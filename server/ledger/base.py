@@ -7,6 +7,7 @@ and, in the backends, one round trip.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -21,13 +22,13 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from commitgate.server.model.amounts import number
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 # The error recorded on an operation whose owner stopped before recording its outcome.
-LEASE_LOST: dict[str, str] = {
-    "code": "lease_expired",
-    "message": "the process running this operation stopped before recording its outcome",
-}
+LEASE_LOST = ErrorRecord(
+    code="lease_expired", message="the process running this operation stopped before recording its outcome"
+)
 
 
 class LedgerUnavailable(Exception):
@@ -75,6 +76,11 @@ def sql_states(states: Iterable[State]) -> str:
     return ", ".join(f"'{state.value}'" for state in states)
 
 
+def sql_state(state: State) -> str:
+    """One state as an SQL string literal, for `state = ...`."""
+    return sql_states((state,))
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetCheck:
     """Spend `amount` of a budget inside the claim, if it fits.
@@ -94,7 +100,7 @@ class BudgetCheck:
     # `exceeded = "approval"`: the approval record a call that does not fit waits with. The ledger
     # then records it AWAITING_APPROVAL instead of refusing it, adding `over_budget` (below)
     # to the record and to the audit, so the person deciding sees what approving overspends.
-    approval: dict[str, Any] | None = None
+    approval: ApprovalRecord | None = None
     unit: str | None = None
 
 
@@ -109,16 +115,14 @@ def over_budget(check: BudgetCheck, spent: Decimal) -> dict[str, Any]:
     return {**shown, "unit": check.unit} if check.unit else shown
 
 
-def over_budget_wait(check: BudgetCheck, own: dict[str, Any] | None, spent: Decimal) -> dict[str, Any]:
+def over_budget_wait(check: BudgetCheck, own: ApprovalRecord | None, spent: Decimal) -> ApprovalRecord:
     """The approval record of a call that waits because it is past its budget: the tool's own record
     if it needs approval anyway, else the budget's; either way decided by operators only (the agent's
     client never approves its own overspend), with what approving overspends."""
     assert check.approval is not None
-    return {
-        **(own or check.approval),
-        "deciders": check.approval["deciders"],
-        "over_budget": over_budget(check, spent),
-    }
+    return dataclasses.replace(
+        own or check.approval, deciders=check.approval.deciders, over_budget=over_budget(check, spent)
+    )
 
 
 class OverBudget(Exception):
@@ -183,7 +187,7 @@ class ClaimRequest:
     duplicates: DuplicateCheck | None = None
     # Set when this call needs a person's approval: a new key is then recorded AWAITING_APPROVAL
     # (no attempt, no lease) with this record, whose `expires_at` ends the wait.
-    approval: dict[str, Any] | None = None
+    approval: ApprovalRecord | None = None
     budget: BudgetCheck | None = None
     # `arguments_json` decoded, when the caller holds it: the new operation takes it instead of
     # decoding the text that was just encoded from it.
@@ -217,12 +221,12 @@ class Transition:
     event: AuditEvent
     expect_fence: int | None = None
     result: ToolResult | None = None
-    error: dict[str, Any] | None = None
-    reconciliation: dict[str, Any] | None = None
+    error: ErrorRecord | None = None
+    reconciliation: ReconciliationNote | None = None
     lease: Lease | None = None  # set => a new attempt: fence + 1, attempts + 1
     actor: str | None = None
     detail: dict[str, Any] | None = None
-    approval: dict[str, Any] | None = None  # replaces the operation's approval record (a decision)
+    approval: ApprovalRecord | None = None  # replaces the operation's approval record (a decision)
     # The take of an approved (PENDING) operation of a budgeted tool: the ledger checks the budget
     # with the take, atomically, and spends then; no room raises OverBudget and takes nothing. An
     # operation approved because it was past its budget is not checked again (a person saw the

@@ -24,6 +24,7 @@ in their own schema.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import urllib.parse
@@ -56,6 +57,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 T = TypeVar("T")
@@ -816,20 +818,29 @@ def _decode(row: asyncpg.Record) -> Operation:
         lease_owner=row["lease_owner"],
         lease_expires_at=row["lease_expires_at"],
         result=ToolResult.from_json(row["result"]) if row["result"] else None,
-        error=json.loads(row["error"]) if row["error"] else None,
-        reconciliation=json.loads(row["reconciliation"]) if row["reconciliation"] else None,
+        error=ErrorRecord.from_stored(json.loads(row["error"])) if row["error"] else None,
+        reconciliation=(
+            ReconciliationNote.from_stored(json.loads(row["reconciliation"]))
+            if row["reconciliation"]
+            else None
+        ),
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         completed_at=row["completed_at"],
         expires_at=row["expires_at"],
         retention=row["retention"],
-        approval=json.loads(row["approval"]) if row["approval"] else None,
+        approval=ApprovalRecord.from_stored(json.loads(row["approval"])) if row["approval"] else None,
         arguments_json=row["arguments"],
     )
 
 
 def _dump(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _dump_record(record: ErrorRecord | ReconciliationNote | ApprovalRecord | None) -> str | None:
+    """An operation's error, reconciliation or approval as the ledger stores it (`_decode` reads it back)."""
+    return None if record is None else _dump(record.stored())
 
 
 def redact(url: str) -> str:
@@ -904,7 +915,7 @@ def _claim_arguments(request: ClaimRequest, now: float) -> tuple[Any, ...]:
         request.lease_seconds,
         request.retention_seconds,
         now,
-        _dump(LEASE_LOST),
+        _dump_record(LEASE_LOST),
     )
 
 
@@ -997,7 +1008,8 @@ class PostgresLedger:
         return await self._answer(rows, now)
 
     async def _claim_awaiting(self, request: ClaimRequest, now: float) -> Claim:
-        approval, check = request.approval or {}, request.duplicates
+        approval, check = request.approval, request.duplicates
+        assert approval is not None
         duplicates = (
             (None, False, False, False)
             if check is None
@@ -1006,8 +1018,8 @@ class PostgresLedger:
         rows = await self._fetch(
             _CLAIM_AWAITING,
             *_claim_arguments(request, now),
-            _dump(approval),
-            approval.get("expires_at"),
+            _dump_record(approval),
+            approval.expires_at,
             *duplicates,
         )
         return await self._answer(rows, now)
@@ -1018,7 +1030,7 @@ class PostgresLedger:
         # Past its budget with `exceeded = "approval"`, the call waits for an operator with the tool's
         # own approval record if it needs one anyway, else the budget's; the function adds `over_budget`.
         over = (
-            {**(approval or budget.approval), "deciders": budget.approval["deciders"]}
+            dataclasses.replace(approval or budget.approval, deciders=budget.approval.deciders)
             if budget.approval is not None
             else None
         )
@@ -1036,10 +1048,10 @@ class PostgresLedger:
             budget.amount,
             budget.limit,
             budget.window_seconds,
-            _dump(approval),
-            approval.get("expires_at") if approval is not None else None,
-            _dump(over),
-            over.get("expires_at") if over is not None else None,
+            _dump_record(approval),
+            approval.expires_at if approval is not None else None,
+            _dump_record(over),
+            over.expires_at if over is not None else None,
             budget.unit,
         )
         if rows[0]["kind"] == "over_budget":
@@ -1056,7 +1068,7 @@ class PostgresLedger:
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
         rows = await self._fetch(
-            _EXPIRE_DEAD_OWNER, now, _dump(LEASE_LOST), op.operation_id, op.fence, op.lease_owner
+            _EXPIRE_DEAD_OWNER, now, _dump_record(LEASE_LOST), op.operation_id, op.fence, op.lease_owner
         )
         if rows:
             return _decode(rows[0])
@@ -1081,8 +1093,8 @@ class PostgresLedger:
             change.expect_fence,
             change.event,
             change.result.to_json() if change.result is not None else None,
-            _dump(change.error),
-            _dump(change.reconciliation),
+            _dump_record(change.error),
+            _dump_record(change.reconciliation),
             lease is not None,
             lease.owner if lease is not None else None,
             lease.expires_at if lease is not None else None,
@@ -1090,7 +1102,7 @@ class PostgresLedger:
             change.actor,
             _dump(change.detail),
             now,
-            _dump(change.approval),
+            _dump_record(change.approval),
         )
         return _decode(rows[0]) if rows else None
 
@@ -1196,7 +1208,7 @@ class PostgresLedger:
                 self._host_prefix,
             )
             dead = [row[0] for row in owners if owner_known_dead(row[0])]
-            return list(await conn.fetch(_EXPIRE_LEASES, now, _dump(LEASE_LOST), dead))
+            return list(await conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead))
 
         return [_decode(row) for row in await self._run(step)]
 

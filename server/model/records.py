@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +69,10 @@ class Operation:
     completed_at: float | None = None
     expires_at: float | None = None
     result: ToolResult | None = None
-    error: dict[str, Any] | None = None
-    reconciliation: dict[str, Any] | None = None
+    error: ErrorRecord | None = None
+    reconciliation: ReconciliationNote | None = None
     retention: float = 0.0
-    # A person's decision: {state, via, by, reason, decided_at, expires_at, ...}; None when none was asked.
-    approval: dict[str, Any] | None = None
+    approval: ApprovalRecord | None = None  # None when no person was asked
     # `arguments` as the ledger stores them (JSON), when at hand: a size is measured on it, not re-encoded.
     arguments_json: str | None = field(default=None, repr=False, compare=False)
 

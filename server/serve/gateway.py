@@ -370,7 +370,7 @@ class Gateway:
 
     async def _question(self, op: Operation) -> approvals.Question:
         served = self.served.get(op.tool)
-        earlier_id = (op.approval or {}).get("duplicate_of")
+        earlier_id = op.approval.duplicate_of if op.approval is not None else None
         earlier = await self.ledger.get_by_id(op.principal, earlier_id) if earlier_id else None
         budget = await budgets.standing(
             self.ledger, served.guard.budget if served else None, op, self.boundary.clock()
@@ -563,7 +563,7 @@ def _asks_client(answer: Answer) -> bool:
     op = answer.operation
     if answer.error is None or answer.error.code is not ErrorCode.APPROVAL_PENDING or op is None:
         return False
-    return "client" in ((op.approval or {}).get("deciders") or [])
+    return op.approval is not None and "client" in op.approval.deciders
 
 
 def _parse(model: type[M], args: dict[str, Any]) -> M:

@@ -7,11 +7,13 @@ claims on the ledger file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.policy.tokens import TokenTable
@@ -125,37 +128,50 @@ async def _seeding(where: Path | str) -> Ledger:
     )
 
 
+async def in_groups(writes: Sequence[Callable[[], Awaitable[None]]], size: int) -> None:
+    """Runs `writes`, `size` of them at a time: concurrent claims reach the SQLite ledger's writer
+    together and are committed in groups, as a busy server's are, rather than one transaction each."""
+    for start in range(0, len(writes), size):
+        await asyncio.gather(*(write() for write in writes[start : start + size]))
+
+
 async def spend(
     where: Path | str,
     budget: str,
     spends: Sequence[tuple[str, str, float, float]],
     state: State = State.SUCCEEDED,
+    *,
+    together: int = 1,
 ) -> None:
     """Budgeted operations of `budget` (of BUDGETS) written straight into the ledger, each
-    (principal, session, amount, created_at), claimed through the budget check and left in `state`."""
+    (principal, session, amount, created_at), claimed through the budget check and left in `state`;
+    `together` of them at a time (their budget's limit is far above what they add up to)."""
     ledger = await _seeding(where)
-    try:
-        for i, (principal, session, amount, at) in enumerate(spends):
-            step = f"{budget}-{state.value.lower()}-{i}-{at}"
-            request = ClaimRequest(
-                principal=principal,
-                session=session,
-                step=step,
-                tool="pay",
-                idempotency_class=IdempotencyClass.KEY_REQUIRED,
-                fingerprint=f"fp-{step}",
-                arguments_json=json.dumps({"amount_cents": amount}),
-                owner="elsewhere:1:aaaa",
-                lease_seconds=60.0,
-                retention_seconds=WINDOWS[budget],
-                budget=BudgetCheck(budget, PER[budget], exact(amount), Decimal(10**12), WINDOWS[budget]),
+
+    async def one(i: int, principal: str, session: str, amount: float, at: float) -> None:
+        step = f"{budget}-{state.value.lower()}-{i}-{at}"
+        request = ClaimRequest(
+            principal=principal,
+            session=session,
+            step=step,
+            tool="pay",
+            idempotency_class=IdempotencyClass.KEY_REQUIRED,
+            fingerprint=f"fp-{step}",
+            arguments_json=json.dumps({"amount_cents": amount}),
+            owner="elsewhere:1:aaaa",
+            lease_seconds=60.0,
+            retention_seconds=WINDOWS[budget],
+            budget=BudgetCheck(budget, PER[budget], exact(amount), Decimal(10**12), WINDOWS[budget]),
+        )
+        op = (await ledger.claim(request, at)).operation
+        if state is not State.RUNNING:
+            change = Transition(
+                state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence
             )
-            op = (await ledger.claim(request, at)).operation
-            if state is not State.RUNNING:
-                change = Transition(
-                    state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence
-                )
-                assert await ledger.update(op.operation_id, change, at) is not None
+            assert await ledger.update(op.operation_id, change, at) is not None
+
+    try:
+        await in_groups([functools.partial(one, i, *each) for i, each in enumerate(spends)], together)
     finally:
         await ledger.close()
 
@@ -209,7 +225,9 @@ async def claim(
         op = (await ledger.claim(request, now)).operation
         if state not in (State.RUNNING, State.AWAITING_APPROVAL):
             error = (
-                {"code": "ambiguous", "message": "the answer was lost"} if state is State.UNKNOWN else None
+                ErrorRecord(code="ambiguous", message="the answer was lost")
+                if state is State.UNKNOWN
+                else None
             )
             change = Transition(
                 state, frozenset({State.RUNNING}), AuditEvent.AMBIGUOUS, expect_fence=op.fence, error=error
@@ -220,9 +238,12 @@ async def claim(
         await ledger.close()
 
 
-def waits(now: float, timeout: float = 3600.0) -> dict[str, Any]:
+def waits(now: float, timeout: float = 3600.0) -> ApprovalRecord:
     """The approval record of a call waiting for a person (the policy's defaults, `timeout` apart)."""
     return approvals.record(ApprovalPolicy(timeout=timeout), now)
+
+
+SEEDED_TOGETHER = 500  # thousands of operations for timing pages, written 500 at a time
 
 
 async def seed(ledger_path: Path, count: int, unknown_every: int = 5, awaiting_every: int = 0) -> None:
@@ -230,31 +251,30 @@ async def seed(ledger_path: Path, count: int, unknown_every: int = 5, awaiting_e
     every `awaiting_every`-th of the others (when set) AWAITING_APPROVAL."""
     ledger = await _seeding(ledger_path)
     now = time.time()
+
+    async def one(i: int) -> None:
+        request = ClaimRequest(
+            principal="agent",
+            session=f"run-{i % 50}",
+            step=f"step-{i}",
+            tool=("charge_card", "send_email", "refund")[i % 3],
+            idempotency_class=IdempotencyClass.KEY_REQUIRED,
+            fingerprint=f"fp-{i}",
+            arguments_json=json.dumps({"amount_cents": i, "card": "4242424242424242"}),
+            owner="elsewhere:1:aaaa",
+            lease_seconds=60.0,
+            retention_seconds=86400.0,
+            approval=waits(now) if awaiting_every and i % unknown_every and i % awaiting_every == 1 else None,
+        )
+        op = (await ledger.claim(request, now + i * 1e-3)).operation
+        if op.state is State.AWAITING_APPROVAL:
+            return
+        state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
+        change = Transition(state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence)
+        await ledger.update(op.operation_id, change, now + i * 1e-3)
+
     try:
-        for i in range(count):
-            request = ClaimRequest(
-                principal="agent",
-                session=f"run-{i % 50}",
-                step=f"step-{i}",
-                tool=("charge_card", "send_email", "refund")[i % 3],
-                idempotency_class=IdempotencyClass.KEY_REQUIRED,
-                fingerprint=f"fp-{i}",
-                arguments_json=json.dumps({"amount_cents": i, "card": "4242424242424242"}),
-                owner="elsewhere:1:aaaa",
-                lease_seconds=60.0,
-                retention_seconds=86400.0,
-                approval=waits(now)
-                if awaiting_every and i % unknown_every and i % awaiting_every == 1
-                else None,
-            )
-            op = (await ledger.claim(request, now + i * 1e-3)).operation
-            if op.state is State.AWAITING_APPROVAL:
-                continue
-            state = State.UNKNOWN if i % unknown_every == 0 else State.SUCCEEDED
-            change = Transition(
-                state, frozenset({State.RUNNING}), OUTCOME_EVENTS[state], expect_fence=op.fence
-            )
-            await ledger.update(op.operation_id, change, now + i * 1e-3)
+        await in_groups([functools.partial(one, i) for i in range(count)], SEEDED_TOGETHER)
     finally:
         await ledger.close()
 
@@ -320,4 +340,4 @@ async def seed_budgets(ledger_path: Path, count: int) -> None:
             (f"agent-{i % 8}", f"run-{i % 100}", float(1 + i % 97), at - window * (i + 0.5) / share)
             for i in range(share)
         ]
-        await spend(ledger_path, name, spends)
+        await spend(ledger_path, name, spends, together=SEEDED_TOGETHER)

@@ -102,8 +102,10 @@ async def operation_page(
         "op": op,
         "arguments": shown_json(op.arguments),
         "result": shown_result(op.result),
-        "error": shown_json(op.error) if op.error is not None else None,
-        "reconciliation": shown_json(dated(op.reconciliation)) if op.reconciliation is not None else None,
+        "error": shown_json(op.error.stored()) if op.error is not None else None,
+        "reconciliation": (
+            shown_json(dated(op.reconciliation.stored())) if op.reconciliation is not None else None
+        ),
         "status_check": status_check(op),
         # what `ops resolve` warns about when no result is given (a compensable tool's compensation)
         "result_hint": note_for(op, Resolution(Finding.SUCCEEDED, "")),

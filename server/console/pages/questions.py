@@ -9,6 +9,8 @@ from starlette.requests import Request
 from commitgate.server.console.pages.base import ledger_of, policy_of, visible
 from commitgate.server.core import approvals, budgets
 from commitgate.server.core.budgets import Budget
+from commitgate.server.model.facts import ApprovalState
+from commitgate.server.model.notes import ApprovalRecord
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.masking import mask_values
 
@@ -47,10 +49,10 @@ def duration(seconds: float) -> str:
 
 async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     """What a reviewer reads about `op`: the question core/approvals.py builds, masked for a screen."""
-    record = op.approval or {}
+    record = op.approval or ApprovalRecord(ApprovalState.AWAITING)
     earlier = None
-    if record.get("duplicate_of"):
-        earlier = await visible(request, str(record["duplicate_of"]))
+    if record.duplicate_of:
+        earlier = await visible(request, record.duplicate_of)
     policy = policy_of(request)
     tool = policy.tools.get(op.tool) if policy else None
     declared = policy.budget_of(op.tool) if policy else None
@@ -58,11 +60,9 @@ async def waiting(request: Request, op: Operation, at: float) -> Waiting:
     figures = await budgets.standing(ledger_of(request), budget, op, at)
     text = approvals.question(op, tool, earlier, figures).text
     lines = str(mask_values(text)).splitlines()  # card numbers in free text, too
-    requested = record.get("requested_at")
-    requested_at = float(requested) if isinstance(requested, int | float) else op.created_at
-    expires = record.get("expires_at")
-    expires_at = float(expires) if isinstance(expires, int | float) else None
-    deciders = [str(d) for d in record.get("deciders") or []]
+    requested_at = float(record.requested_at) if record.requested_at is not None else op.created_at
+    expires_at = float(record.expires_at) if record.expires_at is not None else None
+    deciders = list(record.deciders)
     return Waiting(
         op=op,
         prompt=lines[0] if lines else "",

@@ -54,6 +54,7 @@ from commitgate.server.ledger.base import (
     Transition,
     is_outcome,
     lease_over,
+    sql_state,
     sql_states,
     timed,
 )
@@ -298,7 +299,7 @@ class SQLiteLedger:
         def write(conn: sqlite3.Connection) -> bool:
             cursor = conn.execute(
                 "UPDATE operations SET lease_owner = ?, lease_expires_at = ?"
-                " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
+                f" WHERE operation_id = ? AND fence = ? AND state = {sql_state(State.RUNNING)}",
                 (lease.owner, lease.expires_at, operation_id, fence),
             )
             return cursor.rowcount == 1
@@ -352,7 +353,7 @@ class SQLiteLedger:
     @timed
     async def expire_leases(self, now: float) -> list[Operation]:
         def write(conn: sqlite3.Connection) -> list[Operation]:
-            rows = conn.execute(f"{SELECT} WHERE state = 'RUNNING' AND {OPEN}").fetchall()
+            rows = conn.execute(f"{SELECT} WHERE state = {sql_state(State.RUNNING)} AND {OPEN}").fetchall()
             expired = [op for op in map(decode, rows) if lease_over(op, now)]
             for op in expired:
                 to_unknown(conn, op, now)

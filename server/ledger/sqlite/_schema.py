@@ -11,6 +11,7 @@ from typing import Any
 
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 MIGRATIONS: list[str] = [
@@ -190,20 +191,25 @@ def decode(row: Sequence[Any]) -> Operation:
         lease_owner=row[11],
         lease_expires_at=row[12],
         result=ToolResult.from_json(row[13]) if row[13] else None,
-        error=json.loads(row[14]) if row[14] else None,
-        reconciliation=json.loads(row[15]) if row[15] else None,
+        error=ErrorRecord.from_stored(json.loads(row[14])) if row[14] else None,
+        reconciliation=ReconciliationNote.from_stored(json.loads(row[15])) if row[15] else None,
         created_at=row[16],
         updated_at=row[17],
         completed_at=row[18],
         expires_at=row[19],
         retention=row[20],
-        approval=json.loads(row[21]) if row[21] else None,
+        approval=ApprovalRecord.from_stored(json.loads(row[21])) if row[21] else None,
         arguments_json=row[10],
     )
 
 
 def dump(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def dump_record(record: ErrorRecord | ReconciliationNote | ApprovalRecord | None) -> str | None:
+    """An operation's error, reconciliation or approval as the ledger stores it (`decode` reads it back)."""
+    return None if record is None else dump(record.stored())
 
 
 _MAGIC = b"SQLite format 3\x00"

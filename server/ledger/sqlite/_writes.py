@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -30,6 +30,7 @@ from commitgate.server.ledger.base import (
     lease_over,
     over_budget_wait,
     scope_of,
+    sql_state,
     sql_states,
 )
 from commitgate.server.ledger.sqlite._ids import new_operation_id
@@ -42,11 +43,14 @@ from commitgate.server.ledger.sqlite._schema import (
     SELECT,
     decode,
     dump,
+    dump_record,
 )
 from commitgate.server.model.amounts import joined, split
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
+
+_RUNNING = sql_state(State.RUNNING)  # the state an attempt holds, as SQL
 
 
 def _audit(
@@ -58,20 +62,20 @@ def _audit(
     to_state: str | None,
     fence: int,
     actor: str | None = None,
-    detail: dict[str, Any] | None = None,
+    detail: Mapping[str, Any] | None = None,
 ) -> None:
     conn.execute(AUDIT, (operation_id, now, event, from_state, to_state, fence, actor, dump(detail)))
 
 
 def to_unknown(conn: sqlite3.Connection, op: Operation, now: float) -> None:
     conn.execute(
-        "UPDATE operations SET state = 'UNKNOWN', lease_owner = NULL, lease_expires_at = NULL, updated_at = ?,"
-        " error = ? WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'",
-        (now, dump(LEASE_LOST), op.operation_id, op.fence),
+        f"UPDATE operations SET state = {sql_state(State.UNKNOWN)}, lease_owner = NULL, lease_expires_at = NULL,"
+        f" updated_at = ?, error = ? WHERE operation_id = ? AND fence = ? AND state = {_RUNNING}",
+        (now, dump_record(LEASE_LOST), op.operation_id, op.fence),
     )
     _audit(conn, op.operation_id, now, AuditEvent.LEASE_EXPIRED, "RUNNING", "UNKNOWN", op.fence, detail=None)
     op.state, op.lease_owner, op.lease_expires_at, op.updated_at = State.UNKNOWN, None, None, now
-    op.error = dict(LEASE_LOST)
+    op.error = LEASE_LOST
 
 
 # States a claim can be answered from without writing anything (see `SQLiteLedger._settled`).
@@ -131,7 +135,7 @@ _RUNNING_ONLY = frozenset({State.RUNNING})
 _PLAIN_OUTCOME = (
     "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
     " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
-    " WHERE operation_id = ? AND fence = ? AND state = 'RUNNING'"
+    f" WHERE operation_id = ? AND fence = ? AND state = {_RUNNING}"
 )
 
 
@@ -141,7 +145,7 @@ _PLAIN_OUTCOMES = (
     "UPDATE operations SET state = v.column1, result = COALESCE(v.column2, result), error = v.column3,"
     " lease_owner = NULL, lease_expires_at = NULL, updated_at = v.column4, completed_at = v.column5,"
     " expires_at = v.column6 + retention FROM ({values}) AS v"
-    " WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = 'RUNNING'"
+    f" WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = {_RUNNING}"
 )
 # AUDIT for many operations, each distinct: every entry numbered after its operation's last one.
 _AUDITS = (
@@ -187,7 +191,7 @@ class OutcomeWrite:
         return (
             change.to_state.value,
             result,
-            dump(change.error),
+            dump_record(change.error),
             now,
             now,
             now,
@@ -421,7 +425,7 @@ def _over_budget_request(request: ClaimRequest, spent: Decimal) -> ClaimRequest:
 
 def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float) -> None:
     """An operation recorded to wait because it is past its budget: the budget goes in the audit."""
-    over = (request.approval or {}).get("over_budget")
+    over = request.approval.over_budget if request.approval is not None else None
     if over is not None:
         _audit(
             conn,
@@ -440,12 +444,14 @@ def _await_over_budget(
     conn: sqlite3.Connection, op: Operation, request: ClaimRequest, now: float
 ) -> Operation | None:
     """A retryable operation taken again past its budget: it waits for a person now (None: it moved)."""
-    approval = request.approval or {}
+    approval = request.approval
+    assert approval is not None
     moved = conn.execute(
-        "UPDATE operations SET state = 'AWAITING_APPROVAL', lease_owner = NULL, lease_expires_at = NULL,"
-        " approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL, expires_at = NULL,"
-        " budget_spent_at = NULL WHERE operation_id = ? AND fence = ? AND state = 'FAILED_RETRYABLE'",
-        (dump(approval), approval.get("expires_at"), now, op.operation_id, op.fence),
+        f"UPDATE operations SET state = {sql_state(State.AWAITING_APPROVAL)}, lease_owner = NULL,"
+        " lease_expires_at = NULL, approval = ?, approval_expires_at = ?, updated_at = ?, completed_at = NULL,"
+        " expires_at = NULL, budget_spent_at = NULL"
+        f" WHERE operation_id = ? AND fence = ? AND state = {sql_state(State.FAILED_RETRYABLE)}",
+        (dump_record(approval), approval.expires_at, now, op.operation_id, op.fence),
     ).rowcount
     if moved != 1:
         return None
@@ -594,7 +600,7 @@ def _take_spends(
     ).fetchone()
     if spent_at is not None:
         return None
-    if "over_budget" not in (op.approval or {}):
+    if op.approval is None or op.approval.over_budget is None:
         spent = spent_in(conn, check, op.principal, op.session, now)
         if spent + check.amount > check.limit:
             return OverBudget(spent)
@@ -709,11 +715,11 @@ def _insert_awaiting(conn: sqlite3.Connection, request: ClaimRequest, now: float
         lease_expires_at=None,
         approval=request.approval,
     )
-    expires_at = (request.approval or {}).get("expires_at")
+    expires_at = request.approval.expires_at if request.approval is not None else None
     conn.execute(
         INSERT_AWAITING,
         (op.operation_id, op.principal, op.session, op.step, op.tool, op.idempotency_class.value,
-         op.fingerprint, request.arguments_json, op.retention, now, now, dump(op.approval), expires_at,
+         op.fingerprint, request.arguments_json, op.retention, now, now, dump_record(op.approval), expires_at,
          *_budget_columns(request)),
     )  # fmt: skip
     _audit(conn, op.operation_id, now, AuditEvent.APPROVAL_REQUESTED, None, op.state.value, 0, request.owner)
@@ -747,12 +753,12 @@ def _apply(
             op.lease_owner,
             op.lease_expires_at,
             op.result.to_json() if op.result is not None else None,
-            dump(op.error),
-            dump(op.reconciliation),
+            dump_record(op.error),
+            dump_record(op.reconciliation),
             now,
             op.completed_at,
             op.expires_at,
-            dump(op.approval),
+            dump_record(op.approval),
             operation_id,
         ),
     )

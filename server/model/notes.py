@@ -1,0 +1,131 @@
+"""What the ledger keeps beside an operation's result: why it failed (`ErrorRecord`), how its
+unknown outcome was settled (`ReconciliationNote`), and a person's decision (`ApprovalRecord`).
+
+Each is stored as one JSON object. `from_stored` and `stored` are the only conversions, used by
+the ledger backends as they read and write a row: everything above the ledger reads attributes.
+`stored` writes the keys in the order and with the presence they always had, so a record read
+and written again is the same text; keys this version does not know are kept as they were read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from commitgate.server.model.facts import ApprovalState
+
+
+def _present(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of `record` named in `names` that are set, in that order."""
+    return {name: value for name in names if (value := getattr(record, name)) is not None}
+
+
+def _split(data: Mapping[str, Any], known: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`data`'s keys that are fields, and the others (kept as `extra`)."""
+    if data.keys() <= known:
+        return dict(data), {}
+    fields = {key: value for key, value in data.items() if key in known}
+    return fields, {key: value for key, value in data.items() if key not in known}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRecord:
+    """Why an operation failed or may have: a tool's failure (`outcome`, `type`, `message`,
+    `detail`), or a refusal of the gate's own (`code`, `message`, and `budget` for a budget)."""
+
+    message: str | None = None
+    code: str | None = None  # an ErrorCode value, or "lease_expired"
+    outcome: str | None = None  # an Outcome value: how the failure was classified
+    type: str | None = None  # the exception's class name, or "OperatorResolution"
+    detail: Any = None  # what the tool said about it (ToolOutcomeError.detail)
+    # `error.budget` of a budget_exceeded recorded at its take: {name, limit, spent, window[, unit]}
+    budget: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    _ORDER = ("code", "outcome", "type", "message", "detail", "budget")
+
+    def stored(self) -> dict[str, Any]:
+        return {**_present(self, ErrorRecord._ORDER), **self.extra}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> ErrorRecord:
+        fields, extra = _split(data, _ERROR_KEYS)
+        return cls(**fields, extra=extra)
+
+
+_ERROR_KEYS = frozenset(ErrorRecord._ORDER)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconciliationNote:
+    """Who last tried to settle an operation's outcome, when, and what they found."""
+
+    by: str | None = None  # "status_check" | "owner" | "operator"
+    at: float | None = None
+    verdict: str | None = None  # a Verdict value, "succeeded"/"failed", or the owner's state (lowercase)
+    operator: str | None = None  # by = "operator": who
+    reason: str | None = None  # by = "operator": why
+    asked_by: str | None = None  # a status check asked from the console: who asked
+    error: str | None = None  # a status check that failed: why it could not tell
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    _ORDER = ("by", "operator", "reason", "at", "verdict", "asked_by", "error")
+
+    def stored(self) -> dict[str, Any]:
+        return {**_present(self, ReconciliationNote._ORDER), **self.extra}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> ReconciliationNote:
+        fields, extra = _split(data, _NOTE_KEYS)
+        return cls(**fields, extra=extra)
+
+
+_NOTE_KEYS = frozenset(ReconciliationNote._ORDER)
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRecord:
+    """A person's decision on an operation: asked of `deciders` when requested, decided once
+    (`by` whom, `via` which channel, `reason`, `decided_at`) or expired at `expires_at`."""
+
+    state: ApprovalState
+    deciders: tuple[str, ...] = ()  # the channels that may decide ("client", "operator")
+    requested_at: float | None = None
+    expires_at: float | None = None
+    duplicate_of: str | None = None  # a suspected duplicate waits: the earlier operation
+    required_because: str | None = None  # why approval is needed when `when` could not be evaluated
+    over_budget: Mapping[str, Any] | None = None  # past its budget: {name, limit, spent, amount[, unit]}
+    # Once decided (all four are written then, `by` and `reason` possibly null).
+    by: str | None = None
+    via: str | None = None
+    reason: str | None = None
+    decided_at: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    _OPTIONAL = ("requested_at", "expires_at", "duplicate_of", "required_because", "over_budget")
+
+    def stored(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"state": self.state.value, "deciders": list(self.deciders)}
+        data.update(_present(self, ApprovalRecord._OPTIONAL))
+        if self.decided_at is not None:
+            data.update(by=self.by, via=self.via, reason=self.reason, decided_at=self.decided_at)
+        return {**data, **self.extra}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> ApprovalRecord:
+        fields, extra = _split(data, _APPROVAL_KEYS)
+        fields["state"] = ApprovalState(fields["state"])
+        fields["deciders"] = tuple(fields.get("deciders") or ())
+        return cls(**fields, extra=extra)
+
+    def decided(
+        self, state: ApprovalState, by: str | None, via: str, reason: str | None, now: float
+    ) -> ApprovalRecord:
+        return dataclasses.replace(self, state=state, by=by, via=via, reason=reason, decided_at=now)
+
+
+_APPROVAL_KEYS = frozenset(
+    ("state", "deciders", *ApprovalRecord._OPTIONAL, "by", "via", "reason", "decided_at")
+)
