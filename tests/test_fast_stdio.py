@@ -223,16 +223,17 @@ async def test_a_policy_edit_is_announced_in_the_handshake_era(
     deployments: dict[str, Deployment], transport: str
 ) -> None:
     deployment = deployments[transport]
+    deployment.write_policy(POLICY + TICKET)
     async with deployment.client("legacy") as client:
-        await client.list_tools()
-        deployment.write_policy(POLICY + TICKET)
+        assert "create_ticket" in {t.name for t in (await client.list_tools()).tools}
+        deployment.write_policy(POLICY)  # a tool removed: it applies at once (adding one waits for quiet)
 
         async def announced() -> bool:
             return "notifications/tools/list_changed" in deployment.notifications
 
         await eventually(announced)
         names = {t.name for t in (await client.list_tools()).tools}
-        assert "create_ticket" in names
+        assert "create_ticket" not in names and "charge_card" in names
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
@@ -240,10 +241,11 @@ async def test_a_policy_edit_reaches_a_modern_listen_stream(
     deployments: dict[str, Deployment], transport: str
 ) -> None:
     deployment = deployments[transport]
+    deployment.write_policy(POLICY + TICKET)
     async with deployment.client("auto") as client:
         assert client.protocol_version == "2026-07-28"
         async with client.listen(tools_list_changed=True) as subscription:
-            deployment.write_policy(POLICY + TICKET)
+            deployment.write_policy(POLICY)  # a tool removed: it applies at once
             with anyio.fail_after(DEADLINE):
                 event = await subscription.__anext__()
             assert isinstance(event, ToolsListChanged)
