@@ -289,12 +289,14 @@ def test_write_config_on_jsonc_replaces_the_servers_table_and_keeps_the_rest_com
     tmp_path: Path,
 ) -> None:
     config = tmp_path / "mcp.json"
-    config.write_text(VSCODE_JSONC, encoding="utf-8")
+    config.write_bytes(VSCODE_JSONC.replace("\n", "\r\n").encode())  # as a Windows editor saves it
     # Only `gone`, which cannot start: no process, and the rewrite happens all the same.
     result = init("--from-config", config, "--server", "gone", "--write-config", "--connect-timeout", "5s")
     assert result.returncode == 1 and "commitgate: gone: not reached" in result.stderr
-    assert (tmp_path / "mcp.json.bak").read_text(encoding="utf-8") == VSCODE_JSONC
-    text = config.read_text(encoding="utf-8")
+    assert (tmp_path / "mcp.json.bak").read_bytes() == VSCODE_JSONC.replace("\n", "\r\n").encode()
+    raw = config.read_bytes().decode()
+    assert "\n" not in raw.replace("\r\n", "")  # its line ends as they were, the new lines' too
+    text = raw.replace("\r\n", "\n")
     before_the_table = VSCODE_JSONC.lstrip("\ufeff").split('"servers": ')[0]
     assert text.startswith(before_the_table)  # comments, trailing commas and layout as they were
     assert text.endswith("  },\n}\n")
@@ -324,6 +326,10 @@ def test_a_rewrite_keeps_vs_code_settings_around_the_servers_in_their_own_indent
     )
     text, dropped = jsonc.replace_value(settings, ("mcp", "servers"), {"b": {"url": "http://h//p"}})
     assert not dropped
+    crlf, _ = jsonc.replace_value(
+        settings.replace("\n", "\r\n"), ("mcp", "servers"), {"b": {"url": "http://h//p"}}
+    )
+    assert crlf == text.replace("\n", "\r\n")
     assert text == (
         '{\n    // editor\n    "editor.tabSize": 4,\n    "mcp": {\n        "servers": {\n'
         '            "b": {\n                "url": "http://h//p"\n            }\n        },'

@@ -202,8 +202,11 @@ async def test_a_killed_upstream_fails_safely_and_is_reconnected(memory: Memory)
         assert status.structured_content["operation"]["retry_advice"] == "safe_to_retry_same_key"
         assert memory.entities("dave") == 0
 
+        # Each refused start (the one after the kill, one per attempt of the call above) doubles the
+        # backoff: past the next one, the wait before another is seconds long.
+        await _next_attempt(memory)
         memory.downflag.unlink()
-        await eventually(lambda: _succeeds(client, "read_graph"))  # reconnected by itself
+        # Back up, in the middle of a backoff: the call starts the next attempt at once and waits for it.
         again = await call(client, "create_entities", dave)
     assert not again.is_error, text(again)
     assert operation(again)["state"] == "SUCCEEDED" and operation(again)["replayed"] is False
@@ -374,6 +377,12 @@ async def test_a_streamable_http_upstream_gets_its_secret_header(
     assert "up-secret-5e1f" not in stderr.read_text()
 
 
+async def _next_attempt(memory: Memory) -> None:
+    """Wait for the next (refused) start of the memory server: a new pid in its file."""
+    pid = memory.pid()
+    await eventually(lambda: memory.pid() not in (None, pid), within=30)
+
+
 @pytest.mark.anyio
 async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_path: Path) -> None:
     with socket.socket() as probe:
@@ -387,30 +396,32 @@ async def test_an_upstream_that_comes_up_later_is_served_with_its_own_tools(tmp_
         + f'\n[tools.record_keyed]\nupstream = "stub"\nclass = "key-required"\n{FAST_RETRY}\n'
     )
     note = {"note": "late", "idempotency_key": "late-1"}
-    async with serve(policy, tmp_path / "stderr.log") as client:
+    gate = tmp_path / "up"
+    upstream = subprocess.Popen(  # started now, so it is ready to listen the moment the gate opens
+        [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http", str(port)],
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "STUB_LOG": str(log), "STUB_GATE": str(gate)},
+    )
+    try:
+        async with serve(policy, tmp_path / "stderr.log") as client:
 
-        async def schema() -> dict[str, Any]:
-            tools = {t.name: t for t in (await client.list_tools()).tools}
-            return dict(tools["record_keyed"].input_schema)
+            async def schema() -> dict[str, Any]:
+                tools = {t.name: t for t in (await client.list_tools()).tools}
+                return dict(tools["record_keyed"].input_schema)
 
-        # nothing known but the policy
-        assert set((await schema())["properties"]) == {"idempotency_key", "confirm_duplicate"}
-        assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
-        async with client.listen(tools_list_changed=True) as changes:
-            upstream = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "support" / "upstream_server.py"), "http", str(port)],
-                stdout=subprocess.DEVNULL,
-                env={**os.environ, "STUB_LOG": str(log)},
-            )
-            try:
+            # nothing known but the policy
+            assert set((await schema())["properties"]) == {"idempotency_key", "confirm_duplicate"}
+            assert error_code(await call(client, "record_keyed", note, session="s")) == "retries_exhausted"
+            async with client.listen(tools_list_changed=True) as changes:
+                gate.touch()  # the upstream comes up
                 with anyio.fail_after(40):  # the reconnect backoff, then the announcement
                     assert isinstance(await changes.__anext__(), ToolsListChanged)
                 assert {"note", "idempotency_key"} <= set((await schema())["properties"])
                 first = await call(client, "record_keyed", note, session="s")
                 again = await call(client, "record_keyed", note, session="s")
-            finally:
-                upstream.terminate()
-                upstream.wait(timeout=10)
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
     assert not first.is_error, text(first)
     assert operation(first)["replayed"] is False and operation(again)["replayed"] is True
     (entry,) = stub_log(log)  # one effect, and the key reached the tool's own argument

@@ -19,7 +19,16 @@ from typing import Any
 import anyio
 import pytest
 from mcp.shared.subscriptions import ToolsListChanged
-from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, operation, serve, text, upstream_listed
+from support.wrapping import (
+    CONSOLE_SCRIPT,
+    TESTS_DIR,
+    call,
+    eventually,
+    operation,
+    serve,
+    text,
+    upstream_listed,
+)
 
 from commitgate.server.policy.loading import PolicyError, loads_policy
 
@@ -219,7 +228,8 @@ async def test_a_slow_upstream_delays_neither_initialize_nor_a_call_made_meanwhi
         again = await call(client, "note", note)
         tools = await upstream_listed(client, "lookup")
         (stuck,) = stuck_results
-        sleeper = int((tmp_path / "stuck.pid").read_text())
+        pidfile = tmp_path / "stuck.pid"  # written as it starts, which may be after its call ran out
+        sleeper = int(await eventually(lambda: pidfile.exists() and pidfile.read_text().strip()))
     with contextlib.suppress(ProcessLookupError):  # a client that stops the server at once may orphan it
         os.kill(sleeper, signal.SIGKILL)
     assert keyed(tools, "lookup")  # default_class wins over its read-only annotation

@@ -96,7 +96,9 @@ class ClientConfig:
 
 def read_client_config(path: Path) -> ClientConfig:
     try:
-        text = path.read_text(encoding="utf-8-sig")  # Windows editors may start the file with a BOM
+        # Windows editors may start the file with a BOM; its line ends are kept for a rewrite.
+        with path.open(encoding="utf-8-sig", newline="") as file:
+            text = file.read()
     except FileNotFoundError as exc:
         raise ClientConfigError(
             f"cannot read {path}: no such file (`commitgate claude-config` says where Claude Desktop's"
@@ -219,5 +221,6 @@ def write_with_backup(config: ClientConfig, servers: dict[str, Any]) -> tuple[Pa
     text, dropped = jsonc.replace_value(config.text, config.where, servers)
     backup = config.path.with_name(config.path.name + ".bak")
     shutil.copy2(config.path, backup)
-    config.path.write_text(text, encoding="utf-8")
+    with config.path.open("w", encoding="utf-8", newline="") as file:
+        file.write(text)
     return backup, dropped

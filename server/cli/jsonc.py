@@ -101,7 +101,8 @@ def replace_value(text: str, path: tuple[str, ...], value: Any) -> tuple[str, bo
     line = text[text.rfind("\n", 0, start) + 1 : start]
     margin = line[: len(line) - len(line.lstrip())]
     unit = margin[: len(margin) // len(path)] if path and len(margin) % len(path) == 0 else ""
-    written = json.dumps(value, indent=unit or "  ", ensure_ascii=False).replace("\n", "\n" + margin)
+    newline = "\r\n" if "\r\n" in text else "\n"  # as the file has them (Windows editors: CRLF)
+    written = json.dumps(value, indent=unit or "  ", ensure_ascii=False).replace("\n", newline + margin)
     return text[:start] + written + text[end:], strip(text[start:end])[1]
 
 

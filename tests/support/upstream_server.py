@@ -5,6 +5,8 @@ and step it received and whether the request carried `Authorization: Bearer $STU
 
     python upstream_server.py                 # stdio
     python upstream_server.py http [PORT]     # streamable HTTP (default: a free port); prints its URL
+
+Over HTTP with `$STUB_GATE` set, it listens only once that file exists (a server that comes up later).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -80,6 +83,9 @@ def ping() -> str:
 def serve_http(port: int = 0) -> None:
     import uvicorn
 
+    gate = os.environ.get("STUB_GATE")
+    while gate and not os.path.exists(gate):  # started ahead, it listens only once the test opens the gate
+        time.sleep(0.02)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
