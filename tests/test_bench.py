@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from commitgate.server.bench import report, syscalls
+from commitgate.server.bench import calls, report, syscalls
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import (
@@ -493,3 +493,14 @@ def test_no_call_of_the_overhead_rounds_follows_one_to_the_same_server() -> None
         seen += [variant.client for variant in order]
         assert sorted(map(id, (v.client for v in order))) == sorted(map(id, servers))  # every variant, once
     assert all(a is not b for a, b in itertools.pairwise(seen))
+
+
+def test_the_call_count_profile_counts_each_stage_inside_the_stages_that_hold_it() -> None:
+    counts = asyncio.run(calls.count_calls(5, warm_up=2))
+    assert set(counts) == set(calls.STAGES.values())
+    assert all(count > 0 for count in counts.values()), counts
+    whole, caller = counts["the whole call (gateway.call_tool)"], counts["boundary.call: the caller's side"]
+    assert counts["ledger claim"] < caller < whole
+    assert counts["arguments: key, validation, encoding"] < whole
+    work = counts["the operation's work task"]
+    assert counts["running the tool"] + counts["ledger outcome"] < work

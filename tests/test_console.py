@@ -1046,17 +1046,14 @@ def test_a_wait_that_ran_out_is_shown_as_expired_and_cannot_be_decided(
     policy: Path, ledger_url: str, tmp_path: Path
 ) -> None:
     asyncio.run(write_policy_ledger(policy))
-    listed = asyncio.run(
-        claim(tmp_path / "ledger.db", step="late-1", state=State.AWAITING_APPROVAL, timeout=0.05)
-    )
-    opened = asyncio.run(
-        claim(tmp_path / "ledger.db", step="late-2", state=State.AWAITING_APPROVAL, timeout=0.05)
-    )
-    decided = asyncio.run(
-        claim(tmp_path / "ledger.db", step="late-3", state=State.AWAITING_APPROVAL, timeout=0.05)
+    ago = time.time() - 1  # recorded a second ago with a wait of 50 ms: run out before they are shown
+    listed, opened, decided = (
+        asyncio.run(
+            claim(tmp_path / "ledger.db", step=step, state=State.AWAITING_APPROVAL, at=ago, timeout=0.05)
+        )
+        for step in ("late-1", "late-2", "late-3")
     )
     fresh = asyncio.run(claim(tmp_path / "ledger.db", step="fresh", state=State.AWAITING_APPROVAL))
-    time.sleep(0.1)
     with console_client(ledger_url, loopback_access(), policy=policy) as client:
         token = csrf_of(client.get(f"/operations/{fresh}").text)
         form = {"csrf_token": token, "decision": "approve", "from": "list"}

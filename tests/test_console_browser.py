@@ -47,6 +47,9 @@ timeout = "10s"
 duplicates = false
 approval = { when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{arguments.subject}' to {arguments.to}?" }
 """
+# Each call is answered with its own outcome, however long a loaded machine takes to record it
+# (past respond_within or in_progress_wait the answer would be operation_in_progress instead).
+WAIT = "20s"
 LOAD_BUDGET_MS = 3000.0  # far above what a healthy page takes here (see docs/results.md)
 # Words of table headers and state badges that the layout broke across lines ("Princi pal").
 BROKEN_WORDS = """() => {
@@ -93,8 +96,10 @@ async def lost_email(server: Server, key: str, session: str = "s1", **changes: s
 
 
 def with_approvals(root: Path) -> Deployment:
-    deployment = Deployment.create(root)
-    deployment.policy.write_text(policy_toml() + APPROVAL_TOML, encoding="utf-8")
+    deployment = Deployment.create(root, respond_within=WAIT, in_progress_wait=WAIT)
+    deployment.policy.write_text(
+        policy_toml(respond_within=WAIT, in_progress_wait=WAIT) + APPROVAL_TOML, encoding="utf-8"
+    )
     return deployment
 
 
@@ -199,7 +204,7 @@ async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(
 
 
 async def test_a_script_in_an_argument_stays_inert_and_shows_as_text(tmp_path: Path, browser: Any) -> None:
-    deployment = Deployment.create(tmp_path)
+    deployment = Deployment.create(tmp_path, respond_within=WAIT, in_progress_wait=WAIT)
     session = "<script>alert('session')</script>"
     body = "<img src=x onerror=\"alert('body')\"><script>alert('body')</script>"
     async with serve(deployment, faults="send_email.lose_ack=1x") as server:

@@ -202,8 +202,11 @@ async def test_a_killed_upstream_fails_safely_and_is_reconnected(memory: Memory)
         assert status.structured_content["operation"]["retry_advice"] == "safe_to_retry_same_key"
         assert memory.entities("dave") == 0
 
+        # Each refused start (the one after the kill, one per attempt of the call above) doubles the
+        # backoff: past the next one, the wait before another is seconds long.
+        await _next_attempt(memory)
         memory.downflag.unlink()
-        await eventually(lambda: _succeeds(client, "read_graph"))  # reconnected by itself
+        # Back up, in the middle of a backoff: the call starts the next attempt at once and waits for it.
         again = await call(client, "create_entities", dave)
     assert not again.is_error, text(again)
     assert operation(again)["state"] == "SUCCEEDED" and operation(again)["replayed"] is False
@@ -372,6 +375,12 @@ async def test_a_streamable_http_upstream_gets_its_secret_header(
     (entry,) = stub_log(log)
     assert entry["authorized"] is True and (entry["session"], entry["step"]) == ("web", "h-1")
     assert "up-secret-5e1f" not in stderr.read_text()
+
+
+async def _next_attempt(memory: Memory) -> None:
+    """Wait for the next (refused) start of the memory server: a new pid in its file."""
+    pid = memory.pid()
+    await eventually(lambda: memory.pid() not in (None, pid), within=30)
 
 
 @pytest.mark.anyio

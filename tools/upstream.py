@@ -12,7 +12,8 @@
 
 An `UpstreamManager` connects to every upstream the policy uses in the background when the gateway
 opens (and keeps reconnecting, with backoff, when one dies): the server answers clients at once and a
-call to a tool whose upstream is still connecting waits for it (bounded by the tool's timeout). It
+call to a tool whose upstream is still connecting waits for it (bounded by the tool's timeout); a
+call made while a lost upstream waits out its backoff starts the next attempt at once. It
 imports the declared tools' schemas, descriptions, output schemas and annotations, and hands the
 registry one `UpstreamTool` source per policy entry. When a connection lists other tools than before
 (it was connecting at start, or came back changed), `tools_changed` is set and the server rebuilds
@@ -187,6 +188,7 @@ class UpstreamConnection:
         self.connecting = True  # an attempt is under way (or about to start); calls wait for it
         self._settled = asyncio.Event()  # set when the current attempt connected or failed
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # ends a backoff early: a call wants the next attempt now, or a stop
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -208,7 +210,12 @@ class UpstreamConnection:
         await self.ready(timeout)
 
     async def ready(self, timeout: float) -> Client | None:
-        """The session, after waiting (at most `timeout`) for an attempt under way to settle."""
+        """The session, after waiting (at most `timeout`) for an attempt under way to settle. Between
+        attempts (the backoff after a lost connection or a failed one) a call starts the next attempt
+        now and waits for it, rather than fail while the upstream may well be back."""
+        if not self.connected and not self.connecting and self._task is not None and not self._stop.is_set():
+            self.connecting, self._settled = True, asyncio.Event()
+            self._wake.set()
         if not self.connected and self.connecting:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), timeout)
@@ -220,6 +227,7 @@ class UpstreamConnection:
 
     async def aclose(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
         if self._task is None:
             return
@@ -247,7 +255,8 @@ class UpstreamConnection:
             if time.monotonic() - started > STABLE_AFTER:
                 delay = BACKOFF_INITIAL
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.5, 1.0))
+                await asyncio.wait_for(self._wake.wait(), delay * random.uniform(0.5, 1.0))
+            self._wake.clear()
             delay = min(delay * 2, BACKOFF_MAX)
 
     async def _hold(self) -> None:
