@@ -1390,3 +1390,34 @@ def test_the_question_of_a_budgeted_call_shows_its_budget_with_the_unit(
         assert line in html.unescape(client.get(f"/operations/{op_id}").text)
         budgets = html.unescape(client.get("/budgets").text)
         assert "2,500 USD cents</strong> of 1,000,000 USD cents spent" in budgets
+
+
+def test_the_printed_link_never_decides_as_an_agents_principal(
+    tmp_path: Path,
+    sandbox: Path,
+    ledger_url: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the policy gives the OS user's name to an agent, the link's decisions would read as the
+    agent's: the console asks for --as, and records its decisions under that name."""
+    import getpass
+
+    asyncio.run(write_policy_ledger(write_policy(tmp_path)))
+    policy = tmp_path / "agent-named.toml"
+    policy.write_text(f'[server]\nprincipal = "{getpass.getuser()}"\n[ledger]\nurl = "{ledger_url}"\n')
+    err = refused_start(["--policy", str(policy)], capsys, monkeypatch)
+    assert f"the OS user {getpass.getuser()!r} is an agent's principal" in err and "--as" in err
+    err = refused_start(["--policy", str(policy), "--as", getpass.getuser()], capsys, monkeypatch)
+    assert "is an agent's principal" in err
+
+    seen: list[Access] = []
+
+    def keep_access(opener: Any, access: Access, **kwargs: Any) -> Any:
+        seen.append(access)
+        raise SystemExit(0)  # the app is not needed: what matters is who it would record
+
+    monkeypatch.setattr("commitgate.server.console.app.create_app", keep_access)
+    with pytest.raises(SystemExit):
+        main(["console", "--policy", str(policy), "--as", "dana", "--port", "0"])
+    assert [a.operator for a in seen] == ["dana"]

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commitgate.server.cli.arguments import host_address, port_number
+from commitgate.server.cli.deciders import Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.core.requests import printable
 from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.errors import UserFacingError
@@ -53,7 +55,28 @@ def add_arguments(console: argparse.ArgumentParser) -> None:
         default=DEFAULT_PORT,
         help=f"TCP port, 0 picks a free one (default: {DEFAULT_PORT})",
     )
+    console.add_argument(
+        "--as",
+        dest="operator",
+        metavar="NAME",
+        help="the name the decisions taken through the printed loopback link are recorded under"
+        " (default: the OS user); never a principal the policy gives an agent",
+    )
     console.set_defaults(func=cmd_console)
+
+
+def link_operator(name: str | None, policy: Policy) -> str:
+    """Who the loopback link's decisions are recorded as: a person, never the agent they are about."""
+    operator = local_operator() if name is None else name.strip()
+    who = f"--as {name!r}" if name is not None else f"the OS user {operator!r}"
+    if not operator or not printable(operator):
+        raise UserFacingError("--as must be a name of printable characters")
+    if operator in Operators.of(policy).agents:
+        raise UserFacingError(
+            f"{who} is an agent's principal in the policy: the console's decisions would be recorded"
+            " as the agent's. Pass --as YOUR_NAME"
+        )
+    return operator
 
 
 def _check_ledger_exists(url: str) -> None:
@@ -85,10 +108,11 @@ def cmd_console(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         raise UserFacingError(str(exc)) from None
     check_bind(args.host, tokens)
+    operator = link_operator(args.operator, policy)
     _check_ledger_exists(url)
     asyncio.run(_check_ledger_is_ours(url))
     sock = _listen(args.host, args.port)
-    access = Access.for_bind(args.host, sock.getsockname()[1], tokens, local_operator())
+    access = Access.for_bind(args.host, sock.getsockname()[1], tokens, operator)
     _print_sign_in(sock, access)
     app = create_app(
         ledger_opener(url),
