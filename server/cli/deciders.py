@@ -46,16 +46,18 @@ class Operators:
 
     def name_for(self, by: str | None, principal: str) -> str:
         """The name to record for a decision on an operation of `principal`; NotAnOperator if none."""
-        name = local_operator() if by is None else by
-        if not name.strip() or not printable(name):
-            raise NotAnOperator("--by must be a name of printable characters")
-        who = f"--by {name!r}" if by is not None else f"the OS user {name!r}"
         if self.sees:
-            return self._operator(name, who, principal)
+            return self._operator(*_named(by, "--by"), principal)
+        return self.person(by, "--by")
+
+    def person(self, given: str | None, flag: str) -> str:
+        """A person's name, given with `flag` or else the OS user's: never a principal the policy
+        gives an agent (NotAnOperator says which flag to pass instead)."""
+        name, who = _named(given, flag)
         if name in self.agents:
             raise NotAnOperator(
                 f"{who} is an agent's principal in the policy: a decision is recorded as a person's,"
-                " never as the agent's it is about. Pass --by YOUR_NAME"
+                f" never as the agent's it is about. Pass {flag} YOUR_NAME"
             )
         return name
 
@@ -73,3 +75,11 @@ class Operators:
                 f" {', '.join(sorted(seen))}); pass --by with an operator who does"
             )
         return name
+
+
+def _named(given: str | None, flag: str) -> tuple[str, str]:
+    """The name (given with `flag`, else the OS user's) and how a message names where it came from."""
+    name = local_operator() if given is None else given
+    if not name.strip() or not printable(name):
+        raise NotAnOperator(f"{flag} must be a name of printable characters")
+    return name, (f"{flag} {name!r}" if given is not None else f"the OS user {name!r}")

@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commitgate.server.cli.arguments import host_address, port_number
-from commitgate.server.cli.deciders import Operators
+from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
-from commitgate.server.core.requests import printable
-from commitgate.server.core.resolutions import local_operator
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.loading import default_policy, load_policy
@@ -67,16 +65,10 @@ def add_arguments(console: argparse.ArgumentParser) -> None:
 
 def link_operator(name: str | None, policy: Policy) -> str:
     """Who the loopback link's decisions are recorded as: a person, never the agent they are about."""
-    operator = local_operator() if name is None else name.strip()
-    who = f"--as {name!r}" if name is not None else f"the OS user {operator!r}"
-    if not operator or not printable(operator):
-        raise UserFacingError("--as must be a name of printable characters")
-    if operator in Operators.of(policy).agents:
-        raise UserFacingError(
-            f"{who} is an agent's principal in the policy: the console's decisions would be recorded"
-            " as the agent's. Pass --as YOUR_NAME"
-        )
-    return operator
+    try:
+        return Operators.of(policy).person(name, "--as")
+    except NotAnOperator as exc:
+        raise UserFacingError(str(exc)) from None
 
 
 def _check_ledger_exists(url: str) -> None:

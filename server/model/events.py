@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from decimal import Decimal
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
@@ -33,9 +32,11 @@ class Event(StrEnum):
     )
 
 
-@dataclass(frozen=True, slots=True)
-class BoundaryEvent:
+class BoundaryEvent(NamedTuple):
     """One event as every observer receives it: built once, shared, never changed.
+
+    A named tuple rather than a frozen dataclass: every guarded call builds two or more while
+    observers listen, and a tuple is built in a fifth of the time.
 
     A field the event does not come with is None. None of them carries what a client sent
     (arguments, keys, sessions) or a message that may quote it, except `scope` (it may name a
@@ -60,7 +61,7 @@ class BoundaryEvent:
         return {name: value for name in _DETAILS if (value := getattr(self, name)) is not None}
 
 
-_DETAILS = tuple(f.name for f in fields(BoundaryEvent))[3:]  # past kind, tool and class
+_DETAILS = BoundaryEvent._fields[3:]  # past kind, tool and class
 
 
 class Observer(Protocol):

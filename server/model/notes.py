@@ -10,9 +10,9 @@ and written again is the same text; keys this version does not know are kept as 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from commitgate.server.model.facts import ApprovalState
 
@@ -30,8 +30,26 @@ def _split(data: Mapping[str, Any], known: frozenset[str]) -> tuple[dict[str, An
     return fields, {key: value for key, value in data.items() if key not in known}
 
 
+class _Flat:
+    """A record stored as its set fields, in `_ORDER`, followed by the keys it did not know."""
+
+    __slots__ = ()
+    _ORDER: ClassVar[tuple[str, ...]]
+    _KEYS: ClassVar[frozenset[str]]
+    extra: Mapping[str, Any]
+
+    def stored(self) -> dict[str, Any]:
+        return {**_present(self, self._ORDER), **self.extra}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> Self:
+        fields, extra = _split(data, cls._KEYS)
+        make: Callable[..., Self] = cls  # the dataclass's own __init__, which this mixin cannot name
+        return make(**fields, extra=extra)
+
+
 @dataclass(frozen=True, slots=True)
-class ErrorRecord:
+class ErrorRecord(_Flat):
     """Why an operation failed or may have: a tool's failure (`outcome`, `type`, `message`,
     `detail`), or a refusal of the gate's own (`code`, `message`, and `budget` for a budget)."""
 
@@ -44,22 +62,12 @@ class ErrorRecord:
     budget: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
-    _ORDER = ("code", "outcome", "type", "message", "detail", "budget")
-
-    def stored(self) -> dict[str, Any]:
-        return {**_present(self, ErrorRecord._ORDER), **self.extra}
-
-    @classmethod
-    def from_stored(cls, data: Mapping[str, Any]) -> ErrorRecord:
-        fields, extra = _split(data, _ERROR_KEYS)
-        return cls(**fields, extra=extra)
-
-
-_ERROR_KEYS = frozenset(ErrorRecord._ORDER)
+    _ORDER: ClassVar[tuple[str, ...]] = ("code", "outcome", "type", "message", "detail", "budget")
+    _KEYS: ClassVar[frozenset[str]] = frozenset(_ORDER)
 
 
 @dataclass(frozen=True, slots=True)
-class ReconciliationNote:
+class ReconciliationNote(_Flat):
     """Who last tried to settle an operation's outcome, when, and what they found."""
 
     by: str | None = None  # "status_check" | "owner" | "operator"
@@ -71,18 +79,8 @@ class ReconciliationNote:
     error: str | None = None  # a status check that failed: why it could not tell
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
-    _ORDER = ("by", "operator", "reason", "at", "verdict", "asked_by", "error")
-
-    def stored(self) -> dict[str, Any]:
-        return {**_present(self, ReconciliationNote._ORDER), **self.extra}
-
-    @classmethod
-    def from_stored(cls, data: Mapping[str, Any]) -> ReconciliationNote:
-        fields, extra = _split(data, _NOTE_KEYS)
-        return cls(**fields, extra=extra)
-
-
-_NOTE_KEYS = frozenset(ReconciliationNote._ORDER)
+    _ORDER: ClassVar[tuple[str, ...]] = ("by", "operator", "reason", "at", "verdict", "asked_by", "error")
+    _KEYS: ClassVar[frozenset[str]] = frozenset(_ORDER)
 
 
 @dataclass(frozen=True, slots=True)
