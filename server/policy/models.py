@@ -34,6 +34,7 @@ from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
+from commitgate.server.policy.oauth import OAuthPolicy
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
 FROM_FILE = {"written": True}
@@ -348,9 +349,10 @@ class AuthToken(_Strict):
 
 
 class AuthPolicy(_Strict):
-    """Bearer tokens of the HTTP transports."""
+    """Bearer tokens of the HTTP transports: static ones, and those of an identity provider."""
 
     tokens: list[AuthToken] = Field(default_factory=list, description="[[auth.tokens]] entries.")
+    oauth: OAuthPolicy | None = Field(None, description="[auth.oauth]: tokens from an identity provider.")
 
 
 class UpstreamPolicy(_Strict):

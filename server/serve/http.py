@@ -36,9 +36,7 @@ from typing import Any
 import h11
 import uvicorn
 from mcp.server import Server
-from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
-from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend, RequireAuthMiddleware
-from mcp.server.auth.settings import AuthSettings
+from mcp.server.auth.middleware.bearer_auth import RequireAuthMiddleware
 from mcp.server.sse import SseServerTransport
 from mcp.server.transport_security import (
     DEFAULT_MAX_REQUEST_BODY_SIZE,
@@ -46,15 +44,18 @@ from mcp.server.transport_security import (
     TransportSecuritySettings,
 )
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from commitgate.server.serve.auth import AuthConfigError, PolicyTokenVerifier, RoleGate
+from commitgate.server.serve.auth import (
+    AuthConfigError,
+    PolicyTokenVerifier,
+    install_auth,
+    metadata_routes,
+)
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import extra
 from commitgate.server.serve.metrics import CONTENT_TYPE, Metrics
@@ -102,10 +103,17 @@ def token_verifier(gateway: Gateway, environ: Mapping[str, str] | None = None) -
         verifier = PolicyTokenVerifier(lambda: gateway.policy.auth, environ)
     except AuthConfigError as exc:
         raise ServeRefused(str(exc)) from None
-    return verifier if verifier.table else None
+    return verifier if verifier else None
 
 
-def check_bind(host: str, authenticated: bool) -> None:
+def check_bind(host: str, authenticated: bool, verifier: PolicyTokenVerifier | None = None) -> None:
+    oauth = verifier.oauth.policy if verifier is not None and verifier.oauth is not None else None
+    if oauth is not None and oauth.resource is None and not is_loopback(host):
+        raise ServeRefused(
+            f"[auth.oauth] needs `resource` to listen on {host!r}: the public URL of this server's /mcp"
+            ' (e.g. resource = "https://mcp.example.com/mcp"), which clients ask tokens for and tokens'
+            " must name as their audience"
+        )
     if authenticated or is_loopback(host):
         return
     raise ServeRefused(
@@ -264,18 +272,6 @@ def ops_routes(
     return [Route("/healthz", healthz, methods=["GET"]), Route("/metrics", metrics_app, methods=["GET"])]
 
 
-def auth_middleware(verifier: PolicyTokenVerifier) -> list[Middleware]:
-    return [
-        Middleware(AuthenticationMiddleware, backend=BearerAuthBackend(verifier)),
-        Middleware(AuthContextMiddleware),
-    ]
-
-
-def auth_settings() -> AuthSettings:
-    # The SDK requires an issuer even for static tokens; no OAuth route is served from it.
-    return AuthSettings(issuer_url="http://localhost", resource_server_url=None, required_scopes=[])
-
-
 def build_app(
     gateway: Gateway,
     transport: str,
@@ -298,6 +294,9 @@ def build_app(
     settings = security_settings(host, allowed_hosts)
     server = build_server(gateway, version, metrics=metrics, announcer=announcer)
     routes = ops_routes(gateway, metrics, settings, verifier is not None)
+    resource_path = MCP_PATH if transport == "streamable-http" else SSE_PATH
+    if verifier is not None and verifier.oauth is not None:
+        routes += metadata_routes(verifier.oauth.policy, resource_path)
     if transport == "streamable-http":
         app = server.streamable_http_app(
             streamable_http_path=MCP_PATH,
@@ -305,14 +304,12 @@ def build_app(
             max_request_body_size=max_body_bytes(gateway),
             transport_security=settings,
             host=host,
-            auth=auth_settings() if verifier else None,
-            token_verifier=verifier,
-            custom_starlette_routes=routes,
+            custom_starlette_routes=routes,  # tokens are checked by our own middleware (install_auth)
         )
     else:
         app = _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)
     if verifier is not None:
-        app.add_middleware(RoleGate, verifier=verifier)
+        install_auth(app, verifier, resource_path)
     app.add_middleware(_HostCase)  # outermost of ours: every route's Host check sees lower case
     return app
 
@@ -339,7 +336,7 @@ def _sse_app(
         Route(SSE_PATH, protect(handle_sse, verifier is not None), methods=["GET"]),
         Mount(MESSAGES_PATH, app=protect(sse.handle_post_message, verifier is not None)),
     ]
-    return Starlette(routes=[*routes, *mcp_routes], middleware=auth_middleware(verifier) if verifier else [])
+    return Starlette(routes=[*routes, *mcp_routes])
 
 
 # --- serving -------------------------------------------------------------------------------------
@@ -379,7 +376,7 @@ async def serve_http(
     `announce` is told the URL once the socket listens (the CLI prints it for the person who started it).
     """
     verifier = token_verifier(gateway, environ)
-    check_bind(host, verifier is not None)
+    check_bind(host, verifier is not None, verifier)
     metrics = metrics or Metrics()
     metrics.attach(gateway)
     announcer = ToolListAnnouncer()
