@@ -1,0 +1,288 @@
+"""`[auth.oauth]` end to end: a real OpenID provider (npm `oidc-provider`) issues the access tokens.
+
+One provider and one `commitgate serve` over streamable HTTP for the module; effects are counted in
+the demo sandbox by principal. Tokens the test signs itself appear only where the point is a token
+the provider would never issue (`none`, another issuer's key, an expired one signed with the
+provider's own key through its test endpoint).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from support.http_servers import TOOLS, Served, connect, error_code, free_port, running, token_entry
+from support.oidc import AGENT_SCOPE, OPERATOR_SCOPE, PRINCIPALS_CLAIM, IdP, running_idp
+
+from commitgate.server.serve.checking import check_policy_file
+from commitgate.tools import demo
+
+pytestmark = pytest.mark.slow
+
+MCP_ACCEPT = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+STATIC_TOKEN = "static-alice-token-4f1a9c2e7b"
+
+
+@pytest.fixture(scope="module")
+def idp() -> Iterator[IdP]:
+    with running_idp() as provider:
+        yield provider
+
+
+@pytest.fixture(scope="module")
+def served(idp: IdP, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("oauth")
+    port = free_port()
+    policy = root / "policy.toml"
+    policy.write_text(
+        f"""
+[server]
+name = "commitgate-oauth-test"
+respond_within = "20s"
+
+[ledger]
+synchronous = "NORMAL"
+
+{token_entry("static-alice", STATIC_TOKEN)}
+[auth.oauth]
+issuer = "{idp.issuer}"
+resource = "http://127.0.0.1:{port}/mcp"
+principal_claim = "client_id"
+operator_principals_claim = "{PRINCIPALS_CLAIM}"
+{TOOLS}
+""",
+        encoding="utf-8",
+    )
+    with running(
+        root, policy, "streamable-http", ledger=root / "ledger.db", sandbox=root / "sandbox.db", port=port
+    ) as s:
+        yield s
+
+
+@pytest.fixture
+def sandbox(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMMITGATE_SANDBOX", str(Path(served.stderr_path).parent / "sandbox.db"))
+
+
+def resource(served: Served) -> str:
+    return f"{served.base}/mcp"
+
+
+def call(key: str) -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "create_ticket", "arguments": {"title": "x", "idempotency_key": key}},
+    }
+
+
+def post(served: Served, token: str | None, key: str) -> httpx2.Response:
+    headers = {**MCP_ACCEPT, **({"Authorization": f"Bearer {token}"} if token else {})}
+    return httpx2.post(served.endpoint, json=call(key), headers=headers, timeout=30)
+
+
+def wait_logged(served: Served, text: str) -> str:
+    deadline = time.monotonic() + 20
+    while text not in served.stderr():
+        assert time.monotonic() < deadline, f"not logged: {text}\n{served.stderr()[-3000:]}"
+        time.sleep(0.05)
+    return served.stderr()
+
+
+# --- telling a client where to get a token ----------------------------------------------------------
+
+
+def test_metadata_and_the_401_header_lead_a_client_to_the_provider(idp: IdP, served: Served) -> None:
+    refused = post(served, None, "k-" + uuid.uuid4().hex)
+    assert refused.status_code == 401
+    header = refused.headers["www-authenticate"]
+    assert header.startswith('Bearer error="invalid_token"')
+    pointer = f'resource_metadata="{served.base}/.well-known/oauth-protected-resource/mcp"'
+    assert pointer in header
+    for path in ("/.well-known/oauth-protected-resource/mcp", "/.well-known/oauth-protected-resource"):
+        metadata = httpx2.get(served.base + path).json()
+        assert metadata == {
+            "resource": resource(served),
+            "authorization_servers": [idp.issuer],
+            "scopes_supported": [AGENT_SCOPE],
+            "bearer_methods_supported": ["header"],
+        }
+    provider = httpx2.get(idp.issuer + "/.well-known/openid-configuration").json()
+    assert provider["issuer"] == idp.issuer  # the advertised server is a real one a client can use
+
+
+# --- an agent's token ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("client", ["agent-alice", "agent-es", "agent-ed"])  # RS256, ES256, EdDSA
+async def test_an_agent_token_calls_a_keyed_tool_once_and_its_retry_replays(
+    idp: IdP, served: Served, sandbox: None, client: str
+) -> None:
+    token = idp.token(client, AGENT_SCOPE, resource(served))
+    key = "k-" + uuid.uuid4().hex
+    async with connect(served, headers={"Authorization": f"Bearer {token}"}) as session:
+        first = await session.call_tool("create_ticket", {"title": key, "idempotency_key": key})
+        again = await session.call_tool("create_ticket", {"title": key, "idempotency_key": key})
+    assert not first.is_error and not again.is_error
+    assert (first.meta or {})["commitgate/operation"]["replayed"] is False
+    assert (again.meta or {})["commitgate/operation"]["replayed"] is True
+    assert demo.count("tickets", idempotency_key=key, principal=client) == 1  # the claim is the principal
+    assert demo.count("tickets", idempotency_key=key) == 1
+
+
+@pytest.mark.anyio
+async def test_static_tokens_keep_working_beside_the_provider(served: Served, sandbox: None) -> None:
+    key = "k-" + uuid.uuid4().hex
+    async with connect(served, headers={"Authorization": f"Bearer {STATIC_TOKEN}"}) as session:
+        made = await session.call_tool("create_ticket", {"title": "hello", "idempotency_key": key})
+    assert error_code(made) is None
+    assert demo.count("tickets", idempotency_key=key, principal="static-alice") == 1
+
+
+# --- tokens that are refused ------------------------------------------------------------------------------
+
+
+def other_issuers_token(idp: IdP, served: Served) -> str:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    claims = idp.claims(iss="https://idp.attacker.example", aud=resource(served), scope=AGENT_SCOPE)
+    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "rs256-1"})
+
+
+def forged_with_a_known_kid(idp: IdP, served: Served) -> str:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    claims = idp.claims(aud=resource(served), scope=AGENT_SCOPE)  # the right issuer, the wrong key
+    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "rs256-1"})
+
+
+REFUSED = {
+    "wrong-audience": (
+        lambda idp, s: idp.token("agent-alice", AGENT_SCOPE, "http://127.0.0.1:9/mcp"),
+        "issued for another audience",
+    ),
+    "expired": (
+        lambda idp, s: idp.sign(idp.claims(aud=resource(s), scope=AGENT_SCOPE, exp=int(time.time()) - 120)),
+        "expired",
+    ),
+    "not-yet-valid": (
+        lambda idp, s: idp.sign(idp.claims(aud=resource(s), scope=AGENT_SCOPE, nbf=int(time.time()) + 600)),
+        "not valid yet",
+    ),
+    "other-issuer": (other_issuers_token, "bad signature"),
+    "forged": (forged_with_a_known_kid, "bad signature"),
+    "none": (
+        lambda idp, s: jwt.encode(idp.claims(aud=resource(s), scope=AGENT_SCOPE), None, algorithm="none"),
+        "signed with 'none'",
+    ),
+    "hs256": (lambda idp, s: idp.token("agent-hs", AGENT_SCOPE, resource(s)), "signed with 'HS256'"),
+    "oversized": (
+        lambda idp, s: idp.sign(idp.claims(aud=resource(s), scope=AGENT_SCOPE, pad="x" * 9000)),
+        "token longer than",
+    ),
+    "malformed": (lambda idp, s: "bm90LWEtaGVhZGVy.bWFsZm9ybWVkLXBheWxvYWQ.c2lnbmF0dXJl", "not a JWT"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_token_the_server_must_not_trust_is_refused_with_no_effect(
+    idp: IdP, served: Served, sandbox: None, case: str
+) -> None:
+    make, reason = REFUSED[case]
+    token = make(idp, served)
+    key = "k-" + uuid.uuid4().hex
+    refused = post(served, token, key)
+    assert refused.status_code == 401, refused.text
+    assert "resource_metadata=" in refused.headers["www-authenticate"]
+    logged = wait_logged(served, f"refused an access token: {reason}")
+    assert token not in logged and token.split(".")[1] not in logged  # the token never reaches the log
+    assert demo.count("tickets", idempotency_key=key) == 0
+    assert httpx2.get(served.base + "/healthz").status_code == 200
+
+
+def test_a_valid_token_without_the_agent_scope_gets_403_insufficient_scope(
+    idp: IdP, served: Served, sandbox: None
+) -> None:
+    token = idp.token("plain-client", "profile:read", resource(served))
+    key = "k-" + uuid.uuid4().hex
+    refused = post(served, token, key)
+    assert refused.status_code == 403
+    header = refused.headers["www-authenticate"]
+    assert 'error="insufficient_scope"' in header and f'scope="{AGENT_SCOPE}"' in header
+    assert demo.count("tickets", idempotency_key=key) == 0
+
+
+# --- operators ---------------------------------------------------------------------------------------------
+
+
+def test_an_operator_token_reads_metrics_and_is_refused_on_mcp(
+    idp: IdP, served: Served, sandbox: None
+) -> None:
+    operator = idp.token("ops-carol", OPERATOR_SCOPE, resource(served))
+    agent = idp.token("agent-alice", AGENT_SCOPE, resource(served))
+    key = "k-" + uuid.uuid4().hex
+    refused = post(served, operator, key)
+    assert refused.status_code == 403 and "operator's token" in refused.json()["error_description"]
+    assert demo.count("tickets", idempotency_key=key) == 0
+    metrics = httpx2.get(served.base + "/metrics", headers={"Authorization": f"Bearer {operator}"})
+    assert metrics.status_code == 200 and "commitgate_" in metrics.text
+    as_agent = httpx2.get(served.base + "/metrics", headers={"Authorization": f"Bearer {agent}"})
+    assert as_agent.status_code == 403 and "agent's token" in as_agent.json()["error_description"]
+    scopeless = idp.token("plain-client", "profile:read", resource(served))
+    bare = httpx2.get(served.base + "/metrics", headers={"Authorization": f"Bearer {scopeless}"})
+    assert bare.status_code == 403 and f'scope="{OPERATOR_SCOPE}"' in bare.headers["www-authenticate"]
+
+
+# --- keys that change ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_key_rotation_at_the_provider_is_accepted_without_a_restart(
+    idp: IdP, served: Served, sandbox: None
+) -> None:
+    before = idp.token("agent-bob", AGENT_SCOPE, resource(served))
+    kids = idp.rotate("roll")  # the published next key signs from now on
+    after = idp.token("agent-bob", AGENT_SCOPE, resource(served))
+    assert jwt.get_unverified_header(after)["kid"] != jwt.get_unverified_header(before)["kid"]
+    assert jwt.get_unverified_header(after)["kid"] in kids
+    keys = ["k-" + uuid.uuid4().hex, "k-" + uuid.uuid4().hex]
+    for token, key in zip((before, after), keys, strict=True):
+        async with connect(served, headers={"Authorization": f"Bearer {token}"}) as session:
+            made = await session.call_tool("create_ticket", {"title": key, "idempotency_key": key})
+        assert error_code(made) is None
+    assert [demo.count("tickets", idempotency_key=k, principal="agent-bob") for k in keys] == [1, 1]
+
+
+# --- policy check ---------------------------------------------------------------------------------------------
+
+
+def test_policy_check_says_what_is_wrong_with_auth_oauth(tmp_path: Path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        """
+[auth.oauth]
+issuer = "idp.example.com"
+resource = "https://mcp.example.com/mcp"
+agent_scope = ""
+operator_scope = "ops scope"
+jwks_url = "ftp://idp.example.com/jwks"
+""",
+        encoding="utf-8",
+    )
+    said = "\n".join(str(p) for p in check_policy_file(path))
+    assert "auth.oauth.issuer: must be an http(s) URL such as https://idp.example.com/realms/team" in said
+    assert "auth.oauth.agent_scope: a scope name must not be empty" in said
+    assert "auth.oauth.operator_scope: 'ops scope' is not a scope name" in said
+    assert "auth.oauth.jwks_url: must be an http(s) URL" in said
+    path.write_text(
+        '[auth.oauth]\nissuer = "https://idp.example.com"\nagent_scope = "x"\noperator_scope = "x"\n'
+    )
+    said = "\n".join(str(p) for p in check_policy_file(path))
+    assert "agent_scope and operator_scope are both 'x'" in said
