@@ -8,12 +8,15 @@ provider's own key through its test endpoint).
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import jwt
 import pytest
@@ -21,7 +24,10 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from support.http_servers import TOOLS, Served, connect, error_code, free_port, running, token_entry
 from support.oidc import AGENT_SCOPE, OPERATOR_SCOPE, PRINCIPALS_CLAIM, IdP, running_idp
 
+from commitgate.server.policy.oauth import OAuthPolicy
+from commitgate.server.serve.auth import access_token
 from commitgate.server.serve.checking import check_policy_file
+from commitgate.server.serve.oauth import REFETCH_INTERVAL, Caller, OAuthVerifier, ProviderKeys, Refused
 from commitgate.tools import demo
 
 pytestmark = pytest.mark.slow
@@ -286,3 +292,123 @@ jwks_url = "ftp://idp.example.com/jwks"
     )
     said = "\n".join(str(p) for p in check_policy_file(path))
     assert "agent_scope and operator_scope are both 'x'" in said
+
+
+# --- the provider's keys, in process (a provider of their own: its keys change here) -------------------------
+
+UNIT_AUDIENCE = "http://127.0.0.1:1/unit"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unit_verifier(issuer: str, clock: Clock, **policy: Any) -> OAuthVerifier:
+    oauth = OAuthPolicy(issuer=issuer, audience=UNIT_AUDIENCE, **policy)
+    return OAuthVerifier(oauth, ProviderKeys(issuer, oauth.jwks_url, clock=clock))
+
+
+@pytest.fixture(scope="module")
+def spare() -> Iterator[IdP]:
+    """A provider whose keys the tests replace (the server's provider keeps its own)."""
+    with running_idp() as provider:
+        yield provider
+
+
+@pytest.mark.anyio
+async def test_an_unknown_key_id_fetches_the_keys_again_at_most_once_a_minute(spare: IdP) -> None:
+    clock = Clock()
+    provider = spare
+    verifier = unit_verifier(provider.issuer, clock)
+    first = await verifier.verify(provider.token("agent-alice", AGENT_SCOPE, UNIT_AUDIENCE))
+    assert first.principal == "agent-alice" and first.role == "agent" and verifier.keys.fetches == 1
+    provider.rotate("replace")  # keys nobody has seen yet
+    rotated = provider.token("agent-alice", AGENT_SCOPE, UNIT_AUDIENCE)
+    junk = [forged(provider, kid=f"junk-{i}") for i in range(20)]
+    clock.now += 10
+    with pytest.raises(Refused, match="no key"):  # fetched 10 s ago: not again yet
+        await verifier.verify(rotated)
+    for token in junk:
+        with pytest.raises(Refused):
+            await verifier.verify(token)
+    assert verifier.keys.fetches == 1  # junk key ids never flood the provider
+    clock.now += REFETCH_INTERVAL
+    caller = await verifier.verify(rotated)
+    assert caller.principal == "agent-alice" and verifier.keys.fetches == 2
+
+
+@pytest.mark.anyio
+async def test_concurrent_calls_with_a_new_key_share_one_fetch(spare: IdP) -> None:
+    provider = spare
+    verifier = unit_verifier(provider.issuer, Clock())
+    token = provider.token("agent-es", AGENT_SCOPE, UNIT_AUDIENCE)
+    callers: list[Any] = []
+
+    async def one() -> None:
+        callers.append(await verifier.verify(token))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(one)
+    assert len(callers) == 20 and verifier.keys.fetches == 1
+
+
+@pytest.mark.anyio
+async def test_a_provider_that_is_down_lets_nobody_in_and_raises_nothing_else(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    with running_idp() as provider:
+        verifier = unit_verifier(provider.issuer, clock, operator_principals_claim=PRINCIPALS_CLAIM)
+        known = provider.token("ops-carol", OPERATOR_SCOPE, UNIT_AUDIENCE)
+        caller = await verifier.verify(known)
+        assert caller.role == "operator" and caller.sees == frozenset({"alice"})
+        unknown = forged(provider, kid="rs256-new")  # a key id the verifier has not seen
+    # The provider is gone: a token whose key is known still checks out, any other is refused.
+    assert (await verifier.verify(known)).principal == "ops-carol"
+    clock.now += REFETCH_INTERVAL
+    with caplog.at_level("WARNING", logger="commitgate.auth"), pytest.raises(Refused, match="no key"):
+        await verifier.verify(unknown)
+    assert "cannot fetch the issuer's keys" in caplog.text and "cannot reach" in caplog.text
+    assert unknown not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_provider_that_hangs_up_mid_answer_refuses_the_token_in_flight() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def hang_up() -> None:
+            for _ in range(2):  # the two discovery documents
+                conn, _ = listener.accept()
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{")
+                conn.close()
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        verifier = unit_verifier(f"http://127.0.0.1:{port}", Clock())
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        token = jwt.encode({"sub": "x"}, key, algorithm="RS256", headers={"kid": "k"})
+        with pytest.raises(Refused, match="no key"):
+            await verifier.verify(token)
+        thread.join(10)
+
+
+FORGER = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def forged(provider: IdP, kid: str) -> str:
+    key = FORGER
+    claims = provider.claims(aud=UNIT_AUDIENCE, scope=AGENT_SCOPE)
+    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": kid})
+
+
+def test_the_identity_handed_on_never_holds_the_token() -> None:
+    token = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJhIn0.c2lnbmF0dXJlLW9mLWEtdG9rZW4"
+    issued = access_token(token, Caller("alice", "agent"))
+    assert token not in issued.model_dump_json() and issued.client_id == "alice"

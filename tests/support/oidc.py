@@ -29,6 +29,7 @@ PACKAGE = "oidc-provider@9.13.3"
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_DIR = ROOT / "build" / PACKAGE.replace("@", "-")
 SCRIPT = Path(__file__).with_name("oidc_provider.mjs")
+MIN_NODE = (20, 19)
 START_TIMEOUT = 30.0
 INSTALL_TIMEOUT = 300.0
 
@@ -37,11 +38,18 @@ PRINCIPALS_CLAIM = "commitgate_principals"
 
 
 def require_node() -> None:
-    """Skip (fail under CI) when Node or npm is missing."""
+    """Skip (fail under CI) when Node or npm is missing, or Node is older than the package needs."""
     missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if not missing:
+    problem = None
+    if missing:
+        problem = f"{' and '.join(missing)} not found: apt-get install nodejs npm (the OAuth tests run a real OpenID provider)"
+    else:
+        version = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+        numbers = tuple(int(n) for n in version.lstrip("v").split(".")[:2] if n.isdigit())
+        if numbers < MIN_NODE:
+            problem = f"{PACKAGE} needs Node >= {'.'.join(map(str, MIN_NODE))}, this is {version}"
+    if problem is None:
         return
-    problem = f"{' and '.join(missing)} not found: apt-get install nodejs npm (the OAuth tests run a real OpenID provider)"
     if in_ci():
         pytest.fail(f"the OAuth tests must run under CI: {problem}")
     pytest.skip(problem)
