@@ -185,7 +185,7 @@ REFUSED = {
     "other-issuer": (other_issuers_token, "bad signature"),
     "forged": (forged_with_a_known_kid, "bad signature"),
     "none": (
-        lambda idp, s: jwt.encode(idp.claims(aud=resource(s), scope=AGENT_SCOPE), None, algorithm="none"),
+        lambda idp, s: jwt.encode(idp.claims(aud=resource(s), scope=AGENT_SCOPE), "", algorithm="none"),
         "signed with 'none'",
     ),
     "hs256": (lambda idp, s: idp.token("agent-hs", AGENT_SCOPE, resource(s)), "signed with 'HS256'"),
