@@ -18,6 +18,7 @@ from starlette.staticfiles import StaticFiles
 from commitgate.server.console.pages import PAGES, Page
 from commitgate.server.console.rendering import STATIC, render
 from commitgate.server.console.security import Access, Denied, with_headers
+from commitgate.server.console.signin import LOGIN_PATH, OPEN_PATHS, SIGN_IN_ROUTES, signs_in
 from commitgate.server.ledger import Ledger, LedgerUnavailable, open_ledger
 from commitgate.server.policy.models import Policy
 
@@ -44,7 +45,9 @@ class Guard(BaseHTTPMiddleware):
         at = time.time()
         if "token" in request.query_params:
             return access.sign_in_from_url(request, at)
-        identity = access.signed_in(request, at)
+        if request.url.path in OPEN_PATHS:
+            return await call_next(request)  # signing in through the identity provider
+        identity = await access.signed_in(request, at)
         if identity is None:
             raise Denied(401, _sign_in_hint(access))
         request.state.identity = identity
@@ -52,6 +55,8 @@ class Guard(BaseHTTPMiddleware):
 
 
 def _sign_in_hint(access: Access) -> str:
+    if access.oauth is not None and access.oauth.policy.console_client_id is not None:
+        return "Sign in with your identity provider, or with an operator's bearer token."
     if access.loopback:
         return "Sign in with the link the console printed when it started (it ends in ?token=…)."
     return (
@@ -62,7 +67,10 @@ def _sign_in_hint(access: Access) -> str:
 
 def _refusal(request: Request, denied: Denied, access: Access) -> Response:
     signed_in = getattr(request.state, "identity", None) is not None
-    response = render(request, "refused.html", denied.status, title="Refused", message=str(denied))
+    sign_in = LOGIN_PATH if denied.status == 401 and signs_in(access) else ""
+    response = render(
+        request, "refused.html", denied.status, title="Refused", message=str(denied), sign_in=sign_in
+    )
     if denied.status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
     if not signed_in:
@@ -109,6 +117,7 @@ def create_app(
     ]
     for page in pages:
         routes.extend(page.routes)
+    routes.extend(SIGN_IN_ROUTES)
     app = Starlette(
         routes=routes,
         middleware=[Middleware(Guard)],

@@ -22,6 +22,7 @@ from commitgate.server.policy.tokens import AuthConfigError, load_tokens
 
 if TYPE_CHECKING:
     from commitgate.server.console.security import Access
+    from commitgate.server.serve.oauth import OAuthVerifier
 
 DEFAULT_PORT = 8766
 
@@ -71,6 +72,23 @@ def link_operator(name: str | None, policy: Policy) -> str:
         raise UserFacingError(str(exc)) from None
 
 
+def console_oauth(policy: Policy) -> OAuthVerifier | None:
+    """The checker of operators' access tokens, when `[auth.oauth]` says which audience they carry."""
+    from commitgate.server.serve.oauth import OAuthVerifier
+
+    oauth = policy.auth.oauth if policy.auth is not None else None
+    if oauth is None:
+        return None
+    if oauth.audience is None and oauth.resource is None:
+        print(
+            "commitgate: [auth.oauth] names no `resource` (or `audience`): the console cannot tell which"
+            " access tokens are meant for this server, so it takes none",
+            file=sys.stderr,
+        )
+        return None
+    return OAuthVerifier(oauth)
+
+
 def _check_ledger_exists(url: str) -> None:
     """The console never creates a ledger: a typo would otherwise show an empty, reassuring page."""
     try:
@@ -99,12 +117,13 @@ def cmd_console(args: argparse.Namespace) -> int:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
         raise UserFacingError(str(exc)) from None
-    check_bind(args.host, tokens)
+    oauth = console_oauth(policy)
+    check_bind(args.host, tokens, oauth)
     operator = link_operator(args.operator, policy)
     _check_ledger_exists(url)
     asyncio.run(_check_ledger_is_ours(url))
     sock = _listen(args.host, args.port)
-    access = Access.for_bind(args.host, sock.getsockname()[1], tokens, operator)
+    access = Access.for_bind(args.host, sock.getsockname()[1], tokens, operator, oauth)
     _print_sign_in(sock, access)
     app = create_app(
         ledger_opener(url),
@@ -156,6 +175,14 @@ def _print_sign_in(sock: socket.socket, access: Access) -> None:
         )
     else:
         print(f"commitgate: console at http://{shown_host}:{port}/", flush=True)
+    if access.oauth is not None and access.oauth.policy.console_client_id is not None:
+        print(
+            f"commitgate: operators sign in through {access.oauth.policy.issuer} at"
+            f" http://{shown_host}:{port}/oauth/login",
+            flush=True,
+        )
+        return
+    if access.console_token is None:
         print(
             "commitgate: sign in with ?token=YOUR_TOKEN (an operator's token of [[auth.tokens]]) or a"
             " bearer header",

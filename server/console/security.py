@@ -8,7 +8,9 @@ Two ways in, chosen by the address the console listens on:
 - any other address: only operator tokens of the policy (`[[auth.tokens]]` with
   `role = "operator"`), as a bearer token or once in the URL. The console then decides in that
   operator's name and sees only the operations of the principals the token lists. Without an
-  operator token it refuses to start (`ConsoleRefused`).
+  operator token (or `[auth.oauth]`) it refuses to start (`ConsoleRefused`).
+With `[auth.oauth]`, on either: an operator's access token as a bearer token, or a person signed in
+through the identity provider (signin.py), who gets the same signed cookie.
 On either, an agent's token is refused (403): an agent must never approve or resolve its own calls.
 
 Every page is sent with a strict Content-Security-Policy (no inline script or style, nothing from
@@ -23,6 +25,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import secrets
 from dataclasses import dataclass, field
 from urllib.parse import urlencode, urlsplit
@@ -33,7 +36,9 @@ from starlette.responses import RedirectResponse, Response
 
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.tokens import Holder, TokenTable
+from commitgate.server.serve.oauth import Caller, OAuthVerifier, Refused
 
+log = logging.getLogger("commitgate.console")
 CSRF_FIELD = "csrf_token"
 COOKIE_LIFETIME = 12 * 3600.0
 CONTENT_SECURITY_POLICY = (
@@ -77,9 +82,16 @@ AGENT_REFUSED = (
 )
 
 
-def check_bind(host: str, tokens: TokenTable) -> None:
-    """A console bound elsewhere than loopback needs an operator's token: ConsoleRefused otherwise."""
-    if not is_loopback(host) and not tokens.has("operator"):
+NOT_AN_OPERATOR = (
+    "This identity is not an operator's: the console needs an access token with the operator's scope"
+    " ({scope}), which the identity provider grants to operators only."
+)
+
+
+def check_bind(host: str, tokens: TokenTable, oauth: OAuthVerifier | None = None) -> None:
+    """A console bound elsewhere than loopback needs an operator's token or an identity provider:
+    ConsoleRefused otherwise."""
+    if not is_loopback(host) and not tokens.has("operator") and oauth is None:
         raise ConsoleRefused(
             f"refusing to serve the console on {host!r} without an operator's token: there, only"
             " operators sign in (agents' tokens are refused, so that no agent approves or resolves its own"
@@ -112,15 +124,21 @@ class Access:
     loopback: bool = True
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     cookie: str = "commitgate_console"
+    oauth: OAuthVerifier | None = None  # operators' access tokens of [auth.oauth]
+    signed_out: set[str] = field(default_factory=set)  # sessions ended here, their cookies refused
 
     @classmethod
-    def for_bind(cls, host: str, port: int, tokens: TokenTable, operator: str) -> Access:
-        """Loopback: a fresh console token. Elsewhere: the policy's operator tokens, or ConsoleRefused."""
+    def for_bind(
+        cls, host: str, port: int, tokens: TokenTable, operator: str, oauth: OAuthVerifier | None = None
+    ) -> Access:
+        """Loopback: a fresh console token. Elsewhere: the policy's operator tokens or identity
+        provider, or ConsoleRefused."""
         cookie = f"commitgate_console_{port}"  # cookies ignore ports: two consoles must not clash
         if is_loopback(host):
-            return cls(operator, console_token=secrets.token_urlsafe(32), tokens=tokens, cookie=cookie)
-        check_bind(host, tokens)
-        return cls(operator, tokens=tokens, loopback=False, cookie=cookie)
+            token = secrets.token_urlsafe(32)
+            return cls(operator, console_token=token, tokens=tokens, cookie=cookie, oauth=oauth)
+        check_bind(host, tokens, oauth)
+        return cls(operator, tokens=tokens, loopback=False, cookie=cookie, oauth=oauth)
 
     # --- tokens and cookies ------------------------------------------------------------------
 
@@ -141,9 +159,35 @@ class Access:
     def _sign(self, payload: str) -> str:
         return hmac.new(self.secret, payload.encode("ascii"), hashlib.sha256).hexdigest()
 
-    def cookie_value(self, identity: Identity, now: float) -> str:
+    def sign(self, payload: str) -> str:
+        """This console's signature of `payload` (ASCII), for the values it hands a browser to keep."""
+        return self._sign(payload)
+
+    async def identity_for_bearer(self, token: str) -> Identity | None:
+        """A static or console token's identity, else an operator's access token's; Denied(403) for
+        any other role."""
+        identity = self.identity_for_token(token)
+        if identity is not None or self.oauth is None or token.count(".") != 2:
+            return identity
+        try:
+            caller = await self.oauth.verify(token)
+        except Refused as exc:
+            log.warning("refused an access token: %s", exc)
+            return None
+        return self.operator_identity(caller, hashlib.sha256(token.encode("utf-8")).hexdigest())
+
+    def operator_identity(self, caller: Caller, session: str) -> Identity:
+        """An access token's caller as the console's identity: operators only (Denied(403) otherwise)."""
+        if caller.role == "agent":
+            raise Denied(403, AGENT_REFUSED)
+        if caller.role != "operator":
+            scope = self.oauth.policy.operator_scope if self.oauth is not None else "operator"
+            raise Denied(403, NOT_AN_OPERATOR.format(scope=scope))
+        return Identity(caller.principal, caller.sees, session)
+
+    def cookie_value(self, identity: Identity, now: float, lifetime: float = COOKIE_LIFETIME) -> str:
         seen = None if identity.principals is None else sorted(identity.principals)
-        body = json.dumps({"n": identity.name, "p": seen, "x": now + COOKIE_LIFETIME})
+        body = json.dumps({"n": identity.name, "p": seen, "x": now + lifetime})
         payload = base64.urlsafe_b64encode(body.encode("utf-8")).decode("ascii")
         session = secrets.token_hex(16)
         return f"{payload}.{session}.{self._sign(payload + '.' + session)}"
@@ -154,6 +198,8 @@ class Access:
         if not (payload and session and signature):
             return None
         if not hmac.compare_digest(signature, self._sign(payload + "." + session)):
+            return None
+        if session in self.signed_out:
             return None
         try:
             data = json.loads(base64.urlsafe_b64decode(payload.encode("ascii")))
@@ -185,11 +231,11 @@ class Access:
         if not is_loopback(name):
             raise Denied(400, "This console answers only to a loopback address such as 127.0.0.1.")
 
-    def signed_in(self, request: Request, now: float) -> Identity | None:
+    async def signed_in(self, request: Request, now: float) -> Identity | None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
-            return self.identity_for_token(token.strip())
+            return await self.identity_for_bearer(token.strip())
         value = request.cookies.get(self.cookie)
         return self.identity_for_cookie(value, now) if value else None
 

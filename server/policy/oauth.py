@@ -65,6 +65,14 @@ class OAuthPolicy(BaseModel):
         description="A claim listing the principals an operator decides for (default: every principal).",
     )
 
+    console_client_id: str | None = Field(
+        None,
+        min_length=1,
+        description="The client the console signs operators in as (authorization code with PKCE, a"
+        " public client whose redirect URI is the console's /oauth/callback); without it the console"
+        " takes operators' access tokens only as a bearer header.",
+    )
+
     @field_validator("issuer")
     @classmethod
     def _issuer_url(cls, value: str) -> str:
