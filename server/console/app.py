@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -67,7 +68,8 @@ def _sign_in_hint(access: Access) -> str:
 
 def _refusal(request: Request, denied: Denied, access: Access) -> Response:
     signed_in = getattr(request.state, "identity", None) is not None
-    sign_in = LOGIN_PATH if denied.status == 401 and signs_in(access) else ""
+    back = urlencode({"next": request.url.path})  # signed in, the person lands where they were going
+    sign_in = f"{LOGIN_PATH}?{back}" if denied.status == 401 and signs_in(access) else ""
     response = render(
         request, "refused.html", denied.status, title="Refused", message=str(denied), sign_in=sign_in
     )
