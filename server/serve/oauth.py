@@ -167,7 +167,7 @@ class ProviderKeys:
         except Refused as exc:
             log.warning("cannot fetch the issuer's keys: %s", exc)
             return
-        self.keys = _parse_keys(document)
+        self.keys = parse_keys(document)
         self.fetches += 1
         self._next_fetch = self.clock() + self.refetch_interval
         log.info("fetched the issuer's keys", extra=extra(keys=len(self.keys)))
@@ -188,7 +188,7 @@ class PublishedKey:
         return self.data.get("alg") in (None, alg) and self.data.get("use") in (None, "sig")
 
 
-def _parse_keys(document: Mapping[str, Any]) -> dict[str | None, PublishedKey]:
+def parse_keys(document: Mapping[str, Any]) -> dict[str | None, PublishedKey]:
     keys: dict[str | None, PublishedKey] = {}
     raw = document.get("keys")
     for entry in raw if isinstance(raw, list) else []:
