@@ -9,6 +9,8 @@ provider's own key through its test endpoint).
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -412,3 +414,45 @@ def test_the_identity_handed_on_never_holds_the_token() -> None:
     token = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJhIn0.c2lnbmF0dXJlLW9mLWEtdG9rZW4"
     issued = access_token(token, Caller("alice", "agent"))
     assert token not in issued.model_dump_json() and issued.client_id == "alice"
+
+
+# --- starting up, and a provider that cannot be reached -------------------------------------------------------
+
+
+def oauth_policy(root: Path, oauth: str) -> Path:
+    policy = root / "policy.toml"
+    policy.write_text(f'[ledger]\nsynchronous = "NORMAL"\n\n[auth.oauth]\n{oauth}\n{TOOLS}', encoding="utf-8")
+    return policy
+
+
+def test_a_public_bind_needs_the_resource_url(tmp_path: Path) -> None:
+    policy = oauth_policy(tmp_path, 'issuer = "https://idp.example.com"')
+    argv = [
+        sys.executable, "-m", "commitgate.server.cli", "serve", "--transport", "streamable-http",
+        "--host", "0.0.0.0", "--port", str(free_port()), "--policy", str(policy),
+        "--ledger", f"sqlite:///{tmp_path / 'refused.db'}",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert "[auth.oauth] needs `resource` to listen on '0.0.0.0'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_provider_that_cannot_be_reached_lets_nobody_in_and_the_server_stays_up(
+    idp: IdP, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    policy = oauth_policy(tmp_path, f'issuer = "{gone}"')
+    sandbox = tmp_path / "sandbox.db"
+    monkeypatch.setenv("COMMITGATE_SANDBOX", str(sandbox))
+    with running(tmp_path, policy, "streamable-http", ledger=tmp_path / "l.db", sandbox=sandbox) as server:
+        metadata = httpx2.get(server.base + "/.well-known/oauth-protected-resource/mcp").json()
+        assert metadata["resource"] == f"{server.base}/mcp"  # on loopback: the URL the request named
+        token = forged_with_a_known_kid(idp, server)
+        keys = ["k-" + uuid.uuid4().hex for _ in range(3)]
+        answers = [post(server, token, key).status_code for key in keys]
+        assert answers == [401, 401, 401]
+        logged = wait_logged(server, "cannot fetch the issuer's keys: cannot discover the issuer's keys")
+        assert token not in logged
+        assert httpx2.get(server.base + "/healthz").status_code == 200
+        assert [demo.count("tickets", idempotency_key=k) for k in keys] == [0, 0, 0]

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import httpx2
 import pytest
 from support.browser import chromium, console_process, require_browser
-from support.console import seed
+from support.console import console_client, seed
 from support.oidc import AGENT_SCOPE, OPERATOR_SCOPE, PRINCIPALS_CLAIM, IdP, running_idp
+
+from commitgate.server.console.security import Access
+from commitgate.server.policy.oauth import OAuthPolicy
+from commitgate.server.policy.tokens import TokenTable
+from commitgate.server.serve.oauth import OAuthVerifier
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -27,6 +34,7 @@ RESOURCE = "https://mcp.example.com/mcp"  # the server's public URL: the audienc
 class Console:
     base: str
     idp: IdP
+    ledger: Path
 
     def get(self, path: str, token: str | None = None) -> httpx2.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -54,7 +62,7 @@ console_client_id = "console"
         with console_process(ledger, policy) as link:
             base = link.split("/?")[0].rstrip("/")
             idp.allow_redirects(base + "/oauth/callback")
-            yield Console(base, idp)
+            yield Console(base, idp, ledger)
 
 
 # --- bearer tokens ----------------------------------------------------------------------------------------
@@ -141,3 +149,23 @@ async def test_a_person_who_is_not_an_operator_does_not_get_in(console: Console,
 def test_a_callback_that_did_not_start_here_is_refused(console: Console) -> None:
     refused = httpx2.get(console.base + "/oauth/callback?code=stolen&state=guessed", timeout=30)
     assert refused.status_code == 400 and "did not start at this console" in refused.text
+
+
+def test_off_loopback_the_sign_in_asks_for_pkce_and_its_cookies_are_secure(console: Console) -> None:
+    oauth = OAuthVerifier(
+        OAuthPolicy(issuer=console.idp.issuer, resource=RESOURCE, console_client_id="console")
+    )
+    access = Access.for_bind("0.0.0.0", 8766, TokenTable(), "nobody", oauth)
+    with console_client(f"sqlite:///{console.ledger}", access, sign_in=False) as client:
+        refused = client.get("/approvals")
+        assert refused.status_code == 401 and "/oauth/login?next=%2Fapprovals" in refused.text
+        started = client.get("/oauth/login?next=/approvals")
+    assert started.status_code == 303
+    target = urlsplit(started.headers["location"])
+    query = dict(parse_qsl(target.query))
+    assert f"{target.scheme}://{target.netloc}{target.path}" == console.idp.issuer + "/auth"
+    assert query["code_challenge_method"] == "S256" and len(query["code_challenge"]) == 43
+    assert query["resource"] == RESOURCE and query["client_id"] == "console"
+    assert query["scope"] == f"openid {OPERATOR_SCOPE}" and query["redirect_uri"].endswith("/oauth/callback")
+    cookie = started.headers["set-cookie"].lower()
+    assert "secure" in cookie and "httponly" in cookie and "samesite=lax" in cookie
