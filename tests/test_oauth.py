@@ -29,7 +29,14 @@ from support.oidc import AGENT_SCOPE, OPERATOR_SCOPE, PRINCIPALS_CLAIM, IdP, run
 from commitgate.server.policy.oauth import OAuthPolicy
 from commitgate.server.serve.auth import access_token
 from commitgate.server.serve.checking import check_policy_file
-from commitgate.server.serve.oauth import REFETCH_INTERVAL, Caller, OAuthVerifier, ProviderKeys, Refused
+from commitgate.server.serve.oauth import (
+    KEYS_MAX_AGE,
+    REFETCH_INTERVAL,
+    Caller,
+    OAuthVerifier,
+    ProviderKeys,
+    Refused,
+)
 from commitgate.tools import demo
 
 pytestmark = pytest.mark.slow
@@ -341,6 +348,27 @@ async def test_an_unknown_key_id_fetches_the_keys_again_at_most_once_a_minute(sp
     clock.now += REFETCH_INTERVAL
     caller = await verifier.verify(rotated)
     assert caller.principal == "agent-alice" and verifier.keys.fetches == 2
+
+
+@pytest.mark.anyio
+async def test_a_key_the_provider_withdrew_stops_being_trusted_once_the_set_is_old(spare: IdP) -> None:
+    clock = Clock()
+    verifier = unit_verifier(spare.issuer, clock)
+    old = spare.token("agent-alice", AGENT_SCOPE, UNIT_AUDIENCE)
+    await verifier.verify(old)
+    spare.rotate("replace")  # the keys that signed `old` are no longer published
+    clock.now += KEYS_MAX_AGE / 2
+    await verifier.verify(old)  # the set is recent: no fetch
+    assert verifier.keys.fetches == 1
+    clock.now += KEYS_MAX_AGE
+    assert (
+        await verifier.verify(old)
+    ).principal == "agent-alice"  # served at once, the set renewed beside it
+    with anyio.fail_after(20):
+        while verifier.keys.fetches < 2:
+            await anyio.sleep(0.01)
+    with pytest.raises(Refused, match="no key"):
+        await verifier.verify(old)
 
 
 @pytest.mark.anyio

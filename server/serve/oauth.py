@@ -8,8 +8,10 @@ log; the token itself is never put in a message.
 
 The keys are fetched once and kept. A token naming a key id the set lacks (the provider rotated
 its keys) makes the set be fetched again, at most once a minute, so junk tokens cannot turn the
-server into a flood of requests to the provider. A provider that cannot be reached lets nobody
-in whose key is not already known, and never raises anything but `Refused`.
+server into a flood of requests to the provider; a set older than 15 minutes is fetched again
+beside the next call, so a key the provider withdrew stops being trusted. A provider that cannot
+be reached lets nobody in whose key is not already known (the last set it published stays), and
+never raises anything but `Refused`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ LEEWAY = 60  # seconds of clock skew allowed on exp, nbf and iat
 MAX_TOKEN_CHARS = 8192  # far above any real access token; a larger one is refused unread
 REFETCH_INTERVAL = 60.0  # an unknown key id fetches the keys again at most this often ...
 RETRY_INTERVAL = 5.0  # ... and a fetch that failed is tried again after this long at the earliest
+KEYS_MAX_AGE = 900.0  # a set older than this is fetched again (in the background) when next used
 FETCH_TIMEOUT = 5.0
 MAX_DOCUMENT_BYTES = 512 * 1024
 MAX_PRINCIPAL_CHARS = 255
@@ -107,11 +110,14 @@ class ProviderKeys:
         self.keys: dict[str | None, PublishedKey] = {}
         self.fetches = 0  # how many times the JWKS was fetched (the tests count them)
         self._next_fetch = float("-inf")
+        self._fetched_at = float("-inf")
+        self._renewal: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     async def key_for(self, kid: str | None, alg: str) -> jwt.PyJWK:
         key = self._usable(kid, alg)
         if key is not None:
+            self._renew_if_old()
             return key
         async with self._lock:  # concurrent calls with the same new key id share one fetch
             key = self._usable(kid, alg)
@@ -121,6 +127,23 @@ class ProviderKeys:
         if key is None:
             raise Refused(f"no key {kid!r} for {alg} in the issuer's key set")
         return key
+
+    def _renew_if_old(self) -> None:
+        """A set older than KEYS_MAX_AGE is fetched again beside the call, which goes on with it: a key
+        the provider withdrew stops being trusted, and a slow provider delays nobody."""
+        now = self.clock()
+        if now - self._fetched_at < KEYS_MAX_AGE or now < self._next_fetch or self._lock.locked():
+            return
+        if self._renewal is None or self._renewal.done():
+            self._renewal = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        try:
+            async with self._lock:
+                if self.clock() >= self._next_fetch:
+                    await self._refresh()
+        except Exception as exc:  # nobody awaits this task: say what went wrong, keep the set
+            log.warning("cannot fetch the issuer's keys: %s", type(exc).__name__)
 
     def _usable(self, kid: str | None, alg: str) -> jwt.PyJWK | None:
         if kid is not None:
@@ -169,6 +192,7 @@ class ProviderKeys:
             return
         self.keys = parse_keys(document)
         self.fetches += 1
+        self._fetched_at = self.clock()
         self._next_fetch = self.clock() + self.refetch_interval
         log.info("fetched the issuer's keys", extra=extra(keys=len(self.keys)))
 
