@@ -174,6 +174,9 @@ class Access:
         except Refused as exc:
             log.warning("refused an access token: %s", exc)
             return None
+        except Exception as exc:  # a malformed token is a refusal, never an error page
+            log.warning("refused an access token: cannot read it (%s)", type(exc).__name__)
+            return None
         return self.operator_identity(caller, hashlib.sha256(token.encode("utf-8")).hexdigest())
 
     def operator_identity(self, caller: Caller, session: str) -> Identity:
