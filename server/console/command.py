@@ -46,7 +46,7 @@ def add_arguments(console: argparse.ArgumentParser) -> None:
         type=host_address,
         default="127.0.0.1",
         help="address to listen on; a non-loopback one needs an operator's token in [[auth.tokens]]"
-        " (default: 127.0.0.1)",
+        " or an identity provider in [auth.oauth] (default: 127.0.0.1)",
     )
     console.add_argument(
         "--port",

@@ -97,7 +97,8 @@ def check_bind(host: str, tokens: TokenTable, oauth: OAuthVerifier | None = None
             " operators sign in (agents' tokens are refused, so that no agent approves or resolves its own"
             ' calls). Add role = "operator" to an [[auth.tokens]] entry of the'
             ' policy given with --policy (a principal name of its own, e.g. "ops-alice", with token_env'
-            " or token_sha256), or bind a loopback address such as 127.0.0.1 (the default) and open the"
+            " or token_sha256), or [auth.oauth] to sign operators in through your identity provider,"
+            " or bind a loopback address such as 127.0.0.1 (the default) and open the"
             " link the console prints."
         )
 
