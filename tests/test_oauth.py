@@ -484,3 +484,25 @@ def test_a_provider_that_cannot_be_reached_lets_nobody_in_and_the_server_stays_u
         assert token not in logged
         assert httpx2.get(server.base + "/healthz").status_code == 200
         assert [demo.count("tickets", idempotency_key=k) for k in keys] == [0, 0, 0]
+
+
+@pytest.mark.anyio
+async def test_the_sse_transport_takes_the_same_tokens(
+    idp: IdP, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = oauth_policy(tmp_path, f'issuer = "{idp.issuer}"\nprincipal_claim = "client_id"')
+    sandbox = tmp_path / "sandbox.db"
+    monkeypatch.setenv("COMMITGATE_SANDBOX", str(sandbox))
+    with running(tmp_path, policy, "sse", ledger=tmp_path / "l.db", sandbox=sandbox) as server:
+        refused = httpx2.get(server.endpoint)
+        assert refused.status_code == 401
+        assert (
+            f'resource_metadata="{server.base}/.well-known/oauth-protected-resource/sse"'
+            in refused.headers["www-authenticate"]
+        )
+        token = idp.token("agent-alice", AGENT_SCOPE, f"{server.base}/sse")  # loopback: the URL named
+        key = "k-" + uuid.uuid4().hex
+        async with connect(server, headers={"Authorization": f"Bearer {token}"}) as session:
+            made = await session.call_tool("create_ticket", {"title": key, "idempotency_key": key})
+        assert error_code(made) is None
+        assert demo.count("tickets", idempotency_key=key, principal="agent-alice") == 1
