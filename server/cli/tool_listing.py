@@ -72,20 +72,21 @@ async def _transport(entry: ServerEntry, errlog: TextIO) -> AsyncIterator[tuple[
     async with AsyncExitStack() as stack:
         if entry.command is not None:
             params = StdioServerParameters(
-                command=entry.command,
-                args=entry.args,
+                command=entry.resolved(entry.command),
+                args=[entry.resolved(arg) for arg in entry.args],
                 env={k: entry.resolved(v) for k, v in entry.env.items()} or None,
-                cwd=entry.cwd,
+                cwd=entry.resolved(entry.cwd) if entry.cwd is not None else None,
             )
             streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
         else:
             assert entry.url is not None
+            url = entry.resolved(entry.url)
             headers = {k: entry.resolved(v) for k, v in entry.headers.items()}
             if entry.transport == "sse":
-                streams = await stack.enter_async_context(sse_client(entry.url, headers=headers or None))
+                streams = await stack.enter_async_context(sse_client(url, headers=headers or None))
             else:
                 http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers))
-                streams = await stack.enter_async_context(streamable_http_client(entry.url, http_client=http))
+                streams = await stack.enter_async_context(streamable_http_client(url, http_client=http))
         yield streams[0], streams[1]
 
 
