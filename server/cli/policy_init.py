@@ -33,7 +33,7 @@ from commitgate.server.cli.client_configs import (
 )
 from commitgate.server.cli.desktop import desktop_entry
 from commitgate.server.cli.policy_writing import Block, check_written, composed
-from commitgate.server.cli.safe_files import permissions, read_regular, refuse_link, replace_file
+from commitgate.server.cli.safe_files import backup_slot, permissions, read_regular, refuse_link, replace_file
 from commitgate.server.cli.tool_listing import Listing, list_all
 from commitgate.server.cli.unwrap import read_policy_document, served_entries, serving_entry
 from commitgate.server.model.durations import format_duration, parse_duration
@@ -94,6 +94,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     target = _target(config, args.output, args.force)
     if args.write_config:
         refuse_link(config.path)
+        backup_slot(config.path, config.data)  # a link where the backup goes: refused before anything runs
     entries = _chosen(config, args.server, target)
     if not entries:
         print(f"commitgate: {config.path}: no server to wrap", file=sys.stderr)
@@ -483,7 +484,7 @@ def _report_merge(out: Path, plan: Plan) -> None:
         print(f"added [upstreams.{bare(upstream)}]")
     for item in plan.tools:
         print(
-            f"added [tools.{shown(item.name)}]: {shown(item.tool.name)} of {shown(item.server)}, {item.klass}"
+            f"added [tools.{bare(item.name)}]: {shown(item.tool.name)} of {bare(item.server)}, {item.klass}"
         )
     for upstream, tool, entry in plan.gone:
         print(

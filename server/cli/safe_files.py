@@ -77,25 +77,32 @@ def replace_file(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def backup(path: Path, data: bytes, mode: int) -> tuple[Path, bool]:
-    """Keep `data` (the file's content before a rewrite) in `FILE.bak`, else the first `FILE.bak.N`
-    that is free or already holds exactly `data`; returns it and whether it was written now."""
+def backup_slot(path: Path, data: bytes) -> tuple[Path, bool]:
+    """Where a backup of `data` (the file's content before a rewrite) goes: `FILE.bak`, else the first
+    `FILE.bak.N` that is free or already holds exactly `data` (then True); a link there is refused."""
     for n in range(MAX_BACKUPS):
         candidate = path.with_name(f"{path.name}.bak" + (f".{n}" if n else ""))
         try:
             kind = os.lstat(candidate).st_mode
         except FileNotFoundError:
-            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            return candidate, True
+            return candidate, False
         if stat.S_ISLNK(kind):
             raise FileRefused(
-                f"{candidate} is a symbolic link (to {os.readlink(candidate)}); init never writes a backup"
+                f"{candidate} is a symbolic link (to {os.readlink(candidate)}); a backup is never written"
                 " through a link: remove it and run again"
             )
         if stat.S_ISREG(kind) and read_regular(candidate) == data:
-            return candidate, False
+            return candidate, True
     raise FileRefused(f"{path} has {MAX_BACKUPS} backups already; move some away and run again")
+
+
+def backup(path: Path, data: bytes, mode: int) -> tuple[Path, bool]:
+    """Keep `data` in the backup slot of `path`; returns it and whether it was written now."""
+    candidate, there = backup_slot(path, data)
+    if not there:
+        fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+    return candidate, not there
