@@ -335,9 +335,9 @@ def _arguments(entry: ServerEntry, args: list[str], used: dict[str, str]) -> lis
         if "${" in arg:
             written.append(_literal(entry, where, arg, used))
         elif after_flag is not None and not arg.startswith("-"):
-            written.append(_reference(entry, where, after_flag, arg, used))
+            written.append(_reference(entry, where, after_flag.lstrip("-"), arg, used))
         elif equals and value and secret_name(flag) and " " not in flag:
-            written.append(f"{flag}={_reference(entry, where, flag, value, used)}")
+            written.append(f"{flag}={_reference(entry, where, flag.lstrip('-'), value, used)}")
         elif colon and header_value.strip() and _HEADER_NAME.fullmatch(header) and secret_name(header):
             written.append(f"{header}: {_reference(entry, where, header, header_value.strip(), used)}")
         elif "://" in arg:

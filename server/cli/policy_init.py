@@ -293,7 +293,7 @@ def _upstream_block(listing: Listing, out: Path, connect_timeout: float) -> Bloc
     variables = sorted({s.variable for s in entry.secrets.values()} | entry.environment)
     if variables:
         comments.append(
-            f"Set {', '.join(variables)} where commitgate runs (the client entry's env has them)."
+            f"Set {', '.join(variables)} where commitgate runs (in the client entry's env)."
         )
     values: dict[str, Any] = {}
     if listing.error is not None:
