@@ -214,7 +214,9 @@ async def test_serving_it_a_retried_write_runs_once_and_each_call_reaches_its_ow
 
 def test_an_existing_policy_is_kept_and_added_to_unless_forced(setup: Setup, tmp_path: Path) -> None:
     out = tmp_path / "mine.toml"
-    out.write_text("# hand-written", encoding="utf-8")  # no line end: the additions start on a line of their own
+    out.write_text(
+        "# hand-written", encoding="utf-8"
+    )  # no line end: the additions start on a line of their own
     result = init("--from-config", setup.config, "--server", "notes", "-o", out)
     assert result.returncode == 0, result.stderr
     text = out.read_text()

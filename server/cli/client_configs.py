@@ -210,12 +210,12 @@ def unusable(name: str) -> str | None:
     line break, control or format character (which would start a new line in files and logs)."""
     if not name:
         return "it is empty"
-    if len(name) > MAX_NAME:
-        return f"it is longer than {MAX_NAME} characters"
     bad = next((c for c in name if unicodedata.category(c).startswith("C")), None)
     if bad is not None:
         kind = "a line break" if bad in "\r\n\x0b\x0c\x85\u2028\u2029" else "a control or format character"
         return f"it has {kind} ({bad!r})"
+    if len(name) > MAX_NAME:
+        return f"it is longer than {MAX_NAME} characters"
     return None
 
 

@@ -292,9 +292,7 @@ def _upstream_block(listing: Listing, out: Path, connect_timeout: float) -> Bloc
         comments.append(f"{entry.name} lists no tools.")
     variables = sorted({s.variable for s in entry.secrets.values()} | entry.environment)
     if variables:
-        comments.append(
-            f"Set {', '.join(variables)} where commitgate runs (in the client entry's env)."
-        )
+        comments.append(f"Set {', '.join(variables)} where commitgate runs (in the client entry's env).")
     values: dict[str, Any] = {}
     if listing.error is not None:
         values["tools"] = "all"
