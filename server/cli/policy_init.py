@@ -135,7 +135,8 @@ def _target(config: ClientConfig, output: str | None, force: bool) -> Target:
         serving = serving_entry(config, None) or serving_entry(config, default)
         out = serving.served_policy if serving and serving.served_policy else default
     refuse_link(out)
-    text, document = None, {}
+    text: str | None = None
+    document: dict[str, Any] = {}
     if out.exists():
         try:
             text, document = read_policy_document(out)

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
@@ -23,7 +24,7 @@ NAME, SPEC = sys.argv[1], Path(sys.argv[2])
 mcp = MCPServer(f"named-{NAME}")
 
 
-def _tool(name: str) -> object:
+def _tool(name: str) -> Callable[[str], str]:
     def call(note: str = "") -> str:
         with open(os.environ["EFFECTS"], "a", encoding="utf-8") as log:
             log.write(json.dumps({"server": NAME, "tool": name, "note": note}) + "\n")
@@ -33,8 +34,8 @@ def _tool(name: str) -> object:
 
 
 for spec in json.loads(SPEC.read_text(encoding="utf-8")):
-    annotations = ToolAnnotations.model_validate(spec["annotations"]) if "annotations" in spec else None
-    mcp.add_tool(_tool(spec["name"]), name=spec["name"], annotations=annotations)  # type: ignore[arg-type]
+    declared = ToolAnnotations.model_validate(spec["annotations"]) if "annotations" in spec else None
+    mcp.add_tool(_tool(spec["name"]), name=spec["name"], annotations=declared)
 
 
 def serve_http() -> None:
