@@ -97,15 +97,23 @@ async def test_a_config_and_its_servers_cannot_write_their_own_policy(
             },
         },
         "hostile": {"type": "http", "url": hostile},
+        # Line breaks and TOML in values: each a reference, its value in the client entry. (No HTTP
+        # client sends such a header: init cannot list it, and writes it to be served once it can.)
+        "values": {"type": "http", "url": web, "headers": {"X-Inject": INJECTED, "X-Other": INJECTED + "2"}},
     }
     config.write_text(json.dumps({"servers": servers}, indent=2))
     result = cli("policy", "init", "--from-config", config, "--write-config")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1 and result.stderr.startswith("commitgate: values: not reached"), result.stderr
     policy = tmp_path / ".vscode" / "commitgate.toml"
     text = policy.read_text(encoding="utf-8")
     document = tomllib.loads(text)
     assert set(document) == {"upstreams", "tools"}  # no [auth], no [server]: nothing but what init writes
-    assert set(document["upstreams"]) == {docs, "hostile"}
+    assert set(document["upstreams"]) == {docs, "hostile", "values"}
+    assert document["upstreams"]["values"] == {
+        "tools": "all",
+        "url": web,
+        "headers": {"X-Inject": "${VALUES_X_INJECT}", "X-Other": "${VALUES_X_OTHER}"},
+    }
     tools = document["tools"]
     assert len(tools) == 6 and "shell" not in tools
     assert all(set(t) <= {"upstream", "upstream_tool", "class"} for t in tools.values())  # no python =
