@@ -103,7 +103,9 @@ async def test_a_config_and_its_servers_cannot_write_their_own_policy(
     }
     config.write_text(json.dumps({"servers": servers}, indent=2))
     result = cli("policy", "init", "--from-config", config, "--write-config")
-    assert result.returncode == 1 and result.stderr.startswith("commitgate: values: not reached"), result.stderr
+    assert result.returncode == 1 and result.stderr.startswith("commitgate: values: not reached"), (
+        result.stderr
+    )
     policy = tmp_path / ".vscode" / "commitgate.toml"
     text = policy.read_text(encoding="utf-8")
     document = tomllib.loads(text)
@@ -283,3 +285,16 @@ def test_a_config_or_server_that_cannot_be_read_is_one_line_and_bounded(
         cli("policy", "init", "--from-config", config, "--connect-timeout", "20s", timeout=30)
     )
     assert message in line, line
+
+
+def test_policy_show_masks_a_literal_token_beside_a_reference(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        '[upstreams.a]\nurl = "http://user:pw-lit@127.0.0.1:9/mcp?token=tok-lit&k=${HOME}&t2=${HOME}"\n'
+        '[tools.x]\nupstream = "a"\nclass = "key-required"\n'
+    )
+    for flags in ([], ["--json"]):
+        shown = cli("policy", "show", *flags, policy)
+        assert shown.returncode == 0, shown.stderr
+        assert "tok-lit" not in shown.stdout and "pw-lit" not in shown.stdout
+        assert "token=***&k=${HOME}" in shown.stdout  # the references as written
