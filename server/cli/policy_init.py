@@ -491,11 +491,14 @@ def _report_merge(out: Path, plan: Plan) -> None:
             " remove it if it is gone for good"
         )
     if plan.upstreams or plan.tools:
-        print(
-            f"updated {out}: {len(plan.upstreams)} servers and {len(plan.tools)} tools added, every other line kept"
-        )
+        servers, tools = _count(len(plan.upstreams), "server"), _count(len(plan.tools), "tool")
+        print(f"updated {out}: {servers} and {tools} added, every other line kept")
     else:
         print(f"{out}: nothing new; left as it was")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _name_table(items: list[Wrapped]) -> None:
