@@ -124,18 +124,15 @@ def test_a_rerun_keeps_every_edit_adds_what_is_new_and_reports_each_addition(tmp
     env = {"EFFECTS": str(tmp_path / "effects"), "DB_TOKEN": "t-db"}
     assert cli("policy", "check", policy, env=env).returncode == 0
 
-    # Nothing new: the policy stays byte for byte, and the rerun says so.
+    # Nothing new, and a tool the server no longer offers: reported, its entry kept, the policy byte
+    # for byte as it was.
+    (tmp_path / "db-tools.json").write_text(json.dumps(DB_TOOLS[:2]))
     again = cli("policy", "init", "--from-config", config)
     assert again.returncode == 0 and policy.read_text(encoding="utf-8") == text
     assert f"{policy}: nothing new; left as it was" in again.stdout
-
-    # A tool the server no longer offers is reported, its entry kept.
-    (tmp_path / "db-tools.json").write_text(json.dumps(DB_TOOLS[:2]))
-    gone = cli("policy", "init", "--from-config", config)
-    assert gone.returncode == 0 and policy.read_text(encoding="utf-8") == text
     assert (
         "db no longer offers 'list_tables': [tools.list_tables] stays; remove it if it is gone for good"
-        in gone.stdout
+        in again.stdout
     )
 
 
