@@ -270,8 +270,18 @@ def test_a_config_changed_while_tools_are_listed_is_not_overwritten(tmp_path: Pa
             b'{"mcpServers": {"noise": {"command": "sh", "args": ["-c", "echo hello; echo {x"]}}}',
             "noise: not reached",
         ),
+        (  # what the server says on stderr is shown, its terminal escape codes as text
+            json.dumps(
+                {
+                    "mcpServers": {
+                        "noise": {"command": "sh", "args": ["-c", r"printf '\033]0;pwned\007\n' >&2"]}
+                    }
+                }
+            ).encode(),
+            r"it said: \u001b]0;pwned\u0007",
+        ),
     ],
-    ids=["nested", "bytes", "digits", "fifo", "not-json-rpc"],
+    ids=["nested", "bytes", "digits", "fifo", "not-json-rpc", "escapes"],
 )
 def test_a_config_or_server_that_cannot_be_read_is_one_line_and_bounded(
     tmp_path: Path, content: bytes | None, message: str

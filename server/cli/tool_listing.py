@@ -26,6 +26,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from commitgate.server.cli.client_configs import ServerEntry
+from commitgate.server.cli.policy_writing import one_line
 from commitgate.server.model.durations import format_duration
 from commitgate.tools.upstream import handshake
 
@@ -84,7 +85,8 @@ async def _list_one(entry: ServerEntry, connect_timeout: float) -> Listing:
         why = "; ".join([why, *dict.fromkeys(logged)])
         errlog.seek(0)
         said = [line.strip() for line in errlog.read().splitlines() if line.strip()]
-        return Listing(entry, [], f"{why}; it said: {said[-1][:300]}" if said else why)
+        why = f"{why}; it said: {said[-1][:300]}" if said else why
+        return Listing(entry, [], one_line(why))  # a server's own words, never a terminal's escape codes
 
 
 async def _tools(client: Client) -> list[types.Tool]:
