@@ -59,6 +59,11 @@ def add_arguments(policy: argparse.ArgumentParser) -> None:
         help="write a policy that wraps the servers of an MCP client config (Claude Desktop, Cursor, VS Code)",
         arguments="commitgate.server.cli.policy_init:add_arguments",
     )
+    actions.add_parser(
+        "unwrap",
+        help="put the servers a client config's commitgate entry serves back into the config, as they were",
+        arguments="commitgate.server.cli.unwrap:add_arguments",
+    )
 
 
 # --- check ----------------------------------------------------------------------------

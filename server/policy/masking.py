@@ -26,7 +26,7 @@ def secret_name(name: str) -> bool:
 
 def mask_url(url: str) -> str:
     """The URL with its password and its credential-like query values replaced by ***."""
-    if "${" in url or "://" not in url:
+    if "://" not in url:  # a URL with `${ENV}` references is masked too: a literal secret may sit beside one
         return url
     try:
         parts = urllib.parse.urlsplit(url)
@@ -34,14 +34,21 @@ def mask_url(url: str) -> str:
     except ValueError:  # not a URL after all (e.g. a bad port): show it only if nothing looks secret
         return url if "@" not in url else MASK
     masked = url
-    if password is not None:  # edited in place: unsplit would also rewrite e.g. sqlite:/// as sqlite://
+    if password is not None and not _reference(password):  # edited in place: unsplit would rewrite sqlite:///
         userinfo, _, host = parts.netloc.rpartition("@")
         masked = masked.replace(parts.netloc, f"{userinfo.partition(':')[0]}:{MASK}@{host}", 1)
     pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     if any(secret_name(name) for name, _ in pairs):
-        query = "&".join(f"{name}={MASK if secret_name(name) else value}" for name, value in pairs)
+        query = "&".join(
+            f"{name}={MASK if secret_name(name) and not _reference(value) else value}"
+            for name, value in pairs
+        )
         masked = masked.replace("?" + parts.query, "?" + query, 1)
     return masked
+
+
+def _reference(value: str) -> bool:
+    return value.startswith("${") and value.endswith("}")
 
 
 def _mask_named(values: dict[str, Any]) -> dict[str, Any]:
