@@ -152,8 +152,8 @@ async def connected(client: Client) -> None:
     await eventually(both, within=30)
 
 
-async def walk_through(client: Client, root: Path, heard: Heard, mode: str) -> None:
-    """What every transport and era must show."""
+async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag: str = "") -> None:
+    """What every transport and era must show (`tag` keeps keys and markers apart on a shared server)."""
     assert client.protocol_version == ERAS[mode]
     capabilities = client.server_capabilities
     assert capabilities.resources and capabilities.prompts and capabilities.completions and capabilities.logging
@@ -208,17 +208,43 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str) -> N
     # logging and progress: the upstream's messages reach the caller, under its own token
     if mode == "legacy":
         await client.set_logging_level("debug")
-        await eventually(lambda: len(effects(root, tool="logging/setLevel", level="debug")) == 2)
+        await eventually(lambda: len(effects(root, tool="logging/setLevel", level="debug")) >= 2)
     progress: list[str | None] = []
 
     async def on_progress(done: float, total: float | None, message: str | None) -> None:
         progress.append(message)
 
-    said = await client.call_tool("beta_chatter", {"marker": "m1"}, progress_callback=on_progress)
-    assert text(said) == "m1 done"
-    assert progress == ["m1 step 1", "m1 step 2"]
+    marker = f"m1{tag}"
+    said = await client.call_tool("beta_chatter", {"marker": marker}, progress_callback=on_progress)
+    assert text(said) == f"{marker} done"
+    assert progress == [f"{marker} step 1", f"{marker} step 2"]
     logs = [(entry.logger, entry.data) for entry in heard.logs]
-    assert ("beta/chatter", "m1 log 1") in logs and ("beta/chatter", "m1 log 2") in logs
+    assert ("beta/chatter", f"{marker} log 1") in logs and ("beta/chatter", f"{marker} log 2") in logs
+
+    # a keyed tool without its key is refused before anything reaches the upstream
+    refused = await client.call_tool("ask", {"topic": f"nothing{tag}"})
+    assert error_code(refused) == "idempotency_key_required"
+    assert effects(root, tool="ask", topic=f"nothing{tag}") == [] and heard.asked == []
+    if mode == "legacy":
+        await asked_during_keyed_call(client, root, heard, tag)
+
+
+async def asked_during_keyed_call(client: Client, root: Path, heard: Heard, tag: str) -> None:
+    """The upstream asks the client during a keyed call: the answer reaches the tool, the effect
+    happens once, and the replay asks nobody."""
+    topic, key = f"colour{tag}", f"ask-1{tag}"
+    first = await client.call_tool("ask", {"topic": topic, "idempotency_key": key})
+    assert first.structured_content is not None, first
+    assert (first.structured_content["action"], first.structured_content["reply"]) == ("accept", "yes")
+    assert heard.asked == [f"{topic}: what do you say?"]
+    again = await client.call_tool("ask", {"topic": topic, "idempotency_key": key})
+    assert operation(again)["replayed"] is True and again.structured_content == first.structured_content
+    assert heard.asked == [f"{topic}: what do you say?"]
+    assert [e["reply"] for e in effects(root, tool="ask", topic=topic)] == ["yes"]
+    # sampling and roots, asked by safe-retry tools
+    assert text(await client.call_tool("sample", {"prompt": "meaning of life?"})) == "model said: forty-two"
+    assert heard.asked[-1] == "meaning of life?"
+    assert (await client.call_tool("roots", {})).structured_content == {"result": ["file:///work/project"]}
 
 
 @pytest.mark.anyio
@@ -227,3 +253,57 @@ async def test_stdio_passes_everything_through(tmp_path: Path, mode: str, stdio:
     heard = Heard()
     async with stdio_served(tmp_path, mode, heard, stdio) as client:
         await walk_through(client, tmp_path, heard, mode)
+
+
+# --- HTTP: one server per transport for the module, two principals ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("relay-http")
+    path = policy(root)
+    path.write_text(path.read_text(encoding="utf-8") + http_servers.auth_section(), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module", params=["streamable-http", "sse"])
+def http_served(request: pytest.FixtureRequest, http_root: Path) -> Any:
+    transport = request.param
+    with http_servers.running(
+        http_root,
+        http_root / "policy.toml",
+        transport,
+        ledger=http_root / f"{transport}.db",
+        sandbox=http_root / "sandbox",
+    ) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def http_client(served: Any, principal: str, mode: str, heard: Heard) -> AsyncIterator[Client]:
+    import httpx2
+    from mcp.client.sse import sse_client
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = http_servers.bearer(principal)
+    log_level = "debug" if mode == "auto" else None
+    options = {"mode": mode, "log_level": log_level, "read_timeout_seconds": 60, **heard.options()}
+    if served.transport == "sse":
+        async with Client(sse_client(served.endpoint, headers=headers), **options) as client:
+            yield client
+        return
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http,
+        Client(streamable_http_client(served.endpoint, http_client=http), **options) as client,
+    ):
+        yield client
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_http_passes_everything_through(http_served: Any, http_root: Path, mode: str) -> None:
+    if http_served.transport == "sse" and mode == "auto":
+        pytest.skip("SSE is a handshake-era transport")
+    heard = Heard()
+    async with http_client(http_served, "alice", mode, heard) as client:
+        await walk_through(client, http_root, heard, mode, tag=f"-{http_served.transport}-{mode}")
