@@ -307,3 +307,57 @@ async def test_http_passes_everything_through(http_served: Any, http_root: Path,
     heard = Heard()
     async with http_client(http_served, "alice", mode, heard) as client:
         await walk_through(client, http_root, heard, mode, tag=f"-{http_served.transport}-{mode}")
+
+
+@pytest.mark.anyio
+async def test_two_clients_never_hear_each_other(http_served: Any, http_root: Path) -> None:
+    """Two principals calling at once through one shared upstream session: each hears its own
+    progress (mapped by token) and never the other's progress, logs or questions; a question the
+    upstream asks while both are in flight reaches no one (it cannot be told whose it is)."""
+    tag = http_served.transport
+    alice, bob = Heard(), Heard()
+    progress: dict[str, list[str | None]] = {"alice": [], "bob": []}
+
+    def on_progress(who: str) -> Any:
+        async def record(done: float, total: float | None, message: str | None) -> None:
+            progress[who].append(message)
+
+        return record
+
+    release = http_root / "release"
+    async with (
+        http_client(http_served, "alice", "legacy", alice) as a,
+        http_client(http_served, "bob", "legacy", bob) as b,
+    ):
+        await connected(a)
+        for client in (a, b):
+            await client.set_logging_level("debug")
+        results: dict[str, Any] = {}
+
+        async def chatter(who: str, client: Client, marker: str) -> None:
+            results[who] = await client.call_tool(
+                "chatter", {"marker": marker, "hold": True}, progress_callback=on_progress(who)
+            )
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(chatter, "alice", a, f"A-{tag}")
+                group.start_soon(chatter, "bob", b, f"B-{tag}")
+                await eventually(lambda: len(effects(http_root, tool="chatter", phase="started")) >= 2)
+                # both in flight on the upstream: a question now cannot be told whose it is
+                asked = await b.call_tool("ask", {"topic": f"both-{tag}", "idempotency_key": f"both-{tag}"})
+                assert asked.is_error, asked
+                release.touch()
+        finally:
+            release.unlink(missing_ok=True)
+        assert progress["alice"] == [f"A-{tag} step 1", f"A-{tag} step 2"]
+        assert progress["bob"] == [f"B-{tag} step 1", f"B-{tag} step 2"]
+        assert all(str(entry.data).startswith(f"A-{tag}") for entry in alice.logs), alice.logs
+        assert all(str(entry.data).startswith(f"B-{tag}") for entry in bob.logs), bob.logs
+        assert alice.asked == [] and bob.asked == []
+        assert effects(http_root, tool="ask", topic=f"both-{tag}") == []
+        # alone on the upstream, bob's question reaches bob, and only bob
+        alone = await b.call_tool("ask", {"topic": f"alone-{tag}", "idempotency_key": f"alone-{tag}"})
+        assert alone.structured_content and alone.structured_content["reply"] == "yes", alone
+        assert bob.asked == [f"alone-{tag}: what do you say?"] and alice.asked == []
+        assert len(effects(http_root, tool="ask", topic=f"alone-{tag}")) == 1
