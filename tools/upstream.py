@@ -65,7 +65,7 @@ from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
-from commitgate.tools.upstream_relay import Hub, Relay, outside_any_call
+from commitgate.tools.upstream_relay import CALLER, Hub, PerClient, Relay, outside_any_call
 
 log = logging.getLogger("commitgate.tools.upstream")
 
@@ -193,6 +193,7 @@ class UpstreamConnection:
         self._task: asyncio.Task[None] | None = None
         # What the upstream says to clients (server/serve/passthrough.py); its tools/list_changed lists again.
         self.relay = Relay(name, on_tools_changed=self.relist)
+        self.own_sessions: PerClient[UpstreamConnection] = PerClient()  # sessions = "per-client"
 
     @property
     def connected(self) -> bool:
@@ -205,6 +206,20 @@ class UpstreamConnection:
         """A call saw `client`'s connection break; a newer connection is not affected."""
         if client is self._client:
             self._lost.set()
+
+    def for_caller(self) -> UpstreamConnection:
+        """The session a call goes through: this one, or with `sessions = "per-client"` the calling
+        client's own (it inherits what this one listed; the tools it serves stay this one's)."""
+        caller = CALLER.get()
+        if self.spec.sessions != "per-client" or caller is None:
+            return self
+        return self.own_sessions.get(caller, self._client_session)
+
+    def _client_session(self) -> UpstreamConnection:
+        session = UpstreamConnection(self.name, self.spec, self.connect_timeout)
+        session.relay.hub = self.relay.hub
+        session.start()
+        return session
 
     def start(self) -> None:
         self._task = asyncio.create_task(
@@ -231,6 +246,7 @@ class UpstreamConnection:
         self._settled.set()
 
     async def aclose(self) -> None:
+        await self.own_sessions.aclose()
         self._stop.set()
         self._wake.set()
         self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
@@ -405,7 +421,7 @@ class UpstreamTool:
         return self._validator.validate(arguments)
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
-        connection = self.connection
+        connection = self.connection.for_caller() if self.connection is not None else None
         # Waiting for a connection under way is part of the attempt: leave a little of its timeout
         # to say that nothing was sent rather than time out the attempt (an ambiguous failure).
         client = await connection.ready(self.timeout * 0.9) if connection is not None else None

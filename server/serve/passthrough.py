@@ -28,8 +28,11 @@ from mcp.server import Server, ServerRequestContext
 from mcp.server.subscriptions import PromptsListChanged, ResourcesListChanged, ResourceUpdated
 from mcp.shared.exceptions import NoBackChannelError
 from mcp.shared.message import ServerMessageMetadata
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel, ConfigDict
 
+from commitgate.server.model.facts import SESSION_META
+from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import ToolListAnnouncer
 from commitgate.tools.upstream import used_upstreams
@@ -69,9 +72,27 @@ class SessionCaller:
     ctx: ServerRequestContext[Any, Any]
 
     @property
-    def client(self) -> object:
+    def _connection(self) -> Any:
         # The SDK keeps the connection behind the per-request session; it has no public accessor.
-        return getattr(self.ctx.session, "_connection", None) or self.ctx.session
+        return getattr(self.ctx.session, "_connection", None)
+
+    @property
+    def _has_session(self) -> bool:
+        return self.ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS and self._connection is not None
+
+    @property
+    def client(self) -> object:
+        if self._has_session:
+            return self._connection
+        # 2026-07-28: no transport session; the principal and commitgate session stand for it
+        session = (self.ctx.meta or {}).get(SESSION_META)
+        return ("client", principal_of_request(), session)
+
+    def when_gone(self, close: Callable[[], Awaitable[None]]) -> bool:
+        if not self._has_session:
+            return False
+        self._connection.exit_stack.push_async_callback(close)
+        return True
 
     @property
     def meta(self) -> dict[str, Any]:
