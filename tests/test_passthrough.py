@@ -19,9 +19,11 @@ from typing import Any
 
 import anyio
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import (
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
     AudioContent,
     BlobResourceContents,
     ElicitResult,
@@ -478,3 +480,53 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# --- nobody to serve it ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("upstream", [True, False])
+async def test_nobody_to_serve_it_answers_as_a_server_without_it(tmp_path: Path, upstream: bool) -> None:
+    """With an upstream that is not connected, the capabilities are advertised and answered as a
+    server with nothing to offer; with no upstream at all, not advertised (method not found)."""
+    declared = f"""
+[upstreams.down]
+command = "{sys.executable}"
+args = ["-c", "raise SystemExit(3)"]
+tools = "all"
+"""
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n' + (declared if upstream else ""),
+        encoding="utf-8",
+    )
+    params = StdioServerParameters(
+        command=str(CONSOLE_SCRIPT), args=["serve", "--policy", str(path)], env=base_env()
+    )
+    with (tmp_path / "serve.stderr").open("a", encoding="utf-8") as errlog:
+        async with Client(
+            stdio_client(params, errlog=errlog), mode="legacy", read_timeout_seconds=60
+        ) as client:
+            capabilities = client.server_capabilities
+            if not upstream:
+                assert capabilities.resources is None and capabilities.prompts is None
+                with pytest.raises(MCPError) as unknown:
+                    await client.list_resources()
+                assert unknown.value.error.code == METHOD_NOT_FOUND
+                return
+            assert capabilities.resources and capabilities.resources.subscribe and capabilities.prompts
+            assert (await client.list_resources()).resources == []
+            assert (await client.list_resource_templates()).resource_templates == []
+            assert (await client.list_prompts()).prompts == []
+            with pytest.raises(MCPError) as missing:
+                await client.read_resource("test://nowhere")
+            assert missing.value.error.code == -32002
+            with pytest.raises(MCPError) as no_prompt:
+                await client.get_prompt("nothing")
+            assert no_prompt.value.error.code == INVALID_PARAMS
+            done = await client.complete(
+                PromptReference(type="ref/prompt", name="nothing"), {"name": "a", "value": ""}
+            )
+            assert done.completion.values == []
+            await client.set_logging_level("info")
