@@ -530,3 +530,14 @@ tools = "all"
             )
             assert done.completion.values == []
             await client.set_logging_level("info")
+
+
+def test_policy_show_warns_of_a_uri_two_upstreams_list(tmp_path: Path) -> None:
+    import subprocess
+
+    command = [str(CONSOLE_SCRIPT), "policy", "show", "--upstreams", "--json", str(policy(tmp_path))]
+    shown = json.loads(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
+    warnings = {item["name"]: item["warnings"] for item in shown["upstream_inventory"]}
+    assert warnings["alpha"] == []
+    assert len(warnings["beta"]) == 1 and "test://shared/readme" in warnings["beta"][0]
+    assert "upstream alpha, which serves it" in warnings["beta"][0]

@@ -45,7 +45,7 @@ import time
 import typing
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -617,10 +617,12 @@ class UpstreamInventory:
     not_exposed: list[str]  # offered by the upstream, not served ("available, not exposed")
     missing: list[str]  # declared in the policy, not offered by the upstream
     tools: list[OfferedTool]
+    warnings: list[str] = field(default_factory=list)  # about the upstream itself (resources it shares)
 
     def as_json(self) -> dict[str, Any]:
         shown = {
-            k: getattr(self, k) for k in ("name", "connected", "error", "exposed", "not_exposed", "missing")
+            k: getattr(self, k)
+            for k in ("name", "connected", "error", "exposed", "not_exposed", "missing", "warnings")
         }
         return {**shown, "tools": [tool.as_json() for tool in self.tools]}
 
@@ -636,13 +638,37 @@ async def inventory(policy: Policy, connect_timeout: float | None = None) -> lis
             key = (t.upstream or "", t.upstream_tool or n)
             if t.upstream and (key not in served or not served[key][1].expose):
                 served[key] = (n, t)  # a tool served under two names is shown under the first
-        return [
+        found = [
             _inventory_of(name, connection, policy, served)
             for name in sorted(policy.upstreams)
             if (connection := lookup(name)) is not None
         ]
+        await _warn_of_shared_uris(policy, lookup, found)
+        return found
     finally:
         await manager.aclose()
+
+
+async def _warn_of_shared_uris(
+    policy: Policy, lookup: Callable[[str], UpstreamConnection | None], found: list[UpstreamInventory]
+) -> None:
+    """A resource URI two upstreams list is served by the first in policy order: warn of the others."""
+    from commitgate.tools.upstream_catalog import duplicate_uris, listed_uris  # built on this module
+
+    listings = []
+    for name in policy.upstreams:
+        connection = lookup(name)
+        client = connection.client() if connection is not None else None
+        if client is not None:
+            with contextlib.suppress(Exception):  # no resources to say anything about
+                listings.append((name, await listed_uris(client)))
+    by_name = {item.name: item for item in found}
+    for uri, owners in duplicate_uris(listings).items():
+        for other in owners[1:]:
+            by_name[other].warnings.append(
+                f"resource {uri} is also listed by upstream {owners[0]}, which serves it (the first in"
+                " policy order): this upstream's is never read"
+            )
 
 
 def _inventory_of(
