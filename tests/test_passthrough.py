@@ -237,8 +237,7 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag:
     refused = await client.call_tool("ask", {"topic": f"nothing{tag}"})
     assert error_code(refused) == "idempotency_key_required"
     assert effects(root, tool="ask", topic=f"nothing{tag}") == [] and heard.asked == []
-    if mode == "legacy":
-        await asked_during_keyed_call(client, root, heard, tag)
+    await asked_during_keyed_call(client, root, heard, tag)
 
 
 async def asked_during_keyed_call(client: Client, root: Path, heard: Heard, tag: str) -> None:
@@ -536,7 +535,9 @@ def test_policy_show_warns_of_a_uri_two_upstreams_list(tmp_path: Path) -> None:
     import subprocess
 
     command = [str(CONSOLE_SCRIPT), "policy", "show", "--upstreams", "--json", str(policy(tmp_path))]
-    shown = json.loads(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
+    shown = json.loads(
+        subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    )
     warnings = {item["name"]: item["warnings"] for item in shown["upstream_inventory"]}
     assert warnings["alpha"] == []
     assert len(warnings["beta"]) == 1 and "test://shared/readme" in warnings["beta"][0]

@@ -13,12 +13,14 @@ empty list, an unknown prompt or resource, an empty completion.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
+import uuid
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -142,6 +144,131 @@ def caller_of(ctx: ServerRequestContext[Any, Any]) -> Any:
         yield
 
 
+# --- 2026-07-28 clients: an upstream's questions as rounds of the call ---------------------------------
+
+ROUND_PREFIX = "relay:"
+KEEP_FINISHED = 300.0  # seconds a finished call waits for its client to come back for the answer
+
+
+@dataclass(frozen=True, slots=True)
+class _Question:
+    key: str
+    request: Any  # ElicitRequest | CreateMessageRequest | ListRootsRequest
+    answer: asyncio.Future[dict[str, Any] | types.ErrorData]
+
+
+class _Paused:
+    """A call of a 2026-07-28 client, running on while its client answers the upstream's questions."""
+
+    def __init__(self, ident: str, task: asyncio.Task[Any]) -> None:
+        self.ident, self.task = ident, task
+        self.questions: asyncio.Queue[_Question] = asyncio.Queue()
+        self.open: dict[str, _Question] = {}
+        self.asked = 0
+
+    async def next_round(self) -> Any:
+        """The call's answer once it has one, or the next question for its client."""
+        asking = asyncio.ensure_future(self.questions.get())
+        try:
+            await asyncio.wait({self.task, asking}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            asking.cancel()
+        if asking.done() and not asking.cancelled():
+            first = asking.result()
+            found = {first.key: first}
+            while not self.questions.empty():  # questions asked at once go in one round
+                more = self.questions.get_nowait()
+                found[more.key] = more
+            self.open.update(found)
+            requests = {key: question.request for key, question in found.items()}
+            return types.InputRequiredResult(input_requests=requests, request_state=ROUND_PREFIX + self.ident)
+        return self.task.result()
+
+    def answer(self, responses: Mapping[str, Any]) -> None:
+        for key, response in responses.items():
+            question = self.open.pop(key, None)
+            if question is None or question.answer.done():
+                continue
+            dumped = response.model_dump(by_alias=True, mode="json", exclude_none=True)
+            question.answer.set_result(
+                dumped if "code" not in dumped else types.ErrorData.model_validate(dumped)
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RoundsCaller(SessionCaller):
+    """A 2026-07-28 client's call: its upstream's questions become the call's next round."""
+
+    paused: _Paused | None = None
+
+    async def request(
+        self, method: str, params: types.RequestParams | None
+    ) -> dict[str, Any] | types.ErrorData:
+        if self.paused is None or not self.ctx.session.check_client_capability(_CAPABILITY[method]):
+            return not_supported(method)
+        self.paused.asked += 1
+        question = _Question(
+            f"{method}#{self.paused.asked}",
+            _REQUESTS[method].model_validate({"method": method, "params": params}),
+            asyncio.get_running_loop().create_future(),
+        )
+        await self.paused.questions.put(question)
+        return await question.answer
+
+
+class Rounds:
+    """tools/call of 2026-07-28 clients that can be asked: the call runs in a task of its own, so an
+    upstream's question (elicitation, sampling, roots) can be answered as an `InputRequiredResult`
+    and the call go on when the client comes back with the answer (the sealed request state names
+    the paused call; the SDK's boundary binds it to the principal)."""
+
+    def __init__(self) -> None:
+        self._paused: dict[str, _Paused] = {}
+
+    @staticmethod
+    def applies(ctx: ServerRequestContext[Any, Any]) -> bool:
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            return False
+        with contextlib.suppress(Exception):
+            return any(ctx.session.check_client_capability(c) for c in _CAPABILITY.values())
+        return False
+
+    async def call(
+        self,
+        ctx: ServerRequestContext[Any, Any],
+        params: types.CallToolRequestParams,
+        run: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        state = params.request_state or ""
+        if state.startswith(ROUND_PREFIX):
+            paused = self._paused.get(state.removeprefix(ROUND_PREFIX))
+            if paused is None:
+                raise MCPError(types.INVALID_PARAMS, "this call's earlier round is over; call the tool again")
+            paused.answer(params.input_responses or {})
+            return await self._round(paused)
+        ident = uuid.uuid4().hex
+        holder: list[_Paused] = []
+
+        async def running() -> Any:
+            with calling(RoundsCaller(ctx, holder[0])):
+                return await run()
+
+        task = asyncio.get_running_loop().create_task(running(), name=f"commitgate-rounds:{ident}")
+        paused = _Paused(ident, task)
+        holder.append(paused)
+        self._paused[ident] = paused
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(KEEP_FINISHED, self._paused.pop, ident, None)
+        )
+        return await self._round(paused)
+
+    async def _round(self, paused: _Paused) -> Any:
+        answer = await paused.next_round()
+        if not isinstance(answer, types.InputRequiredResult):
+            self._paused.pop(paused.ident, None)
+        return answer
+
+
 class Passthrough:
     """The requests of upstream capabilities, and the upstreams' change notifications."""
 
@@ -186,6 +313,7 @@ class Passthrough:
         warnings.filterwarnings("ignore", category=MCPDeprecationWarning)
         for method, params_type, handler in handlers:
             server.add_request_handler(method, params_type, handler)
+        server.passes_through = True  # type: ignore[attr-defined]  # advertises their listChanged
         self.gateway.upstreams.hub.notice = self.notice
 
     # --- requests ---------------------------------------------------------------------------------
@@ -302,6 +430,19 @@ class Passthrough:
 async def _send(send: Callable[[], Awaitable[None]]) -> None:
     with contextlib.suppress(Exception):  # a client that went away
         await send()
+
+
+async def relayed_call(
+    ctx: ServerRequestContext[Any, Any],
+    params: types.CallToolRequestParams,
+    run: Callable[[], Awaitable[Any]],
+    rounds: Rounds | None,
+) -> Any:
+    """Serve a tools/call with its client as the caller of everything the call causes upstream."""
+    if rounds is not None and rounds.applies(ctx):
+        return await rounds.call(ctx, params, run)
+    with caller_of(ctx):
+        return await run()
 
 
 def has_upstreams(gateway: Gateway) -> bool:
