@@ -383,7 +383,7 @@ async def test_two_clients_never_hear_each_other(http_served: Any, http_root: Pa
 
 
 @pytest.mark.anyio
-async def test_changes_and_cancellation(tmp_path: Path) -> None:
+async def test_changes(tmp_path: Path) -> None:
     heard = Heard()
     async with stdio_served(tmp_path, "legacy", heard) as client:
         await connected(client)
@@ -412,6 +412,13 @@ async def test_changes_and_cancellation(tmp_path: Path) -> None:
         assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
         assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
 
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_cancellation(tmp_path: Path, mode: str) -> None:
+    heard = Heard()
+    async with stdio_served(tmp_path, mode, heard) as client:
+        await connected(client)
         # a safe-retry call the client cancels is cancelled upstream too
         async with anyio.create_task_group() as group:
             group.start_soon(client.call_tool, "slow", {"marker": "s1"})

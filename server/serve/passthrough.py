@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import mcp.types as types
 from mcp import Client, MCPDeprecationWarning, MCPError
@@ -43,8 +43,6 @@ from commitgate.tools.upstream_relay import LOG_LEVEL_META, calling, not_support
 
 log = logging.getLogger("commitgate.passthrough")
 
-_T = TypeVar("_T")
-
 _CAPABILITY = {
     "sampling/createMessage": types.ClientCapabilities(sampling=types.SamplingCapability()),
     "elicitation/create": types.ClientCapabilities(elicitation=types.ElicitationCapability()),
@@ -61,10 +59,6 @@ class _Answer(BaseModel):
     """A client's answer, every field kept: it goes back upstream as the client sent it."""
 
     model_config = ConfigDict(extra="allow")
-
-
-def _quietly(make: Callable[[], _T]) -> _T:
-    return make()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +120,8 @@ class SessionCaller:
         return answer.model_dump(by_alias=True, mode="json", exclude_none=True)
 
     async def log(self, params: types.LoggingMessageNotificationParams) -> None:
-        session = self.ctx.session
-        await _quietly(
-            lambda: session.send_log_message(
-                params.level, params.data, params.logger, related_request_id=self.ctx.request_id
-            )
+        await self.ctx.session.send_log_message(
+            params.level, params.data, params.logger, related_request_id=self.ctx.request_id
         )
 
     async def progress(self, progress: float, total: float | None, message: str | None) -> None:
@@ -263,7 +254,11 @@ class Rounds:
         return await self._round(paused)
 
     async def _round(self, paused: _Paused) -> Any:
-        answer = await paused.next_round()
+        try:
+            answer = await paused.next_round()
+        except asyncio.CancelledError:  # the client cancelled its call: so is the call (a keyed
+            paused.task.cancel()  # operation runs on in the commit boundary's own task)
+            raise
         if not isinstance(answer, types.InputRequiredResult):
             self._paused.pop(paused.ident, None)
         return answer
@@ -348,7 +343,7 @@ class Passthrough:
         if connection is not None:
             self._subscribers.setdefault(params.uri, weakref.WeakSet()).add(connection)
         if fresh:  # one upstream subscription serves every client subscribed to the URI
-            await _quietly(lambda: client.subscribe_resource(params.uri))
+            await client.subscribe_resource(params.uri)
         return types.EmptyResult()
 
     async def unsubscribe(
@@ -363,7 +358,7 @@ class Passthrough:
             upstreams = self.connected()
             with contextlib.suppress(MCPError):
                 owner = await self.catalog.resource_owner(params.uri, upstreams)
-                await _quietly(lambda: self._client(owner, upstreams).unsubscribe_resource(params.uri))
+                await self._client(owner, upstreams).unsubscribe_resource(params.uri)
         return types.EmptyResult()
 
     async def list_prompts(
@@ -405,7 +400,7 @@ class Passthrough:
             if client.server_capabilities.logging is None:
                 continue
             try:
-                await _quietly(lambda c=client: c.set_logging_level(params.level))  # type: ignore[misc]
+                await client.set_logging_level(params.level)
             except MCPError as exc:  # one upstream's refusal leaves the others' level set
                 log.info("upstream %s refused logging/setLevel: %s", name, exc.error.message)
         return types.EmptyResult()
