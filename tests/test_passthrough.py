@@ -21,6 +21,12 @@ import anyio
 import pytest
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.shared.subscriptions import (
+    PromptsListChanged,
+    ResourcesListChanged,
+    ResourceUpdated,
+    ToolsListChanged,
+)
 from mcp.types import (
     INVALID_PARAMS,
     METHOD_NOT_FOUND,
@@ -410,6 +416,39 @@ async def test_changes(tmp_path: Path) -> None:
         await eventually(lambda: said("notifications/tools/list_changed"))
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
+        assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+
+
+@pytest.mark.anyio
+async def test_changes_reach_a_listening_client(tmp_path: Path) -> None:
+    """2026-07-28: the same changes arrive on the client's `subscriptions/listen` stream, and the
+    resources it names there are subscribed upstream while it listens."""
+    heard = Heard()
+    async with stdio_served(tmp_path, "auto", heard) as client:
+        await connected(client)
+        uri = "test://alpha/text"
+        async with client.listen(
+            tools_list_changed=True,
+            prompts_list_changed=True,
+            resources_list_changed=True,
+            resource_subscriptions=[uri],
+        ) as changes:
+            await eventually(lambda: effects(tmp_path, tool="resources/subscribe", uri=uri))
+            await client.call_tool("touch", {"uri": uri})
+            await client.call_tool("grow", {"name": "sprout"})
+            wanted = {
+                ResourceUpdated(uri=uri),
+                ResourcesListChanged(),
+                PromptsListChanged(),
+                ToolsListChanged(),
+            }
+            seen: set[Any] = set()
+            with anyio.fail_after(30):
+                async for event in changes:
+                    seen.add(event)
+                    if wanted <= seen:
+                        break
+        await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe", uri=uri))
         assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
 
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import mcp.types as types
 from mcp import Client, MCPDeprecationWarning, MCPError
 from mcp.server import Server, ServerRequestContext
@@ -306,6 +307,8 @@ class Passthrough:
         # commitgate relays the features the 2026-07-28 era deprecates (logging, roots, subscriptions)
         # to clients and upstreams that speak them: the SDK's warnings would only be noise in its log.
         warnings.filterwarnings("ignore", category=MCPDeprecationWarning)
+        if self.announcer is not None:
+            handlers.append(("subscriptions/listen", types.SubscriptionsListenRequestParams, self.listen))
         for method, params_type, handler in handlers:
             server.add_request_handler(method, params_type, handler)
         server.passes_through = True  # type: ignore[attr-defined]  # advertises their listChanged
@@ -335,31 +338,54 @@ class Passthrough:
     async def subscribe(
         self, ctx: ServerRequestContext[Any, Any], params: types.SubscribeRequestParams
     ) -> types.EmptyResult:
-        upstreams = self.connected()
-        owner = await self.catalog.resource_owner(params.uri, upstreams)
-        client = self._client(owner, upstreams)
-        fresh = not self._subscribers.get(params.uri)
-        connection = getattr(ctx.session, "_connection", None)
-        if connection is not None:
-            self._subscribers.setdefault(params.uri, weakref.WeakSet()).add(connection)
-        if fresh:  # one upstream subscription serves every client subscribed to the URI
-            await client.subscribe_resource(params.uri)
+        await self._hold(params.uri, getattr(ctx.session, "_connection", None) or _Listening())
         return types.EmptyResult()
 
     async def unsubscribe(
         self, ctx: ServerRequestContext[Any, Any], params: types.UnsubscribeRequestParams
     ) -> types.EmptyResult:
-        subscribers = self._subscribers.get(params.uri)
-        connection = getattr(ctx.session, "_connection", None)
-        if subscribers is not None and connection is not None:
-            subscribers.discard(connection)
+        await self._release(params.uri, getattr(ctx.session, "_connection", None))
+        return types.EmptyResult()
+
+    async def listen(
+        self, ctx: ServerRequestContext[Any, Any], params: types.SubscriptionsListenRequestParams
+    ) -> Any:
+        """A 2026-07-28 client's stream of changes: the resources it names are subscribed upstream
+        while it lasts."""
+        assert self.announcer is not None
+        uris = list(params.notifications.resource_subscriptions or ())
+        holder = _Listening()
+        try:
+            for uri in uris:
+                with contextlib.suppress(MCPError):  # a URI nobody lists: nothing to subscribe to
+                    await self._hold(uri, holder)
+            return await self.announcer.listen(ctx, params)
+        finally:
+            with anyio.move_on_after(10, shield=True):  # the stream ends by being cancelled
+                for uri in uris:
+                    with contextlib.suppress(Exception):
+                        await self._release(uri, holder)
+
+    async def _hold(self, uri: str, holder: object) -> None:
+        """One upstream subscription per URI serves every client subscribed to it."""
+        upstreams = self.connected()
+        owner = await self.catalog.resource_owner(uri, upstreams)
+        client = self._client(owner, upstreams)
+        fresh = not self._subscribers.get(uri)
+        self._subscribers.setdefault(uri, weakref.WeakSet()).add(holder)
+        if fresh:
+            await client.subscribe_resource(uri)
+
+    async def _release(self, uri: str, holder: object | None) -> None:
+        subscribers = self._subscribers.get(uri)
+        if subscribers is not None and holder is not None:
+            subscribers.discard(holder)
         if not subscribers:
-            self._subscribers.pop(params.uri, None)
+            self._subscribers.pop(uri, None)
             upstreams = self.connected()
             with contextlib.suppress(MCPError):
-                owner = await self.catalog.resource_owner(params.uri, upstreams)
-                await self._client(owner, upstreams).unsubscribe_resource(params.uri)
-        return types.EmptyResult()
+                owner = await self.catalog.resource_owner(uri, upstreams)
+                await self._client(owner, upstreams).unsubscribe_resource(uri)
 
     async def list_prompts(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams
@@ -415,11 +441,16 @@ class Passthrough:
             uri = notification.params.uri
             await self.announcer.bus.publish(ResourceUpdated(uri=uri))
             for connection in list(self._subscribers.get(uri, ())):
-                await _send(functools.partial(connection.send_resource_updated, uri))
+                if not isinstance(connection, _Listening):  # those have it on their stream
+                    await _send(functools.partial(connection.send_resource_updated, uri))
         elif isinstance(notification, types.ResourceListChangedNotification):
             await self.announcer.announce(ResourcesListChanged(), lambda c: c.send_resource_list_changed())
         elif isinstance(notification, types.PromptListChangedNotification):
             await self.announcer.announce(PromptsListChanged(), lambda c: c.send_prompt_list_changed())
+
+
+class _Listening:
+    """Holds a subscription for a `subscriptions/listen` stream (or a client with no connection)."""
 
 
 async def _send(send: Callable[[], Awaitable[None]]) -> None:
