@@ -417,6 +417,7 @@ async def test_changes(tmp_path: Path) -> None:
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
         assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+        await cancellations(client, tmp_path)
 
 
 @pytest.mark.anyio
@@ -450,38 +451,34 @@ async def test_changes_reach_a_listening_client(tmp_path: Path) -> None:
                         break
         await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe", uri=uri))
         assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+        await cancellations(client, tmp_path)
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["legacy", "auto"])
-async def test_cancellation(tmp_path: Path, mode: str) -> None:
-    heard = Heard()
-    async with stdio_served(tmp_path, mode, heard) as client:
-        await connected(client)
-        # a safe-retry call the client cancels is cancelled upstream too
-        async with anyio.create_task_group() as group:
-            group.start_soon(client.call_tool, "slow", {"marker": "s1"})
-            await eventually(lambda: effects(tmp_path, tool="slow", phase="started"))
-            group.cancel_scope.cancel()
-        await eventually(lambda: effects(tmp_path, tool="slow", phase="cancelled"))
+async def cancellations(client: Client, root: Path) -> None:
+    """A safe-retry call the client cancels is cancelled upstream too; a keyed one runs to its
+    recorded outcome, once."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.call_tool, "slow", {"marker": "s1"})
+        await eventually(lambda: effects(root, tool="slow", phase="started"))
+        group.cancel_scope.cancel()
+    await eventually(lambda: effects(root, tool="slow", phase="cancelled"))
 
-        # a keyed call the client cancels runs to its recorded outcome, once
-        async with anyio.create_task_group() as group:
-            group.start_soon(client.call_tool, "hold_record", {"note": "n1", "idempotency_key": "hold-1"})
-            await eventually(lambda: effects(tmp_path, tool="hold_record", phase="started"))
-            group.cancel_scope.cancel()
-        (tmp_path / "release-hold").touch()
-        await eventually(lambda: effects(tmp_path, tool="hold_record", phase="done"))
+    # a keyed call the client cancels runs to its recorded outcome, once
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.call_tool, "hold_record", {"note": "n1", "idempotency_key": "hold-1"})
+        await eventually(lambda: effects(root, tool="hold_record", phase="started"))
+        group.cancel_scope.cancel()
+    (root / "release-hold").touch()
+    await eventually(lambda: effects(root, tool="hold_record", phase="done"))
 
-        async def succeeded() -> bool:
-            status = await client.call_tool("get_operation_status", {"idempotency_key": "hold-1"})
-            return (
-                bool(status.structured_content)
-                and status.structured_content["operation"]["state"] == "SUCCEEDED"
-            )
+    async def succeeded() -> bool:
+        status = await client.call_tool("get_operation_status", {"idempotency_key": "hold-1"})
+        return (
+            bool(status.structured_content) and status.structured_content["operation"]["state"] == "SUCCEEDED"
+        )
 
-        await eventually(succeeded)
-        assert [e["phase"] for e in effects(tmp_path, tool="hold_record")] == ["started", "done"]
+    await eventually(succeeded)
+    assert [e["phase"] for e in effects(root, tool="hold_record")] == ["started", "done"]
 
 
 # --- sessions = "per-client" --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import asking, calls, passthrough, tracing
+from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
@@ -51,7 +51,7 @@ def build_server(
 
     handler = gateway.handler()
     served = calls.recorded(calls.limited(answer), metrics)
-    rounds = passthrough.Rounds() if passthrough.has_upstreams(gateway) else None
+    rounds = callers.Rounds() if passthrough.has_upstreams(gateway) else None
 
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
@@ -68,7 +68,7 @@ def build_server(
             return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
 
         # An upstream's questions, progress and logs while serving the call reach this client only.
-        return typing.cast(Any, await passthrough.relayed_call(ctx, params, run, rounds))
+        return typing.cast(Any, await callers.relayed_call(ctx, params, run, rounds))
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
