@@ -218,13 +218,13 @@ class UpstreamConnection:
     def _client_session(self) -> UpstreamConnection:
         session = UpstreamConnection(self.name, self.spec, self.connect_timeout)
         session.relay.hub = self.relay.hub
-        session.start()
+        # Started inside a call: its reader must not take that call's client for the caller of
+        # everything it reads later.
+        outside_any_call().run(session.start)
         return session
 
     def start(self) -> None:
-        self._task = asyncio.create_task(
-            self._supervise(), name=f"commitgate-upstream:{self.name}", context=outside_any_call()
-        )
+        self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
 
     async def first_attempt(self, timeout: float) -> None:
         await self.ready(timeout)
