@@ -142,7 +142,10 @@ async def ask(topic: str, ctx: Context) -> Any:
             answer.data.reply if answer.action == "accept" and answer.data else None,
         )
     line = effect(tool="ask", topic=topic, action=action, reply=reply)
-    return {"topic": topic, "action": action, "reply": reply, "line": line}
+    said = {"topic": topic, "action": action, "reply": reply, "line": line}
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=json.dumps(said))], structured_content=said
+    )
 
 
 @mcp.tool(annotations=READ_ONLY)
