@@ -487,8 +487,9 @@ class UpstreamTool:
 
 
 def used_upstreams(policy: Policy) -> set[str]:
-    listed = {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
-    return listed | {name for name, spec in policy.upstreams.items() if spec.tools == "all"}
+    """The upstreams to connect: every one declared. One without a tool entry still offers its
+    resources, prompts and completions (server/serve/passthrough.py); its tools stay unserved."""
+    return set(policy.upstreams)
 
 
 SHARED_NAME = "{upstream}__{tool}"
