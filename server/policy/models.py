@@ -33,6 +33,7 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
+from commitgate.server.policy.evidence import ConsolePolicy, NotifyPolicy, ReceiptsPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
@@ -410,6 +411,9 @@ class Policy(_Strict):
         default_factory=dict, description="[budgets.NAME]: caps on what tools may spend."
     )
     tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="[tools.NAME]")
+    receipts: ReceiptsPolicy = Field(default_factory=lambda: ReceiptsPolicy(), description="[receipts]")
+    notify: list[NotifyPolicy] = Field(default_factory=list, description="[[notify]] webhooks.")
+    console: ConsolePolicy = Field(default_factory=lambda: ConsolePolicy(), description="[console]")
 
     def retention_for(self, tool: str) -> float:
         """How long the tool's completed records are kept: at least its budget's window, so that

@@ -57,6 +57,7 @@ from commitgate.server.model.facts import (
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
+from commitgate.server.serve.evidence import attach, evidence_for
 from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
@@ -236,6 +237,7 @@ class Gateway:
         from commitgate.tools.upstream import UpstreamManager
 
         faults = FaultPlan.from_env()  # read (and removed) before any child process starts
+        evidence = evidence_for(policy, policy_path)  # an unusable receipts key stops the start here
         upstreams, http = UpstreamManager(), pooled_client()
         try:
             # Connects the upstream MCP servers the policy uses in the background: clients are answered
@@ -250,6 +252,7 @@ class Gateway:
                 durability=policy.ledger.durability,
                 outcome_sync_within=policy.ledger.outcome_sync_within,
             )
+            attach(ledger, evidence)
         except BaseException:
             await upstreams.aclose()
             await http.aclose()

@@ -21,6 +21,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
+from commitgate.server.serve.notify import delivering
 from commitgate.server.serve import asking, calls, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
@@ -115,6 +116,7 @@ async def serving(gateway: Gateway, announcer: ToolListAnnouncer) -> AsyncIterat
             gateway.boundary.running(),
             policy_watcher(gateway, announcer.announce),
             upstream_refresher(gateway, announcer.announce),
+            delivering(gateway.ledger, lambda: gateway.policy),
         ):
             yield
     finally:
