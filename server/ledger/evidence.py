@@ -149,7 +149,19 @@ class Evidence:
         receipts: list[tuple[Any, ...]] = []
         outbox: list[tuple[Any, ...]] = []
         signer = self.signer
-        for operation_id, at, event, from_state, to_state, actor, principal, session, tool, arguments, result in entries:
+        for (
+            operation_id,
+            at,
+            event,
+            from_state,
+            to_state,
+            actor,
+            principal,
+            session,
+            tool,
+            arguments,
+            result,
+        ) in entries:
             if signer is not None:
                 seq += 1
                 fields = {
@@ -164,7 +176,9 @@ class Evidence:
             if notice is not None:
                 for route in self.routes:
                     if route.wants(notice, principal):
-                        outbox.append(("ev_" + uuid.uuid4().hex, route.target, notice, operation_id, at, to_state, at))
+                        outbox.append(
+                            ("ev_" + uuid.uuid4().hex, route.target, notice, operation_id, at, to_state, at)
+                        )
         return receipts, outbox, seq, prev
 
 
@@ -183,7 +197,7 @@ _OUTBOX_COLUMNS = "event_id, target, event, operation_id, at, state, next_at"
 
 # --- SQLite ----------------------------------------------------------------------------------------
 
-SQLITE_MIGRATION = f"""
+SQLITE_MIGRATION = """
     CREATE TABLE receipts (
         seq INTEGER NOT NULL, writer TEXT NOT NULL, at TEXT NOT NULL, operation_id TEXT NOT NULL,
         principal TEXT, session TEXT, tool TEXT, transition TEXT NOT NULL, state TEXT, actor TEXT,
@@ -275,9 +289,7 @@ _POSTGRES_DUE = (
     " WHERE a.operation_id = ANY ($1::text[])"
     " AND a.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text ORDER BY a.id"
 )
-_POSTGRES_RECEIPT = (
-    f"INSERT INTO commitgate_receipts ({_RECEIPT_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 16))})"
-)
+_POSTGRES_RECEIPT = f"INSERT INTO commitgate_receipts ({_RECEIPT_COLUMNS}) VALUES ({', '.join(f'${n}' for n in range(1, 16))})"
 _POSTGRES_OUTBOX = f"INSERT INTO commitgate_outbox ({_OUTBOX_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
 
 
@@ -288,7 +300,9 @@ async def seal_postgres(conn: Any, evidence: Evidence, lane: Lane, operation_ids
     rows = await conn.fetch(_POSTGRES_DUE, list(dict.fromkeys(operation_ids)))
     if not rows:
         return
-    receipts, outbox, seq, prev = evidence.build([tuple(row) for row in rows], lane.writer, lane.seq, lane.prev)
+    receipts, outbox, seq, prev = evidence.build(
+        [tuple(row) for row in rows], lane.writer, lane.seq, lane.prev
+    )
     if receipts:
         await conn.executemany(_POSTGRES_RECEIPT, receipts)
     if outbox:
@@ -332,7 +346,9 @@ def outbox_item(row: Sequence[Any]) -> OutboxItem:
 _DUE_NOW = "delivered_at IS NULL AND failed_at IS NULL AND next_at <= {now} AND (lease_until IS NULL OR lease_until <= {now})"
 
 
-def sqlite_take(conn: sqlite3.Connection, owner: str, now: float, lease: float, limit: int) -> list[OutboxItem]:
+def sqlite_take(
+    conn: sqlite3.Connection, owner: str, now: float, lease: float, limit: int
+) -> list[OutboxItem]:
     """Due events, each leased to `owner` until `now + lease`: nobody else sends them meanwhile."""
     where = _DUE_NOW.format(now="?")
     rows = conn.execute(

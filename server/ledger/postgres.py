@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from commitgate.server.ledger import evidence
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     LEASE_LOST,
@@ -55,12 +56,11 @@ from commitgate.server.ledger.base import (
     owner_known_dead,
     timed,
 )
-from commitgate.server.ledger import evidence
 from commitgate.server.ledger.evidence import POSTGRES_MIGRATION, Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
-from commitgate.server.model.receipts import at_text, digest
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
+from commitgate.server.model.receipts import at_text, digest
 from commitgate.server.model.records import Operation, ToolResult
 
 T = TypeVar("T")
@@ -1233,7 +1233,9 @@ class PostgresLedger:
             )
             dead = [row[0] for row in owners if owner_known_dead(row[0])]
             if self._evidence is not None:
-                return await self._sealed(conn, lambda: conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead))
+                return await self._sealed(
+                    conn, lambda: conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead)
+                )
             return list(await conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead))
 
         return [_decode(row) for row in await self._run(step)]
@@ -1319,7 +1321,10 @@ class PostgresLedger:
         return await self._run(lambda conn: evidence.postgres_settle(conn, item, owner, settled))
 
     async def undelivered(self) -> list[OutboxItem]:
-        return [evidence.outbox_item(tuple(r)) for r in await self._fetch(evidence.undelivered_sql("commitgate_outbox"))]
+        return [
+            evidence.outbox_item(tuple(r))
+            for r in await self._fetch(evidence.undelivered_sql("commitgate_outbox"))
+        ]
 
     async def receipts(self, since: float | None = None) -> list[dict[str, Any]]:
         sql = evidence.receipts_sql("commitgate_receipts", since is not None, "$1")

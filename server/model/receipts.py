@@ -111,7 +111,12 @@ def _check_one(
         return f"{name} was inserted: it is signed by a key that is not among the public keys given"
     if not _signed(receipt, key, keys):
         return f"{name} was edited or inserted: its signature does not match its hash"
-    seq = receipt["seq"]
+    return _linked(receipt, before, from_genesis)
+
+
+def _linked(receipt: Mapping[str, Any], before: Mapping[str, Any] | None, from_genesis: bool) -> str | None:
+    """The receipt's place in its writer's chain: right after `before`, or a chain's first."""
+    name, writer, seq = label(receipt), str(receipt["writer"]), receipt["seq"]
     if not isinstance(seq, int):
         return f"{name} was edited: its seq is not a number"
     if before is None:

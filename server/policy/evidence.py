@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from commitgate.server.ledger.evidence import EVENTS
 from commitgate.server.model.durations import parse_duration
-from commitgate.server.policy.problems import Problem
 
 _ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 
@@ -31,13 +30,19 @@ class NotifyPolicy(_Strict):
     """One webhook: which events it hears, how they are signed and shaped."""
 
     url: str = Field(min_length=1, description="Where events are POSTed (http or https).")
-    events: list[Literal["approval_waiting", "approval_expired", "unknown", "budget_near", "reconciled"]] = Field(
-        min_length=1, description=f"Any of {', '.join(EVENTS)}."
+    events: list[Literal["approval_waiting", "approval_expired", "unknown", "budget_near", "reconciled"]] = (
+        Field(min_length=1, description=f"Any of {', '.join(EVENTS)}.")
     )
     secret: str = Field(min_length=1, description="HMAC-SHA256 key of the signature, written as ${NAME}.")
-    format: Literal["json", "slack"] = Field("json", description="'json' (the event) or 'slack' ({\"text\": ...}).")
-    principals: list[str] | None = Field(None, description="Only operations of these principals (default: all).")
-    give_up_after: float = Field(86400.0, gt=0, description="Stop retrying an event this long after it happened.")
+    format: Literal["json", "slack"] = Field(
+        "json", description="'json' (the event) or 'slack' ({\"text\": ...})."
+    )
+    principals: list[str] | None = Field(
+        None, description="Only operations of these principals (default: all)."
+    )
+    give_up_after: float = Field(
+        86400.0, gt=0, description="Stop retrying an event this long after it happened."
+    )
 
     @field_validator("give_up_after", mode="before")
     @classmethod
@@ -60,13 +65,13 @@ class ConsolePolicy(_Strict):
     )
 
 
-def literal_secrets(data: dict[str, Any]) -> list[Problem]:
-    """A `[[notify]]` secret written into the file itself (before `${ENV}` resolution): refused."""
+def literal_secrets(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where and why: a `[[notify]]` secret written into the file itself (before `${ENV}` resolution)."""
     entries = data.get("notify")
     if not isinstance(entries, list):
         return []
     return [
-        Problem(
+        (
             f"notify[{i}].secret",
             "write the secret as ${NAME} and set the environment variable NAME: a secret is never kept in the file",
         )

@@ -102,7 +102,7 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
 
 
 def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | None = None) -> PolicyReport:
-    problems: list[Problem] = literal_secrets(data)
+    problems = [Problem(where, why) for where, why in literal_secrets(data)]
     data = _substitute_env(data, "", problems)
     policy: Policy | None = None
     try:

@@ -41,7 +41,9 @@ def target(entry: NotifyPolicy) -> str:
 
 def evidence_for(policy: Policy, policy_path: Path | None) -> Evidence:
     routes = [
-        Route(target(entry), frozenset(entry.events), frozenset(entry.principals) if entry.principals else None)
+        Route(
+            target(entry), frozenset(entry.events), frozenset(entry.principals) if entry.principals else None
+        )
         for entry in policy.notify
     ]
     return Evidence(signer_for(policy, policy_path), routes)

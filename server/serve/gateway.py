@@ -57,9 +57,9 @@ from commitgate.server.model.facts import (
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
-from commitgate.server.serve.evidence import attach, evidence_for
 from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
+from commitgate.server.serve.evidence import attach, evidence_for
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.metrics import UNKNOWN_TOOL
 from commitgate.server.serve.registry import ServedTool, build_tools

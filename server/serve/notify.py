@@ -60,13 +60,20 @@ def body_of(item: OutboxItem, op: Operation | None, policy: Policy, entry: Notif
     console = policy.console.public_url
     link = f"{console.rstrip('/')}/operations/{item.operation_id}" if console else None
     if entry.format == "slack":
-        lines = [f"commitgate: {item.event.replace('_', ' ')} ({operation.get('tool', '?')}, {item.operation_id})"]
+        lines = [
+            f"commitgate: {item.event.replace('_', ' ')} ({operation.get('tool', '?')}, {item.operation_id})"
+        ]
         if question:
             lines.append(question)
         if link:
             lines.append(f"Open in the console: {link}")
         return json.dumps({"text": "\n".join(lines)}, ensure_ascii=False).encode()
-    event: dict[str, Any] = {"id": item.event_id, "event": item.event, "at": iso(item.at), "operation": operation}
+    event: dict[str, Any] = {
+        "id": item.event_id,
+        "event": item.event,
+        "at": iso(item.at),
+        "operation": operation,
+    }
     if link:
         event["console_url"] = link
     return json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
@@ -130,7 +137,10 @@ class Deliverer:
                 "Commitgate-Timestamp": stamp,
                 "Commitgate-Signature": signature(entry.secret, stamp, body),
             }
-            async with asyncio.timeout(TIMEOUT), client.stream("POST", entry.url, content=body, headers=headers) as answer:
+            async with (
+                asyncio.timeout(TIMEOUT),
+                client.stream("POST", entry.url, content=body, headers=headers) as answer,
+            ):
                 status = answer.status_code  # the body is never read: its size cannot matter
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"[:300]

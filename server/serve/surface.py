@@ -21,11 +21,11 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve.notify import delivering
 from commitgate.server.serve import asking, calls, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.notify import delivering
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
 log = logging.getLogger("commitgate.surface")

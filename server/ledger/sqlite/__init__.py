@@ -37,6 +37,7 @@ from typing import Any, TypeVar, cast
 
 import aiosqlite
 
+from commitgate.server.ledger import evidence
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     AuditEntry,
@@ -58,7 +59,6 @@ from commitgate.server.ledger.base import (
     sql_states,
     timed,
 )
-from commitgate.server.ledger import evidence
 from commitgate.server.ledger.evidence import Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import (
