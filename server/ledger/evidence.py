@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
 from commitgate.server.model.receipts import GENESIS, at_text, digest, receipt_hash
@@ -28,8 +29,8 @@ from commitgate.server.model.receipts import GENESIS, at_text, digest, receipt_h
 EVENTS = ("approval_waiting", "approval_expired", "unknown", "budget_near", "reconciled")
 
 
-class KeyProblem(Exception):
-    """The receipts key cannot be used: the message says which file and what to do."""
+class KeyProblem(LedgerUnavailable):
+    """The receipts key cannot be used, so nothing may be recorded: the message says which file and what to do."""
 
 
 class Signer:
