@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -103,6 +102,7 @@ def error(result: Any) -> dict[str, Any]:
 
 
 def operation_id(result: Any) -> str:
+    assert result.meta is not None
     return str(result.meta["commitgate/operation"]["operation_id"])
 
 
@@ -119,7 +119,7 @@ async def every_outcome(root: Path, d: Deployment, ledger: str) -> dict[str, str
         ok = await b.call("send_email", {**email, "idempotency_key": "ok"}, session="s")
         assert not ok.is_error
         replay = await a.call("send_email", {**email, "idempotency_key": "ok"}, session="s")
-        assert replay.meta["commitgate/operation"]["replayed"] is True
+        assert replay.meta is not None and replay.meta["commitgate/operation"]["replayed"] is True
         failed = error(await a.call("create_ticket", {"title": "t", "idempotency_key": "bad"}, session="s"))
         assert failed["code"] == "operation_failed"
         charge = {"card": "4242424242424242", "amount_cents": 5000, "idempotency_key": "pay"}
@@ -300,10 +300,12 @@ async def test_a_key_file_that_is_missing_stops_the_start(tmp_path: Path) -> Non
 
 
 async def test_verify_on_a_ledger_without_receipts_says_so(tmp_path: Path) -> None:
-    d = deployment(tmp_path)
+    d = deployment(tmp_path, "\n[receipts]\nenabled = false\n")
     url = f"sqlite:///{d.ledger}"
-    async with serve(d, env=state_env(tmp_path), ledger=url):
-        pass  # creates and migrates the ledger; nothing recorded
+    async with serve(d, env=state_env(tmp_path), ledger=url) as server:
+        email = {"to": "a@example.com", "subject": "hi", "body": "x", "idempotency_key": "k"}
+        assert not (await server.call("send_email", email, session="s")).is_error
+    audits, receipts, _ = sqlite_counts(d.ledger)
+    assert audits == 2 and receipts == 0
     run = verify(tmp_path, d, url)
     assert run.returncode == 1 and "holds no receipts" in run.stderr, run.stderr
-    shutil.rmtree(tmp_path / "state")

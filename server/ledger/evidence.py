@@ -347,6 +347,9 @@ def outbox_item(row: Sequence[Any]) -> OutboxItem:
 _DUE_NOW = "delivered_at IS NULL AND failed_at IS NULL AND next_at <= {now} AND (lease_until IS NULL OR lease_until <= {now})"
 
 
+ANY_DUE = f"SELECT 1 FROM outbox WHERE {_DUE_NOW.format(now='?')} LIMIT 1"
+
+
 def sqlite_take(
     conn: sqlite3.Connection, owner: str, now: float, lease: float, limit: int
 ) -> list[OutboxItem]:

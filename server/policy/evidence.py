@@ -20,6 +20,10 @@ class _Strict(BaseModel):
 class ReceiptsPolicy(_Strict):
     """Signed receipts of every change: the key that signs this server's chains."""
 
+    enabled: bool = Field(
+        True,
+        description="false: no receipts at all (`ops verify` then says so); for measuring what they cost.",
+    )
     key_file: str | None = Field(
         None,
         description="PEM (PKCS#8) Ed25519 private key; it must exist. Default: one created in the state directory.",

@@ -46,7 +46,7 @@ def evidence_for(policy: Policy, policy_path: Path | None) -> Evidence:
         )
         for entry in policy.notify
     ]
-    return Evidence(signer_for(policy, policy_path), routes)
+    return Evidence(signer_for(policy, policy_path) if policy.receipts.enabled else None, routes)
 
 
 def attach(ledger: object, evidence: Evidence) -> None:

@@ -432,6 +432,8 @@ class SQLiteLedger:
         self._writer.attach(evidence)
 
     async def outbox_take(self, owner: str, now: float, lease: float, limit: int) -> list[OutboxItem]:
+        if not await self._read(evidence.ANY_DUE, (now, now)):  # a read: no write lock while idle
+            return []
         return await self._write(lambda conn: evidence.sqlite_take(conn, owner, now, lease, limit))
 
     async def outbox_settle(self, item: OutboxItem, owner: str, settled: Settled) -> bool:
