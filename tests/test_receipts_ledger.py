@@ -1,0 +1,60 @@
+"""Receipts and outbox events under concurrency, on each backend: group commits (SQLite) and concurrent
+transactions on their own chains (PostgreSQL) leave every audit entry with exactly one receipt, every
+chain whole, and one event per event-causing change."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
+from commitgate.server.ledger.evidence import Evidence, Evidenced, Route, Signer
+from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.facts import IdempotencyClass, State
+from commitgate.server.model.receipts import check_chains
+from commitgate.server.model.records import ToolResult
+
+pytestmark = pytest.mark.anyio
+
+CALLS = 40
+
+
+async def call(ledger: Ledger, n: int) -> None:
+    """A claim and its outcome: every fourth one UNKNOWN (an event), the others SUCCEEDED."""
+    now = time.time()
+    request = ClaimRequest(
+        "p", "s", f"k{n}", "tool", IdempotencyClass.KEY_REQUIRED, f"fp{n}", f'{{"n":{n}}}', "me", 30, 3600
+    )
+    op = (await ledger.claim(request, now)).operation
+    unknown = n % 4 == 0
+    change = Transition(
+        to_state=State.UNKNOWN if unknown else State.SUCCEEDED,
+        expect_states=frozenset({State.RUNNING}),
+        event=AuditEvent.AMBIGUOUS if unknown else AuditEvent.SUCCEEDED,
+        expect_fence=op.fence,
+        result=None if unknown else ToolResult.from_json('{"content":[]}'),
+    )
+    assert await ledger.update(op.operation_id, change, time.time(), current=op) is not None
+
+
+async def test_concurrent_changes_each_get_one_receipt_in_whole_chains(ledger: Ledger, tmp_path: Path) -> None:
+    signer = Signer.load(tmp_path / "key.pem", create=True)
+    with_evidence = cast(Any, ledger)
+    with_evidence.attach(Evidence(signer, [Route("hook", frozenset({"unknown"}))]))
+    await asyncio.gather(*(call(ledger, n) for n in range(CALLS)))
+    evidenced = cast(Evidenced, ledger)
+    receipts = await evidenced.receipts()
+    counts = await ledger.counts()
+    assert len(receipts) == sum(counts.events.values()) == 2 * CALLS
+    assert len({(r["operation_id"], r["transition"]) for r in receipts}) == 2 * CALLS  # none twice
+    verdict = check_chains(receipts, {signer.public_hex})
+    assert verdict.whole, verdict.problem
+    events = await evidenced.undelivered()
+    assert sorted(e.operation_id for e in events) == sorted(
+        r["operation_id"] for r in receipts if r["transition"] == AuditEvent.AMBIGUOUS
+    )
+    assert {e.event for e in events} == {"unknown"}
