@@ -199,20 +199,20 @@ _OUTBOX_COLUMNS = "event_id, target, event, operation_id, at, state, next_at"
 # --- SQLite ----------------------------------------------------------------------------------------
 
 SQLITE_MIGRATION = """
-    CREATE TABLE receipts (
+    CREATE TABLE IF NOT EXISTS receipts (
         seq INTEGER NOT NULL, writer TEXT NOT NULL, at TEXT NOT NULL, operation_id TEXT NOT NULL,
         principal TEXT, session TEXT, tool TEXT, transition TEXT NOT NULL, state TEXT, actor TEXT,
         arguments_sha256 TEXT, result_sha256 TEXT, prev TEXT NOT NULL, hash TEXT NOT NULL, sig TEXT NOT NULL,
         PRIMARY KEY (writer, seq)
     ) WITHOUT ROWID;
-    CREATE INDEX receipts_operation ON receipts (operation_id);
-    CREATE INDEX receipts_at ON receipts (at);
-    CREATE TABLE outbox (
+    CREATE INDEX IF NOT EXISTS receipts_operation ON receipts (operation_id);
+    CREATE INDEX IF NOT EXISTS receipts_at ON receipts (at);
+    CREATE TABLE IF NOT EXISTS outbox (
         event_id TEXT PRIMARY KEY, target TEXT NOT NULL, event TEXT NOT NULL, operation_id TEXT NOT NULL,
         at REAL NOT NULL, state TEXT, next_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
         lease_owner TEXT, lease_until REAL, delivered_at REAL, failed_at REAL, last_error TEXT
     );
-    CREATE INDEX outbox_due ON outbox (next_at) WHERE delivered_at IS NULL AND failed_at IS NULL;
+    CREATE INDEX IF NOT EXISTS outbox_due ON outbox (next_at) WHERE delivered_at IS NULL AND failed_at IS NULL;
 """
 
 _SQLITE_DUE = (
@@ -265,21 +265,21 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
 # --- PostgreSQL ------------------------------------------------------------------------------------
 
 POSTGRES_MIGRATION = """
-    CREATE TABLE commitgate_receipts (
+    CREATE TABLE IF NOT EXISTS commitgate_receipts (
         seq bigint NOT NULL, writer text NOT NULL, at text NOT NULL, operation_id text NOT NULL,
         principal text, session text, tool text, transition text NOT NULL, state text, actor text,
         arguments_sha256 text, result_sha256 text, prev text NOT NULL, hash text NOT NULL, sig text NOT NULL,
         PRIMARY KEY (writer, seq)
     );
-    CREATE INDEX commitgate_receipts_operation ON commitgate_receipts (operation_id);
-    CREATE INDEX commitgate_receipts_at ON commitgate_receipts (at);
-    CREATE TABLE commitgate_outbox (
+    CREATE INDEX IF NOT EXISTS commitgate_receipts_operation ON commitgate_receipts (operation_id);
+    CREATE INDEX IF NOT EXISTS commitgate_receipts_at ON commitgate_receipts (at);
+    CREATE TABLE IF NOT EXISTS commitgate_outbox (
         event_id text PRIMARY KEY, target text NOT NULL, event text NOT NULL, operation_id text NOT NULL,
         at double precision NOT NULL, state text, next_at double precision NOT NULL,
         attempts integer NOT NULL DEFAULT 0, lease_owner text, lease_until double precision,
         delivered_at double precision, failed_at double precision, last_error text
     );
-    CREATE INDEX commitgate_outbox_due ON commitgate_outbox (next_at) WHERE delivered_at IS NULL AND failed_at IS NULL;
+    CREATE INDEX IF NOT EXISTS commitgate_outbox_due ON commitgate_outbox (next_at) WHERE delivered_at IS NULL AND failed_at IS NULL;
 """
 
 # The audit entries this transaction wrote for the given operations: the rows whose xmin is ours
