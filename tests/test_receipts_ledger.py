@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from commitgate.server.ledger.base import ClaimRequest, Ledger, Transition
-from commitgate.server.ledger.evidence import Evidence, Evidenced, Route, Signer
+from commitgate.server.ledger.base import BudgetCheck, ClaimKind, ClaimRequest, Ledger, Transition
+from commitgate.server.ledger.evidence import BudgetLine, Evidence, Evidenced, Route, Signer
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.receipts import check_chains
@@ -41,7 +42,9 @@ async def call(ledger: Ledger, n: int) -> None:
     assert await ledger.update(op.operation_id, change, time.time(), current=op) is not None
 
 
-async def test_concurrent_changes_each_get_one_receipt_in_whole_chains(ledger: Ledger, tmp_path: Path) -> None:
+async def test_concurrent_changes_each_get_one_receipt_in_whole_chains(
+    ledger: Ledger, tmp_path: Path
+) -> None:
     signer = Signer.load(tmp_path / "key.pem", create=True)
     with_evidence = cast(Any, ledger)
     with_evidence.attach(Evidence(signer, [Route("hook", frozenset({"unknown"}))]))
@@ -58,3 +61,21 @@ async def test_concurrent_changes_each_get_one_receipt_in_whole_chains(ledger: L
         r["operation_id"] for r in receipts if r["transition"] == AuditEvent.AMBIGUOUS
     )
     assert {e.event for e in events} == {"unknown"}
+
+
+async def test_budget_near_once_when_spending_crosses_ninety_percent(ledger: Ledger, tmp_path: Path) -> None:
+    line = BudgetLine(Decimal(100), "principal", 3600.0)
+    hook = Route("hook", frozenset({"budget_near"}))
+    cast(Any, ledger).attach(Evidence(Signer.load(tmp_path / "key.pem", create=True), [hook], {"pay": line}))
+    for n, amount in enumerate([30, 30, 30, 5]):  # 30, 60, 90 (the mark), 95 (already past it)
+        now = time.time()
+        check = BudgetCheck("pay", "principal", Decimal(amount), line.limit, line.window_seconds)
+        request = ClaimRequest(
+            "p", "s", f"b{n}", "pay", IdempotencyClass.KEY_REQUIRED, f"fb{n}", f'{{"n":{n}}}', "me", 30, 3600,
+            budget=check,
+        )  # fmt: skip
+        assert (await ledger.claim(request, now)).kind is ClaimKind.NEW
+    events = await cast(Evidenced, ledger).undelivered()
+    assert [e.event for e in events] == ["budget_near"]
+    third = await ledger.get("p", "s", "b2")
+    assert third is not None and events[0].operation_id == third.operation_id

@@ -12,15 +12,17 @@ from __future__ import annotations
 import os
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.ledger.base import BUDGET_STATES, LedgerUnavailable, scope_of, sql_states
+from commitgate.server.model.amounts import joined
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
 from commitgate.server.model.receipts import GENESIS, at_text, digest, receipt_hash
@@ -98,6 +100,27 @@ class Route:
         return event in self.events and (self.principals is None or principal in self.principals)
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetLine:
+    """What `budget_near` needs of a budget: its limit, scope and window."""
+
+    limit: Decimal
+    per: str
+    window_seconds: float
+
+
+NEAR = Decimal("0.9")  # `budget_near`: a scope's spending reached 90 % of its limit
+# The changes with which an operation spends (it is taken to run): the ones that may cross the mark.
+_SPENDS = frozenset(
+    {AuditEvent.CLAIMED, AuditEvent.RETRY_CLAIMED, AuditEvent.RERUN_CLAIMED, AuditEvent.APPROVED_CLAIMED}
+)
+
+
+def crossed(spent: Decimal, amount: Decimal, limit: Decimal) -> bool:
+    """The spending that included `amount` took its scope across the mark (not already past it)."""
+    return spent - amount < NEAR * limit <= spent
+
+
 def event_of(audit_event: str, from_state: str | None, to_state: str | None) -> str | None:
     """The notification an audit entry causes, if any."""
     if audit_event == AuditEvent.APPROVAL_REQUESTED:
@@ -115,9 +138,17 @@ class Evidence:
     """What this process adds to every ledger transaction: receipts (with a signer) and outbox rows
     (with routes). Each process signs its own chains, so replicas never contend for one."""
 
-    def __init__(self, signer: Signer | None, routes: Sequence[Route] = ()) -> None:
+    def __init__(
+        self,
+        signer: Signer | None,
+        routes: Sequence[Route] = (),
+        budgets: Mapping[str, BudgetLine] | None = None,
+    ) -> None:
         self.signer = signer
         self.routes = tuple(routes)
+        # Budgets are looked at only when someone listens for `budget_near`.
+        wanted = any("budget_near" in route.events for route in self.routes)
+        self.budgets: Mapping[str, BudgetLine] = dict(budgets or {}) if wanted else {}
         self._process = uuid.uuid4().hex[:12]
         self._lanes: list[Lane] = []
         self._next_lane = 0
@@ -142,11 +173,18 @@ class Evidence:
     def give_back(self, lane: Lane) -> None:
         self._lanes.append(lane)
 
+    def spending(self, entries: Sequence[Sequence[Any]]) -> list[str]:
+        """The operations among `entries` that spent (when `budget_near` is listened for)."""
+        if not self.budgets:
+            return []
+        return [entry[0] for entry in entries if entry[2] in _SPENDS]
+
     def build(
-        self, entries: Sequence[Sequence[Any]], writer: str, seq: int, prev: str
+        self, entries: Sequence[Sequence[Any]], writer: str, seq: int, prev: str, near: Collection[str] = ()
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], int, str]:
         """Receipt rows and outbox rows for audit entries (operation_id, at, event, from_state,
-        to_state, actor, principal, session, tool, arguments, result), and the chain's new head."""
+        to_state, actor, principal, session, tool, arguments, result), and the chain's new head.
+        `near`: operations whose spending took their budget across the `budget_near` mark."""
         receipts: list[tuple[Any, ...]] = []
         outbox: list[tuple[Any, ...]] = []
         signer = self.signer
@@ -174,6 +212,8 @@ class Evidence:
                 prev = receipt_hash(fields)
                 receipts.append((*fields.values(), prev, signer.sign(prev)))
             notice = event_of(event, from_state, to_state) if self.routes else None
+            if near and event in _SPENDS and operation_id in near:
+                notice = "budget_near"
             if notice is not None:
                 for route in self.routes:
                     if route.wants(notice, principal):
@@ -255,11 +295,41 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
         head = conn.execute(_SQLITE_HEAD, (writer,)).fetchone()
         if head is not None:
             seq, prev = head
-    receipts, outbox, _, _ = evidence.build([row[:11] for row in rows], writer, seq, prev)
+    entries = [row[:11] for row in rows]
+    near = _sqlite_near(conn, evidence, evidence.spending(entries))
+    receipts, outbox, _, _ = evidence.build(entries, writer, seq, prev, near)
     if receipts:
         conn.executemany(_SQLITE_RECEIPT, receipts)
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
+
+
+_SQLITE_SPENT = (
+    "SELECT budget, budget_units, budget_nanos, principal, session, budget_spent_at FROM operations"
+    " WHERE operation_id = ? AND budget IS NOT NULL AND budget_spent_at IS NOT NULL"
+)
+_SQLITE_SUM = (
+    "SELECT coalesce(sum(budget_units), 0), coalesce(sum(budget_nanos), 0) FROM operations"
+    " WHERE budget = ? AND (? IS NULL OR principal = ?) AND (? IS NULL OR session = ?) AND budget_spent_at > ?"
+    f" AND state IN ({sql_states(BUDGET_STATES)}) AND (expires_at IS NULL OR expires_at > ?)"
+)
+
+
+def _sqlite_near(conn: sqlite3.Connection, evidence: Evidence, spending: Sequence[str]) -> set[str]:
+    near = set()
+    for operation_id in spending:
+        row = conn.execute(_SQLITE_SPENT, (operation_id,)).fetchone()
+        line = evidence.budgets.get(row[0]) if row is not None else None
+        if row is None or line is None:
+            continue
+        budget, units, nanos, principal, session, at = row
+        who, where = scope_of(line.per, principal, session)
+        total = conn.execute(
+            _SQLITE_SUM, (budget, who, who, where, where, at - line.window_seconds, at)
+        ).fetchone()
+        if crossed(joined(*total), joined(units, nanos), line.limit):
+            near.add(operation_id)
+    return near
 
 
 # --- PostgreSQL ------------------------------------------------------------------------------------
@@ -301,14 +371,40 @@ async def seal_postgres(conn: Any, evidence: Evidence, lane: Lane, operation_ids
     rows = await conn.fetch(_POSTGRES_DUE, list(dict.fromkeys(operation_ids)))
     if not rows:
         return
-    receipts, outbox, seq, prev = evidence.build(
-        [tuple(row) for row in rows], lane.writer, lane.seq, lane.prev
-    )
+    entries = [tuple(row) for row in rows]
+    near = await _postgres_near(conn, evidence, evidence.spending(entries))
+    receipts, outbox, seq, prev = evidence.build(entries, lane.writer, lane.seq, lane.prev, near)
     if receipts:
         await conn.executemany(_POSTGRES_RECEIPT, receipts)
     if outbox:
         await conn.executemany(_POSTGRES_OUTBOX, outbox)
     lane.seq, lane.prev = seq, prev  # only kept if the transaction commits (else the lane is dropped)
+
+
+_POSTGRES_SPENT = (
+    "SELECT budget, budget_amount, principal, session, budget_spent_at FROM commitgate_operations"
+    " WHERE operation_id = $1 AND budget IS NOT NULL AND budget_spent_at IS NOT NULL"
+)
+_POSTGRES_SUM = (
+    "SELECT coalesce(sum(budget_amount), 0) FROM commitgate_operations"
+    " WHERE budget = $1 AND ($2::text IS NULL OR principal = $2) AND ($3::text IS NULL OR session = $3)"
+    f" AND budget_spent_at > $4 AND state IN ({sql_states(BUDGET_STATES)}) AND (expires_at IS NULL OR expires_at > $5)"
+)
+
+
+async def _postgres_near(conn: Any, evidence: Evidence, spending: Sequence[str]) -> set[str]:
+    near = set()
+    for operation_id in spending:
+        row = await conn.fetchrow(_POSTGRES_SPENT, operation_id)
+        line = evidence.budgets.get(row["budget"]) if row is not None else None
+        if row is None or line is None:
+            continue
+        who, where = scope_of(line.per, row["principal"], row["session"])
+        at = row["budget_spent_at"]
+        total = await conn.fetchval(_POSTGRES_SUM, row["budget"], who, where, at - line.window_seconds, at)
+        if crossed(Decimal(total), Decimal(row["budget_amount"]), line.limit):
+            near.add(operation_id)
+    return near
 
 
 # --- reading and delivering, for both backends -----------------------------------------------------

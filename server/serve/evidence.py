@@ -7,11 +7,12 @@ Built from the policy before the ledger opens, so a receipts key that cannot be 
 from __future__ import annotations
 
 import hashlib
+from decimal import Decimal
 from pathlib import Path
 
 import platformdirs
 
-from commitgate.server.ledger.evidence import Evidence, Evidenced, Route, Signer
+from commitgate.server.ledger.evidence import BudgetLine, Evidence, Evidenced, Route, Signer
 from commitgate.server.policy.evidence import NotifyPolicy
 from commitgate.server.policy.models import Policy
 
@@ -46,7 +47,11 @@ def evidence_for(policy: Policy, policy_path: Path | None) -> Evidence:
         )
         for entry in policy.notify
     ]
-    return Evidence(signer_for(policy, policy_path) if policy.receipts.enabled else None, routes)
+    budgets = {
+        name: BudgetLine(Decimal(str(budget.limit)), budget.per, budget.window)
+        for name, budget in policy.budgets.items()
+    }
+    return Evidence(signer_for(policy, policy_path) if policy.receipts.enabled else None, routes, budgets)
 
 
 def attach(ledger: object, evidence: Evidence) -> None:
