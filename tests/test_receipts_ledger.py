@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 
 from commitgate.server.ledger.base import BudgetCheck, ClaimKind, ClaimRequest, Ledger, Transition
-from commitgate.server.ledger.evidence import BudgetLine, Evidence, Evidenced, Route, Signer
+from commitgate.server.ledger.evidence import BudgetLine, Evidence, Evidenced, Route, Settled, Signer
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.receipts import check_chains
@@ -79,3 +79,19 @@ async def test_budget_near_once_when_spending_crosses_ninety_percent(ledger: Led
     assert [e.event for e in events] == ["budget_near"]
     third = await ledger.get("p", "s", "b2")
     assert third is not None and events[0].operation_id == third.operation_id
+
+
+async def test_an_event_is_leased_to_one_sender_at_a_time(ledger: Ledger, tmp_path: Path) -> None:
+    cast(Any, ledger).attach(Evidence(None, [Route("hook", frozenset({"unknown"}))]))
+    await asyncio.gather(*(call(ledger, n) for n in range(0, 16, 4)))  # four UNKNOWN outcomes: four events
+    outbox = cast(Evidenced, ledger)
+    now = time.time()
+    first, second = await asyncio.gather(
+        outbox.outbox_take("one", now, 60.0, 10), outbox.outbox_take("two", now, 60.0, 10)
+    )
+    assert sorted(e.event_id for e in first + second) == sorted({e.event_id for e in first + second})
+    assert len(first) + len(second) == 4
+    item = (first or second)[0]
+    assert await outbox.outbox_take("three", now, 60.0, 10) == []  # all leased
+    assert not await outbox.outbox_settle(item, "someone-else", Settled(now, delivered_at=now))
+    assert await outbox.outbox_take("three", now + 61, 60.0, 10) != []  # leases run out: sent again
