@@ -12,25 +12,28 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
 from rich.table import Table
 
-from commitgate.server.cli.shown import cell, console
-from commitgate.server.ledger.evidence import Evidence, Evidenced, KeyProblem
+from commitgate.server.cli.shown import cell, console, json_text
+from commitgate.server.ledger import open_ledger
+from commitgate.server.ledger.evidence import Evidence, Evidenced
 from commitgate.server.model.durations import parse_duration
 from commitgate.server.model.receipts import FIELDS, Verdict, check_chains, ordered
 from commitgate.server.model.records import iso
 from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.serve.evidence import evidence_for, signer_for
 
-Body = Callable[[], Any]
 
-
-def add_evidence_arguments(actions: Any, where: argparse.ArgumentParser) -> None:
+def add_evidence_arguments(
+    actions: Any, where: argparse.ArgumentParser
+) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of the commands that read a ledger, by name: `ops` gives them their plumbing."""
     receipts = actions.add_parser("receipts", parents=[where], help="this server's receipts key")
     receipts.add_argument(
         "--public-key",
@@ -52,7 +55,6 @@ def add_evidence_arguments(actions: Any, where: argparse.ArgumentParser) -> None
         metavar="KEY",
         help="a signer to trust: hex, or a file holding it (repeatable; default: any key, integrity only)",
     )
-    verify.set_defaults(func=cmd_verify)
 
     export = actions.add_parser("export", parents=[where], help="write the receipts as JSON lines")
     export.add_argument(
@@ -61,12 +63,11 @@ def add_evidence_arguments(actions: Any, where: argparse.ArgumentParser) -> None
     export.add_argument(
         "--since", metavar="T", help="only receipts from T on: a time (ISO 8601) or an age (24h)"
     )
-    export.set_defaults(func=cmd_export)
 
     notifications = actions.add_parser(
         "notifications", parents=[where], help="notification deliveries still pending, and those given up"
     )
-    notifications.set_defaults(func=cmd_notifications)
+    return {"verify": verify, "export": export, "notifications": notifications}
 
 
 def policy_path(args: argparse.Namespace) -> Path | None:
@@ -160,31 +161,36 @@ def stored_problem(
     return None
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from commitgate.server.cli.ops import _run, ledger_url, reading
+@asynccontextmanager
+async def reading(url: str) -> AsyncIterator[Evidenced]:
+    ledger = await open_ledger(url, read_only=True)
+    try:
+        yield cast(Evidenced, ledger)
+    finally:
+        await ledger.close()
 
-    async def body() -> int:
-        trusted = trusted_keys(args.public_key)
-        if args.source:
-            receipts = read_export(args.source)
-            if not receipts:
-                return _fail(f"{args.source} holds no receipts: nothing to verify")
-            verdict = check_chains(ordered(receipts), trusted, from_genesis=False)
-            return _said(verdict, trusted, "")
-        async with reading(ledger_url(args)) as ledger:
-            evidenced = cast(Evidenced, ledger)
-            receipts = await evidenced.receipts()
-            if not receipts:
-                return _fail(
-                    "this ledger holds no receipts (recorded before receipts were kept, or nothing recorded yet):"
-                    " nothing to verify"
-                )
-            verdict = check_chains(receipts, trusted)
-            if verdict.whole:
-                verdict.problem = stored_problem(receipts, await evidenced.stored_digests())
-        return _said(verdict, trusted, " and every operation matches them")
 
-    return _run(args, body)
+async def verify(args: argparse.Namespace, url: str | None) -> int:
+    """`url` None: the export `--from` names."""
+    trusted = trusted_keys(args.public_key)
+    if url is None:
+        receipts = read_export(args.source)
+        if not receipts:
+            return _fail(f"{args.source} holds no receipts: nothing to verify")
+        verdict = check_chains(ordered(receipts), trusted, from_genesis=False)
+        return _said(verdict, trusted, "")
+    async with reading(url) as evidenced:
+        receipts = await evidenced.receipts()
+        if not receipts:
+            return _fail(
+                "this ledger holds no receipts (recorded before receipts were kept, with [receipts] enabled = false,"
+                " or nothing recorded yet):"
+                " nothing to verify"
+            )
+        verdict = check_chains(receipts, trusted)
+        if verdict.whole:
+            verdict.problem = stored_problem(receipts, await evidenced.stored_digests())
+    return _said(verdict, trusted, " and every operation matches them")
 
 
 def _said(verdict: Verdict, trusted: set[str] | None, more: str) -> int:
@@ -220,74 +226,61 @@ def since_time(text: str | None, now: float) -> float | None:
         raise ValueError(f"--since {text}: give a time (2026-01-31T12:00:00Z) or an age (24h)") from None
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from commitgate.server.cli.ops import _run, ledger_url, reading
-
-    async def body() -> int:
-        since = since_time(args.since, time.time())
-        async with reading(ledger_url(args)) as ledger:
-            receipts = await cast(Evidenced, ledger).receipts(since)
-        lines = "".join(json.dumps({f: r[f] for f in FIELDS}, ensure_ascii=False) + "\n" for r in receipts)
-        if args.receipts == "-":
-            sys.stdout.write(lines)
-        else:
-            Path(args.receipts).expanduser().write_text(lines, encoding="utf-8")
-            print(f"{len(receipts)} receipts written to {args.receipts}", file=sys.stderr)
-        return 0
-
-    return _run(args, body)
+async def export(args: argparse.Namespace, url: str) -> int:
+    since = since_time(args.since, time.time())
+    async with reading(url) as ledger:
+        receipts = await ledger.receipts(since)
+    lines = "".join(json.dumps({f: r[f] for f in FIELDS}, ensure_ascii=False) + "\n" for r in receipts)
+    if args.receipts == "-":
+        sys.stdout.write(lines)
+    else:
+        Path(args.receipts).expanduser().write_text(lines, encoding="utf-8")
+        print(f"{len(receipts)} receipts written to {args.receipts}", file=sys.stderr)
+    return 0
 
 
 # --- ops notifications -----------------------------------------------------------------------------
 
 
-def cmd_notifications(args: argparse.Namespace) -> int:
-    from commitgate.server.cli.ops import _print_json, _run, ledger_url, reading
-
-    async def body() -> int:
-        async with reading(ledger_url(args)) as ledger:
-            items = await cast(Evidenced, ledger).undelivered()
-        views = [
-            {
-                "event_id": item.event_id,
-                "event": item.event,
-                "operation_id": item.operation_id,
-                "status": "failed" if item.failed_at is not None else "pending",
-                "attempts": item.attempts,
-                "at": iso(item.at),
-                "next_at": None if item.failed_at is not None else iso(item.next_at),
-                "last_error": item.last_error,
-            }
-            for item in items
-        ]
-        if args.json:
-            _print_json({"notifications": views})
-            return 0
-        if not views:
-            print("no notifications pending or failed")
-            return 0
-        table = Table(title="notifications not delivered")
-        for column in ("event_id", "event", "operation_id", "status", "attempts", "next_at", "last_error"):
-            table.add_column(column)
-        for view in views:
-            table.add_row(
-                *(
-                    cell(None if view[c] is None else str(view[c]))
-                    for c in (
-                        "event_id",
-                        "event",
-                        "operation_id",
-                        "status",
-                        "attempts",
-                        "next_at",
-                        "last_error",
-                    )
+async def notifications(args: argparse.Namespace, url: str) -> int:
+    async with reading(url) as ledger:
+        items = await ledger.undelivered()
+    views = [
+        {
+            "event_id": item.event_id,
+            "event": item.event,
+            "operation_id": item.operation_id,
+            "status": "failed" if item.failed_at is not None else "pending",
+            "attempts": item.attempts,
+            "at": iso(item.at),
+            "next_at": None if item.failed_at is not None else iso(item.next_at),
+            "last_error": item.last_error,
+        }
+        for item in items
+    ]
+    if args.json:
+        print(json_text({"notifications": views}))
+        return 0
+    if not views:
+        print("no notifications pending or failed")
+        return 0
+    table = Table(title="notifications not delivered")
+    for column in ("event_id", "event", "operation_id", "status", "attempts", "next_at", "last_error"):
+        table.add_column(column)
+    for view in views:
+        table.add_row(
+            *(
+                cell(None if view[c] is None else str(view[c]))
+                for c in (
+                    "event_id",
+                    "event",
+                    "operation_id",
+                    "status",
+                    "attempts",
+                    "next_at",
+                    "last_error",
                 )
             )
-        console().print(table)
-        return 0
-
-    return _run(args, body)
-
-
-__all__ = ["KeyProblem", "add_evidence_arguments", "evidence_of"]
+        )
+    console().print(table)
+    return 0

@@ -23,6 +23,7 @@ import anyio.to_thread
 from rich.table import Table
 from rich.text import Text
 
+from commitgate.server.cli import evidence
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
@@ -165,7 +166,10 @@ def add_ops_arguments(ops: argparse.ArgumentParser) -> None:
     )
     migrate.set_defaults(func=cmd_migrate)
 
-    add_evidence_arguments(actions, where)
+    reads = add_evidence_arguments(actions, where)
+    reads["verify"].set_defaults(func=cmd_verify)
+    reads["export"].set_defaults(func=cmd_export)
+    reads["notifications"].set_defaults(func=cmd_notifications)
 
 
 def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
@@ -466,6 +470,21 @@ def cmd_decide(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+# --- ops verify, export and notifications: the evidence (cli/evidence.py) ------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.verify(args, None if args.source else ledger_url(args)))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.export(args, ledger_url(args)))
+
+
+def cmd_notifications(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.notifications(args, ledger_url(args)))
 
 
 # --- ops purge ------------------------------------------------------------------------------------

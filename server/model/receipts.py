@@ -121,7 +121,7 @@ def _linked(receipt: Mapping[str, Any], before: Mapping[str, Any] | None, from_g
         return f"{name} was edited: its seq is not a number"
     if before is None:
         if from_genesis and seq != 1:
-            return f"receipt 1 to {seq - 1} of writer {writer} were removed (the chain begins at {name})"
+            return f"receipts 1 to {seq - 1} of writer {writer} were removed (the chain begins at {name})"
         if seq == 1 and receipt["prev"] != "0" * 64:
             return f"{name} was edited: the first receipt of a chain has no previous one"
         return None
@@ -129,8 +129,9 @@ def _linked(receipt: Mapping[str, Any], before: Mapping[str, Any] | None, from_g
     if seq < expected:
         return f"{name} is out of order or repeated: it comes after receipt {before['seq']} of its writer"
     if seq > expected:
-        removed = f"receipt {expected}" if seq == expected + 1 else f"receipts {expected} to {seq - 1}"
-        return f"{removed} of writer {writer} were removed: {name} follows {label(before)}"
+        one = seq == expected + 1
+        gap, verb = (f"receipt {expected}", "was") if one else (f"receipts {expected} to {seq - 1}", "were")
+        return f"{gap} of writer {writer} {verb} removed: {name} follows {label(before)}"
     if receipt["prev"] != before["hash"]:
         return f"{name} was inserted or reordered: it does not chain to {label(before)}"
     return None
