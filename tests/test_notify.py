@@ -16,14 +16,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
 from support.e2e import Deployment, serve
 from support.http_servers import free_port
 
-from commitgate.server.policy.loading import analyse_data
+from commitgate.server.ledger.evidence import Evidenced
+from commitgate.server.policy.loading import analyse_data, load_policy
+from commitgate.server.serve.evidence import target
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -225,3 +229,33 @@ def test_policy_check_refuses_a_literal_secret_and_an_unknown_event() -> None:
     problems = {str(p) for p in report.problems}
     assert any(p.startswith("notify[0].secret: write the secret as ${NAME}") for p in problems), problems
     assert any("notify[1].events" in p for p in problems), problems
+
+
+async def test_a_notify_entry_added_by_a_reload_hears_the_next_changes(
+    tmp_path: Path, sandbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOOK_SECRET", SECRET)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    path = tmp_path / "policy.toml"
+    whole = policy(free_port()).replace(
+        "[server]", f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n\n[server]'
+    )
+    path.write_text(whole.split("[[notify]]")[0], encoding="utf-8")
+    gateway = await Gateway.open(load_policy(path), path)
+    try:
+        reloader = PolicyReloader(gateway, path, lambda: anyio.sleep(0), quiet=0.0)
+        await reloader.prime()
+        outbox = cast(Evidenced, gateway.ledger)
+        await gateway.call_tool("charge_card", charge("before"), None, None)
+        assert await outbox.undelivered() == []  # nobody listens yet
+        path.write_text(whole, encoding="utf-8")
+        result = await reloader.reload()
+        if result.status is ReloadStatus.WAITING:
+            result = await reloader.reload()
+        assert result.status is ReloadStatus.APPLIED
+        await gateway.call_tool("charge_card", charge("after", 2600), None, None)
+        assert sorted(e.target for e in await outbox.undelivered()) == sorted(
+            target(e) for e in gateway.policy.notify
+        )
+    finally:
+        await gateway.close()

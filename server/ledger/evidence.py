@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -145,13 +145,19 @@ class Evidence:
         budgets: Mapping[str, BudgetLine] | None = None,
     ) -> None:
         self.signer = signer
-        self.routes = tuple(routes)
-        # Budgets are looked at only when someone listens for `budget_near`.
-        wanted = any("budget_near" in route.events for route in self.routes)
-        self.budgets: Mapping[str, BudgetLine] = dict(budgets or {}) if wanted else {}
+        self.routes: tuple[Route, ...] = ()
+        self.budgets: Mapping[str, BudgetLine] = {}
+        self.retarget(routes, budgets or {})
         self._process = uuid.uuid4().hex[:12]
         self._lanes: list[Lane] = []
         self._next_lane = 0
+
+    def retarget(self, routes: Sequence[Route], budgets: Mapping[str, BudgetLine]) -> None:
+        """New routes (a policy reloaded). Each is one assignment: a transaction sealing meanwhile
+        sees the old set or the new one."""
+        wanted = any("budget_near" in route.events for route in routes)
+        self.budgets = dict(budgets) if wanted else {}  # looked at only when someone listens
+        self.routes = tuple(routes)
 
     @property
     def active(self) -> bool:
@@ -524,7 +530,7 @@ def undelivered_sql(table: str) -> str:
 class Evidenced(Protocol):
     """What both backends offer beside the Ledger interface for receipts and the outbox."""
 
-    def attach(self, evidence: Evidence) -> Awaitable[None] | None: ...
+    def attach(self, evidence: Evidence) -> None: ...
 
     async def outbox_take(self, owner: str, now: float, lease: float, limit: int) -> list[OutboxItem]: ...
 

@@ -7,7 +7,6 @@ Built from the policy before the ledger opens, so a receipts key that cannot be 
 from __future__ import annotations
 
 import hashlib
-from decimal import Decimal
 from pathlib import Path
 
 import platformdirs
@@ -40,18 +39,29 @@ def target(entry: NotifyPolicy) -> str:
     return hashlib.sha256(entry.url.encode()).hexdigest()[:16]
 
 
-def evidence_for(policy: Policy, policy_path: Path | None) -> Evidence:
-    routes = [
+def routes_of(policy: Policy) -> list[Route]:
+    return [
         Route(
             target(entry), frozenset(entry.events), frozenset(entry.principals) if entry.principals else None
         )
         for entry in policy.notify
     ]
-    budgets = {
-        name: BudgetLine(Decimal(str(budget.limit)), budget.per, budget.window)
-        for name, budget in policy.budgets.items()
+
+
+def budgets_of(policy: Policy) -> dict[str, BudgetLine]:
+    return {
+        name: BudgetLine(budget.limit, budget.per, budget.window) for name, budget in policy.budgets.items()
     }
-    return Evidence(signer_for(policy, policy_path) if policy.receipts.enabled else None, routes, budgets)
+
+
+def evidence_for(policy: Policy, policy_path: Path | None) -> Evidence:
+    signer = signer_for(policy, policy_path) if policy.receipts.enabled else None
+    return Evidence(signer, routes_of(policy), budgets_of(policy))
+
+
+def follow(evidence: Evidence, policy: Policy) -> None:
+    """A reloaded policy's [[notify]] entries and budgets; the key stays until a restart."""
+    evidence.retarget(routes_of(policy), budgets_of(policy))
 
 
 def attach(ledger: object, evidence: Evidence) -> None:
