@@ -173,7 +173,7 @@ def sqlite_counts(path: Path) -> tuple[int, int, set[str]]:
     """(audit entries, receipts, writers) of a SQLite ledger."""
     with sqlite3.connect(path) as conn:
         audits = conn.execute("SELECT count(*) FROM audit").fetchone()[0]
-        writers = {row[0] for row in conn.execute("SELECT DISTINCT writer FROM receipts")}
+        writers = {row[0] for row in conn.execute("SELECT DISTINCT writer_id FROM receipts")}
         receipts = conn.execute("SELECT count(*) FROM receipts").fetchone()[0]
     return audits, receipts, writers
 
@@ -196,8 +196,9 @@ async def test_every_outcome_on_sqlite_verifies_and_each_tampering_is_named(tmp_
         return f"sqlite:///{copy}", verify(tmp_path, d, f"sqlite:///{copy}")
 
     with sqlite3.connect(d.ledger) as conn:
-        writer, third_op = conn.execute(
-            "SELECT writer, operation_id FROM receipts WHERE seq = 3 ORDER BY writer LIMIT 1"
+        writer_id, writer, third_op = conn.execute(
+            "SELECT r.writer_id, w.writer, r.operation_id FROM receipts r JOIN receipt_writers w ON w.id = r.writer_id"
+            " WHERE r.seq = 3 ORDER BY w.writer LIMIT 1"
         ).fetchone()
 
     # An edited result, named by its operation.
@@ -209,15 +210,15 @@ async def test_every_outcome_on_sqlite_verifies_and_each_tampering_is_named(tmp_
         run.stderr
     )
     # A receipt deleted: the gap is named, with the operation of the receipt after it.
-    _, run = tampered("deleted", f"DELETE FROM receipts WHERE writer = '{writer}' AND seq = 2")
+    _, run = tampered("deleted", f"DELETE FROM receipts WHERE writer_id = {writer_id} AND seq = 2")
     assert run.returncode == 1 and "receipt 2 of writer" in run.stderr and "removed" in run.stderr, run.stderr
     assert f"operation {third_op}" in run.stderr
     # Two receipts swapped in the chain.
     _, run = tampered(
         "swapped",
-        f"UPDATE receipts SET seq = -2 WHERE writer = '{writer}' AND seq = 2",
-        f"UPDATE receipts SET seq = 2 WHERE writer = '{writer}' AND seq = 3",
-        f"UPDATE receipts SET seq = 3 WHERE writer = '{writer}' AND seq = -2",
+        f"UPDATE receipts SET seq = -2 WHERE writer_id = {writer_id} AND seq = 2",
+        f"UPDATE receipts SET seq = 2 WHERE writer_id = {writer_id} AND seq = 3",
+        f"UPDATE receipts SET seq = 3 WHERE writer_id = {writer_id} AND seq = -2",
     )
     assert run.returncode == 1 and f"receipt 2 of writer {writer}" in run.stderr, run.stderr
     assert f"operation {third_op}" in run.stderr

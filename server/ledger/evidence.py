@@ -245,14 +245,13 @@ _OUTBOX_COLUMNS = "event_id, target, event, operation_id, at, state, next_at"
 # --- SQLite ----------------------------------------------------------------------------------------
 
 SQLITE_MIGRATION = """
+    CREATE TABLE IF NOT EXISTS receipt_writers (id INTEGER PRIMARY KEY, writer TEXT NOT NULL UNIQUE);
     CREATE TABLE IF NOT EXISTS receipts (
-        seq INTEGER NOT NULL, writer TEXT NOT NULL, at TEXT NOT NULL, operation_id TEXT NOT NULL,
+        writer_id INTEGER NOT NULL, seq INTEGER NOT NULL, at TEXT NOT NULL, operation_id TEXT NOT NULL,
         principal TEXT, session TEXT, tool TEXT, transition TEXT NOT NULL, state TEXT, actor TEXT,
-        arguments_sha256 TEXT, result_sha256 TEXT, prev TEXT NOT NULL, hash TEXT NOT NULL, sig TEXT NOT NULL,
-        PRIMARY KEY (writer, seq)
+        arguments_sha256 BLOB, result_sha256 BLOB, prev BLOB NOT NULL, hash BLOB NOT NULL, sig BLOB NOT NULL,
+        PRIMARY KEY (writer_id, seq)
     ) WITHOUT ROWID;
-    CREATE INDEX IF NOT EXISTS receipts_operation ON receipts (operation_id);
-    CREATE INDEX IF NOT EXISTS receipts_at ON receipts (at);
     CREATE TABLE IF NOT EXISTS outbox (
         event_id TEXT PRIMARY KEY, target TEXT NOT NULL, event TEXT NOT NULL, operation_id TEXT NOT NULL,
         at REAL NOT NULL, state TEXT, next_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
@@ -266,8 +265,14 @@ _SQLITE_DUE = (
     " o.arguments, o.result, a.id FROM audit a JOIN operations o ON o.operation_id = a.operation_id"
     " WHERE (a.operation_id, a.id) IN (VALUES {marks})"
 )
-_SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer = ? ORDER BY seq DESC LIMIT 1"
-_SQLITE_RECEIPT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS}) VALUES ({', '.join('?' * 15)})"
+_SQLITE_WRITER = "SELECT id FROM receipt_writers WHERE writer = ?"
+_SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer_id = ? ORDER BY seq DESC LIMIT 1"
+_SQLITE_RECEIPT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS.replace('writer', 'writer_id', 1)}) VALUES ({', '.join('?' * 15)})"
+_HEX = (10, 11, 12, 13, 14)  # the digests, prev, hash and sig: stored as bytes
+SQLITE_RECEIPTS = (
+    f"SELECT {_RECEIPT_COLUMNS.replace('writer', 'w.writer', 1)} FROM receipts JOIN receipt_writers w"
+    " ON w.id = receipts.writer_id{where} ORDER BY w.writer, seq"
+)
 _SQLITE_OUTBOX = f"INSERT INTO outbox ({_OUTBOX_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
@@ -295,19 +300,46 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
         sql = _SQLITE_DUE.format(marks=", ".join(["(?, ?)"] * len(chunk)))
         rows += conn.execute(sql, [v for key in chunk for v in key]).fetchall()
     rows.sort(key=lambda row: order[(row[0], row[11])])
-    writer, seq, prev = "", 0, GENESIS
+    writer, writer_id, seq, prev = "", 0, 0, GENESIS
     if evidence.signer is not None:
         writer = evidence.writer()
-        head = conn.execute(_SQLITE_HEAD, (writer,)).fetchone()
+        writer_id = _writer_id(conn, writer)
+        head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
         if head is not None:
-            seq, prev = head
+            seq, prev = head[0], head[1].hex()
     entries = [row[:11] for row in rows]
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
     receipts, outbox, _, _ = evidence.build(entries, writer, seq, prev, near)
     if receipts:
-        conn.executemany(_SQLITE_RECEIPT, receipts)
+        conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
+
+
+def _writer_id(conn: sqlite3.Connection, writer: str) -> int:
+    row = conn.execute(_SQLITE_WRITER, (writer,)).fetchone()
+    if row is None:  # this chain's first receipt
+        return int(conn.execute("INSERT INTO receipt_writers (writer) VALUES (?)", (writer,)).lastrowid or 0)
+    return int(row[0])
+
+
+def _stored(receipt: tuple[Any, ...], writer_id: int) -> tuple[Any, ...]:
+    """A receipt row as SQLite keeps it: its writer's number, hex fields as bytes."""
+    row = list(receipt)
+    row[1] = writer_id
+    for i in _HEX:
+        if row[i] is not None:
+            row[i] = bytes.fromhex(row[i])
+    return tuple(row)
+
+
+def sqlite_receipt(row: Sequence[Any]) -> dict[str, Any]:
+    """A receipt read back from SQLite, as it was signed."""
+    fields = list(row)
+    for i in _HEX:
+        if isinstance(fields[i], bytes):
+            fields[i] = fields[i].hex()
+    return receipt_of(fields)
 
 
 _SQLITE_SPENT = (
@@ -347,8 +379,6 @@ POSTGRES_MIGRATION = """
         arguments_sha256 text, result_sha256 text, prev text NOT NULL, hash text NOT NULL, sig text NOT NULL,
         PRIMARY KEY (writer, seq)
     );
-    CREATE INDEX IF NOT EXISTS commitgate_receipts_operation ON commitgate_receipts (operation_id);
-    CREATE INDEX IF NOT EXISTS commitgate_receipts_at ON commitgate_receipts (at);
     CREATE TABLE IF NOT EXISTS commitgate_outbox (
         event_id text PRIMARY KEY, target text NOT NULL, event text NOT NULL, operation_id text NOT NULL,
         at double precision NOT NULL, state text, next_at double precision NOT NULL,

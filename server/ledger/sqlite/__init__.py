@@ -443,9 +443,9 @@ class SQLiteLedger:
         return [evidence.outbox_item(row) for row in await self._read(evidence.undelivered_sql("outbox"), ())]
 
     async def receipts(self, since: float | None = None) -> list[dict[str, Any]]:
-        sql = evidence.receipts_sql("receipts", since is not None, "?")
+        sql = evidence.SQLITE_RECEIPTS.format(where=" WHERE at >= ?" if since is not None else "")
         rows = await self._read(sql, (at_text(since),) if since is not None else ())
-        return [evidence.receipt_of(row) for row in rows]
+        return [evidence.sqlite_receipt(row) for row in rows]
 
     async def stored_digests(self) -> dict[str, tuple[str | None, str | None]]:
         rows = await self._read("SELECT operation_id, arguments, result FROM operations", ())
