@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
@@ -95,3 +96,11 @@ async def test_an_event_is_leased_to_one_sender_at_a_time(ledger: Ledger, tmp_pa
     assert await outbox.outbox_take("three", now, 60.0, 10) == []  # all leased
     assert not await outbox.outbox_settle(item, "someone-else", Settled(now, delivered_at=now))
     assert await outbox.outbox_take("three", now + 61, 60.0, 10) != []  # leases run out: sent again
+
+
+def test_processes_starting_together_share_one_new_key(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "receipts-key.pem"
+    with ThreadPoolExecutor(8) as pool:
+        keys = set(pool.map(lambda _: Signer.load(path, create=True).public_hex, range(16)))
+    assert len(keys) == 1 and sorted(p.name for p in path.parent.iterdir()) == ["receipts-key.pem"]
+    assert path.stat().st_mode & 0o777 == 0o600

@@ -70,21 +70,27 @@ class Signer:
 
     @classmethod
     def _create(cls, path: Path) -> Signer:
+        """A new key, published whole: written to a file of its own, then linked into place, so a
+        process starting at the same moment reads either no key or this one, never half of it."""
         key = Ed25519PrivateKey.generate()
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
+        draft = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(pem)
+                file.flush()
+                os.fsync(file.fileno())
+            os.link(draft, path)
         except FileExistsError:  # another process made it meanwhile: use theirs
             return cls.load(path, create=False)
         except OSError as exc:
             raise KeyProblem(f"cannot create the receipts key file {path}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "wb") as file:
-            file.write(pem)
-            file.flush()
-            os.fsync(file.fileno())
+        finally:
+            draft.unlink(missing_ok=True)
         return cls(key)
 
 
