@@ -5,6 +5,7 @@ chain whole, and one event per event-causing change."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -13,8 +14,10 @@ from typing import Any, cast
 
 import pytest
 
+from commitgate.server.ledger import evidence
 from commitgate.server.ledger.base import BudgetCheck, ClaimKind, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.evidence import BudgetLine, Evidence, Evidenced, Route, Settled, Signer
+from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.receipts import check_chains
@@ -104,3 +107,23 @@ def test_processes_starting_together_share_one_new_key(tmp_path: Path) -> None:
         keys = set(pool.map(lambda _: Signer.load(path, create=True).public_hex, range(16)))
     assert len(keys) == 1 and sorted(p.name for p in path.parent.iterdir()) == ["receipts-key.pem"]
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Path) -> None:
+    """What every transaction runs to seal itself stays one seek each, however large the ledger."""
+    path = tmp_path / "ledger.db"
+    await (await SQLiteLedger.open(path)).close()
+    plans = {
+        "due (one)": (evidence._SQLITE_DUE_ONE, ["op", 1]),
+        "due (many)": (evidence._SQLITE_DUE.format(marks="(?, ?), (?, ?)"), ["op", 1, "op", 2]),
+        "writer": (evidence._SQLITE_WRITER, ["w"]),
+        "head": (evidence._SQLITE_HEAD, [1]),
+        "spent": (evidence._SQLITE_SPENT, ["op"]),
+        "sum": (evidence._SQLITE_SUM, ["pay", "p", "p", None, None, 0.0, 1.0]),
+    }
+    with sqlite3.connect(path) as conn:
+        for name, (sql, params) in plans.items():
+            steps = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+            assert not [
+                s for s in steps if s.startswith("SCAN") and "CONSTANT ROWS" not in s and s != "SCAN v"
+            ], (name, steps)

@@ -266,10 +266,19 @@ SQLITE_MIGRATION = """
     CREATE INDEX IF NOT EXISTS outbox_due ON outbox (next_at) WHERE delivered_at IS NULL AND failed_at IS NULL;
 """
 
+# The audit entries named, each found by its primary key (driven by the list: a row-value IN over the
+# audit table would scan it whole).
+_DUE_COLUMNS = (
+    "a.operation_id, a.at, a.event, a.from_state, a.to_state, a.actor, o.principal, o.session, o.tool,"
+    " o.arguments, o.result, a.id"
+)
+_SQLITE_DUE_ONE = (
+    f"SELECT {_DUE_COLUMNS} FROM audit a JOIN operations o ON o.operation_id = a.operation_id"
+    " WHERE a.operation_id = ? AND a.id = ?"
+)
 _SQLITE_DUE = (
-    "SELECT a.operation_id, a.at, a.event, a.from_state, a.to_state, a.actor, o.principal, o.session, o.tool,"
-    " o.arguments, o.result, a.id FROM audit a JOIN operations o ON o.operation_id = a.operation_id"
-    " WHERE (a.operation_id, a.id) IN (VALUES {marks})"
+    f"SELECT {_DUE_COLUMNS} FROM (VALUES {{marks}}) AS v CROSS JOIN audit a"
+    " ON a.operation_id = v.column1 AND a.id = v.column2 JOIN operations o ON o.operation_id = a.operation_id"
 )
 _SQLITE_WRITER = "SELECT id FROM receipt_writers WHERE writer = ?"
 _SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer_id = ? ORDER BY seq DESC LIMIT 1"
@@ -303,7 +312,11 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
     rows: list[Any] = []
     for start in range(0, len(keys), 400):
         chunk = keys[start : start + 400]
-        sql = _SQLITE_DUE.format(marks=", ".join(["(?, ?)"] * len(chunk)))
+        sql = (
+            _SQLITE_DUE_ONE
+            if len(chunk) == 1
+            else _SQLITE_DUE.format(marks=", ".join(["(?, ?)"] * len(chunk)))
+        )
         rows += conn.execute(sql, [v for key in chunk for v in key]).fetchall()
     rows.sort(key=lambda row: order[(row[0], row[11])])
     writer, writer_id, seq, prev = "", 0, 0, GENESIS
