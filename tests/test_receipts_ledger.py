@@ -113,7 +113,7 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
     """What every transaction runs to seal itself stays one seek each, however large the ledger."""
     path = tmp_path / "ledger.db"
     await (await SQLiteLedger.open(path)).close()
-    plans = {
+    plans: dict[str, tuple[str, list[Any]]] = {
         "due (one)": (evidence._SQLITE_DUE_ONE, ["op", 1]),
         "due (many)": (evidence._SQLITE_DUE.format(marks="(?, ?), (?, ?)"), ["op", 1, "op", 2]),
         "writer": (evidence._SQLITE_WRITER, ["w"]),
