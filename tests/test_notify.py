@@ -63,9 +63,11 @@ format = "slack"
 
 
 class Receiver:
-    """A webhook receiver: answers each path from a script of statuses (then 200), or hangs."""
+    """A webhook receiver: answers each path from a script of statuses (then 200); never answers on `hang`."""
 
-    def __init__(self, port: int, script: dict[str, list[int]] | None = None, hang: bool = False) -> None:
+    def __init__(
+        self, port: int, script: dict[str, list[int]] | None = None, hang: str | None = None
+    ) -> None:
         self.port, self.script, self.hang = port, script or {}, hang
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
         self.lock = threading.Lock()
@@ -80,7 +82,7 @@ class Receiver:
                     receiver.seen.append((self.path, dict(self.headers.items()), body))
                     statuses = receiver.script.get(self.path, [])
                     status = statuses.pop(0) if statuses else 200
-                if receiver.hang:
+                if self.path == receiver.hang:
                     time.sleep(30)
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
@@ -95,6 +97,7 @@ class Receiver:
     def running(self) -> Iterator[Receiver]:
         server = ThreadingHTTPServer(("127.0.0.1", self.port), self.handler())
         server.daemon_threads = True
+        server.block_on_close = False  # a hanging handler must not hold the test up
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
@@ -201,20 +204,25 @@ async def test_an_event_from_while_the_receiver_was_down_arrives_after_a_sigkill
         assert json.loads(body)["id"] == headers["Commitgate-Event-Id"]
 
 
-async def test_a_hanging_receiver_never_slows_a_call_and_loses_nothing(tmp_path: Path) -> None:
+async def test_a_hanging_receiver_never_slows_a_call_nor_another_receiver_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
     port = free_port()
     d = deployment(tmp_path, port)
-    with Receiver(port, hang=True).running() as receiver:
+    with Receiver(port, hang="/json").running() as receiver:
         async with serve(d, env=env(tmp_path)) as server:
             await server.call("charge_card", charge("first"), session="s")
-            await until(lambda: len(receiver.seen) >= 1)  # a delivery now hangs
+            await until(lambda: len(receiver.requests("/json")) >= 1)  # its delivery now hangs
             for n in range(3):
                 started = time.monotonic()
                 answered = await server.call("charge_card", charge(f"next-{n}", 2501 + n), session="s")
                 assert answered.structured_content is not None
                 assert answered.structured_content["error"]["code"] == "approval_pending"
                 assert time.monotonic() - started < 2.0
-    assert len(notifications(tmp_path, d)) == 8  # every event still in the outbox, none lost
+            # The other receiver hears of every event meanwhile, well before a hanging POST times out.
+            await until(lambda: len(receiver.requests("/slack")) == 4, within=8.0)
+    pending = notifications(tmp_path, d)
+    assert len(pending) == 4 and {n["event"] for n in pending} == {"approval_waiting"}  # /json's: kept
 
 
 def test_policy_check_refuses_a_literal_secret_and_an_unknown_event() -> None:

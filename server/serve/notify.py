@@ -98,19 +98,32 @@ class Deliverer:
         return {target(entry): entry for entry in self.policy.notify}
 
     async def run(self) -> None:
+        """Take what is due, as many as there is room for beside the deliveries still under way: a
+        receiver that hangs holds its own events only, never the others'."""
+        sending: set[asyncio.Task[None]] = set()
         async with httpx2.AsyncClient(timeout=httpx2.Timeout(TIMEOUT), follow_redirects=False) as client:
-            while True:
-                try:
-                    items = await self.ledger.outbox_take(self.owner, time.time(), LEASE, BATCH)
-                except Exception as exc:  # the ledger is away: the events wait in it
-                    log.warning("notifications: cannot read the outbox (%s); trying again", exc)
-                    items = []
-                if items:
-                    await asyncio.gather(*(self._deliver(client, item) for item in items))
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), POLL)
-                self._wake.clear()
+            try:
+                while True:
+                    for item in await self._take(BATCH - len(sending)):
+                        task = asyncio.create_task(self._deliver(client, item))
+                        sending.add(task)
+                        task.add_done_callback(sending.discard)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), POLL)
+                    self._wake.clear()
+            finally:
+                for task in sending:
+                    task.cancel()
+                await asyncio.gather(*sending, return_exceptions=True)
+
+    async def _take(self, room: int) -> list[OutboxItem]:
+        if room <= 0:
+            return []
+        try:
+            return await self.ledger.outbox_take(self.owner, time.time(), LEASE, room)
+        except Exception as exc:  # the ledger is away: the events wait in it
+            log.warning("notifications: cannot read the outbox (%s); trying again", exc)
+            return []
 
     async def _deliver(self, client: httpx2.AsyncClient, item: OutboxItem) -> None:
         entry = self.entries.get(item.target)
@@ -124,6 +137,7 @@ class Deliverer:
             await self.ledger.outbox_settle(item, self.owner, outcome)
         except Exception as exc:  # its lease runs out and it is sent again: at least once
             log.warning("notifications: cannot record delivery of %s (%s)", item.event_id, exc)
+        self._wake.set()  # room for another
 
     async def _post(self, client: httpx2.AsyncClient, item: OutboxItem, entry: NotifyPolicy) -> str | None:
         """None when the receiver took it (2xx); else what went wrong."""
