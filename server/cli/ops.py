@@ -23,7 +23,9 @@ import anyio.to_thread
 from rich.table import Table
 from rich.text import Text
 
+from commitgate.server.cli import evidence
 from commitgate.server.cli.deciders import NotAnOperator, Operators
+from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
@@ -44,6 +46,7 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
+from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
 from commitgate.server.model.audit import AuditEvent
@@ -54,6 +57,7 @@ from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import PolicyError
+from commitgate.server.serve.evidence import attach
 
 EXIT_STALE = 2
 STALE_LIST_LIMIT = 1000
@@ -162,6 +166,11 @@ def add_ops_arguments(ops: argparse.ArgumentParser) -> None:
     )
     migrate.set_defaults(func=cmd_migrate)
 
+    reads = add_evidence_arguments(actions, where)
+    reads["verify"].set_defaults(func=cmd_verify)
+    reads["export"].set_defaults(func=cmd_export)
+    reads["notifications"].set_defaults(func=cmd_notifications)
+
 
 def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
     add_where_arguments(stats)
@@ -204,9 +213,12 @@ def policy_of(args: argparse.Namespace) -> Policy:
 
 
 @asynccontextmanager
-async def opened(url: str, *, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
+async def opened(
+    url: str, *, must_exist: bool = True, evidence: Evidence | None = None
+) -> AsyncIterator[Ledger | None]:
     """The ledger at `url`, to change it; None when it is a SQLite file that does not exist yet
-    and `must_exist` is false (a file is never created, and another application's never migrated)."""
+    and `must_exist` is false (a file is never created, and another application's never migrated).
+    `evidence`: the receipts and notifications its changes write, as a server's would."""
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
@@ -217,6 +229,8 @@ async def opened(url: str, *, must_exist: bool = True) -> AsyncIterator[Ledger |
         yield None
         return
     ledger = await open_ledger(url)
+    if evidence is not None:
+        attach(ledger, evidence)
     try:
         yield ledger
     finally:
@@ -391,7 +405,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     async def body() -> int:
         operators = Operators.of(policy_of(args))
         now = time.time()
-        async with opened(ledger_url(args)) as ledger:
+        async with opened(ledger_url(args), evidence=evidence_of(args)) as ledger:
             assert ledger is not None
             try:
                 op = await current(ledger, args.operation_id, now)
@@ -429,7 +443,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     async def body() -> int:
         operators = Operators.of(policy_of(args))
         now = time.time()
-        async with opened(ledger_url(args)) as ledger:
+        async with opened(ledger_url(args), evidence=evidence_of(args)) as ledger:
             assert ledger is not None
             by = _decider(operators, args.by, await _get(ledger, args.operation_id))
             try:
@@ -456,6 +470,21 @@ def cmd_decide(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+# --- ops verify, export and notifications: the evidence (cli/evidence.py) ------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.verify(args, None if args.source else ledger_url(args)))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.export(args, ledger_url(args)))
+
+
+def cmd_notifications(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.notifications(args, ledger_url(args)))
 
 
 # --- ops purge ------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
     from commitgate.server.console.app import create_app, ledger_opener
     from commitgate.server.console.security import Access, check_bind
+    from commitgate.server.serve.evidence import evidence_for
 
     path = args.policy or os.environ.get("COMMITGATE_POLICY")
     policy = load_policy(path) if path else default_policy()
@@ -125,8 +126,10 @@ def cmd_console(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     access = Access.for_bind(args.host, sock.getsockname()[1], tokens, operator, oauth)
     _print_sign_in(sock, access)
+    # Its decisions and resolutions write receipts and notifications as a server's changes do.
+    evidence = evidence_for(policy, Path(path).resolve() if path else None)
     app = create_app(
-        ledger_opener(url),
+        ledger_opener(url, evidence),
         access,
         policy=prompt_policy(policy, path, args.ledger),
         policy_dir=Path(path).expanduser().resolve().parent if path else None,

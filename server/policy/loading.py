@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.evidence import literal_secrets
 from commitgate.server.policy.models import FROM_FILE, Policy, ToolPolicy
 from commitgate.server.policy.problems import PolicyError, Problem, pydantic_problems, toml_key, with_lines
 from commitgate.server.policy.rules import cross_field_problems, raw_tables
@@ -101,7 +102,7 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
 
 
 def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | None = None) -> PolicyReport:
-    problems: list[Problem] = []
+    problems = [Problem(where, why) for where, why in literal_secrets(data)]
     data = _substitute_env(data, "", problems)
     policy: Policy | None = None
     try:

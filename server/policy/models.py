@@ -35,6 +35,7 @@ from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
 from commitgate.server.policy.oauth import OAuthPolicy
+from commitgate.server.policy.evidence import ConsolePolicy, NotifyPolicy, ReceiptsPolicy
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
 FROM_FILE = {"written": True}
@@ -418,6 +419,9 @@ class Policy(_Strict):
         default_factory=dict, description="[budgets.NAME]: caps on what tools may spend."
     )
     tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="[tools.NAME]")
+    receipts: ReceiptsPolicy = Field(default_factory=lambda: ReceiptsPolicy(), description="[receipts]")
+    notify: list[NotifyPolicy] = Field(default_factory=list, description="[[notify]] webhooks.")
+    console: ConsolePolicy = Field(default_factory=lambda: ConsolePolicy(), description="[console]")
 
     def retention_for(self, tool: str) -> float:
         """How long the tool's completed records are kept: at least its budget's window, so that

@@ -45,6 +45,7 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.base import lease_over
+from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import (
     OPERATION_META,
@@ -59,6 +60,7 @@ from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
+from commitgate.server.serve.evidence import attach, evidence_for, follow
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.metrics import UNKNOWN_TOOL
 from commitgate.server.serve.registry import ServedTool, build_tools
@@ -222,6 +224,7 @@ class Gateway:
     # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
     faults: FaultPlan | None = None  # only under `commitgate verify` and the pytest plugin
+    evidence: Evidence | None = None  # what the ledger writes with each change (serve/evidence.py)
 
     @classmethod
     async def open(
@@ -236,6 +239,7 @@ class Gateway:
         from commitgate.tools.upstream import UpstreamManager
 
         faults = FaultPlan.from_env()  # read (and removed) before any child process starts
+        evidence = evidence_for(policy, policy_path)  # an unusable receipts key stops the start here
         upstreams, http = UpstreamManager(), pooled_client()
         try:
             # Connects the upstream MCP servers the policy uses in the background: clients are answered
@@ -250,6 +254,7 @@ class Gateway:
                 durability=policy.ledger.durability,
                 outcome_sync_within=policy.ledger.outcome_sync_within,
             )
+            attach(ledger, evidence)
         except BaseException:
             await upstreams.aclose()
             await http.aclose()
@@ -259,7 +264,9 @@ class Gateway:
         boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
         generation = Generation.of(policy, served)
-        return cls(generation, boundary, http, upstreams, policy_path, principal, faults=faults)
+        return cls(
+            generation, boundary, http, upstreams, policy_path, principal, faults=faults, evidence=evidence
+        )
 
     @property
     def ledger(self) -> Ledger:
@@ -288,6 +295,8 @@ class Gateway:
             served = self.faults.wrap(served)
         self.generation = Generation.of(policy, served)
         self.boundary.settings = policy.server
+        if self.evidence is not None:  # new [[notify]] entries hear the changes from now on
+            follow(self.evidence, policy)
         self.boundary.tools = {name: s.guard for name, s in served.items()}
 
     # --- MCP requests -------------------------------------------------------------------------

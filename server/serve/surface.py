@@ -26,6 +26,7 @@ from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.notify import delivering
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
 log = logging.getLogger("commitgate.surface")
@@ -132,6 +133,7 @@ async def serving(gateway: Gateway, announcer: ToolListAnnouncer) -> AsyncIterat
             gateway.boundary.running(),
             policy_watcher(gateway, announcer.announce),
             upstream_refresher(gateway, announcer.announce),
+            delivering(gateway.ledger, lambda: gateway.policy),
         ):
             yield
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.ledger.evidence import SQLITE_MIGRATION
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
@@ -131,6 +132,8 @@ MIGRATIONS: list[str] = [
     DROP INDEX operations_expiry;
     CREATE INDEX operations_expiry ON operations (expires_at, state) WHERE expires_at IS NOT NULL;
     """,
+    # 9: receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
+    SQLITE_MIGRATION,
 ]
 
 _COLUMNS = (
