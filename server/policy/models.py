@@ -34,8 +34,8 @@ from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
-from commitgate.server.policy.oauth import OAuthPolicy
 from commitgate.server.policy.evidence import ConsolePolicy, NotifyPolicy, ReceiptsPolicy
+from commitgate.server.policy.oauth import OAuthPolicy
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
 FROM_FILE = {"written": True}
