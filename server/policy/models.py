@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     StrictBool,
     ValidationInfo,
     WithJsonSchema,
@@ -359,6 +360,11 @@ class UpstreamPolicy(_Strict):
     command: str | None = Field(None, min_length=1, description="stdio: the command to start.")
     args: list[str] = Field(default_factory=list, description="stdio: its arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment.")
+    inherit_env: list[str] | Literal["*"] = Field(
+        default_factory=list,
+        description="stdio: variables of serve's own environment it also gets, beside the MCP SDK's "
+        'safe defaults (PATH, HOME...) and `env`; "*" for all of them.',
+    )
     cwd: str | None = Field(None, description="stdio: working directory.")
     url: str | None = Field(None, min_length=1, description="HTTP: the server's URL.")
     transport: Literal["streamable-http", "sse"] = Field(
@@ -379,6 +385,16 @@ class UpstreamPolicy(_Strict):
     connect_timeout: PositiveDuration = Field(
         60.0, description="Bound of one connection attempt (first start of `npx -y`/`uvx` may be slow)."
     )
+
+    # Variables its `env` or `headers` name that are not set: this upstream cannot start (set by loading).
+    _unset_env: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def unset_env(self) -> tuple[str, ...]:
+        return self._unset_env
+
+    def mark_unset(self, names: list[str]) -> None:
+        self._unset_env = tuple(names)
 
     @model_validator(mode="after")
     def _one_target(self) -> UpstreamPolicy:

@@ -28,6 +28,7 @@ from commitgate.server.policy.problems import Problem, toml_key, with_lines
 from commitgate.server.policy.rules import argument_key_problems, missing_path, template_references
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError
+from commitgate.tools.upstream import unset_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,12 @@ def policy_warnings(path: Path) -> list[str]:
     policy = analyse_file(path).policy
     if policy is None:
         return []
-    warnings = []
+    warnings = [
+        f"upstreams.{toml_key(name)}: {unset_reason(spec.unset_env)}: this upstream cannot start and "
+        "its tools answer retryable errors; the other upstreams are served"
+        for name, spec in policy.upstreams.items()
+        if spec.unset_env
+    ]
     for name, tool in policy.tools.items():
         if tool.idempotency_class.keyed:
             warning = window_warning(f"tools.{toml_key(name)}", tool.duplicates, policy.retention_for(name))
