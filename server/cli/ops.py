@@ -25,6 +25,7 @@ from rich.text import Text
 
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.cli.served import desktop_policy
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.budgets import budget_report
@@ -188,18 +189,32 @@ def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
 # --- plumbing ------------------------------------------------------------------------------
 
 
+WHICH_LEDGER = "pass --policy FILE, the policy your server serves (or --ledger URL)"
+
+
+def policy_path(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The policy file a command reads and, when it was not given, why that one: --policy,
+    $COMMITGATE_POLICY, else the one Claude Desktop's commitgate entry serves (None: the bundled one)."""
+    given = args.policy or os.environ.get("COMMITGATE_POLICY")
+    if given:
+        return given, None
+    served = desktop_policy()
+    return (served.path, served.why) if served is not None else (None, None)
+
+
 def ledger_url(args: argparse.Namespace) -> str:
     """The ledger this command works on, said in one line on stderr."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
-    policy = default_policy() if args.ledger or not path else load_policy(path)
+    path, served = (None, None) if args.ledger else policy_path(args)
+    policy = load_policy(path) if path else default_policy()
     url, why = ledger_choice(args.ledger, policy, path)
-    say_ledger(url, why)
+    say_ledger(url, f"{why}, {served}" if served else why)
     return url
 
 
 def policy_of(args: argparse.Namespace) -> Policy:
-    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, or the bundled one."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, Claude Desktop's
+    commitgate entry, or the bundled one."""
+    path, _ = policy_path(args)
     return load_policy(path) if path else default_policy()
 
 
@@ -213,7 +228,7 @@ async def opened(url: str, *, must_exist: bool = True) -> AsyncIterator[Ledger |
         raise CommandError(f"unsupported ledger URL {url!r}: {exc}") from None
     if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
         if must_exist:
-            raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
+            raise CommandError(f"no ledger at {url} (nothing has been recorded there); {WHICH_LEDGER}")
         yield None
         return
     ledger = await open_ledger(url)
@@ -243,7 +258,15 @@ def _run(args: argparse.Namespace, body: Callable[[], Coroutine[Any, Any, int]])
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    except (LedgerUnavailable, ValueError) as exc:
+    except LedgerUnavailable as exc:
+        told = (
+            getattr(args, "ledger", None)
+            or getattr(args, "policy", None)
+            or os.environ.get("COMMITGATE_POLICY")
+        )
+        print(f"ledger: {exc}" + ("" if told else f"; {WHICH_LEDGER}"), file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"ledger: {exc}", file=sys.stderr)
         return 1
 
