@@ -46,7 +46,8 @@ def desktop_config(home: Path, policy: Path) -> dict[str, Any]:
 @pytest.mark.anyio
 async def test_ops_list_finds_the_ledger_of_the_policy_claude_desktop_serves(tmp_path: Path) -> None:
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
-    home.mkdir(), elsewhere.mkdir()
+    home.mkdir()
+    elsewhere.mkdir()
     deployment = Deployment.create(tmp_path / "deploy")
     entry = desktop_config(home, deployment.policy)
     params = StdioServerParameters(

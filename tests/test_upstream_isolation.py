@@ -130,7 +130,7 @@ async def test_each_broken_upstream_fails_alone_and_names_itself(tmp_path: Path)
     for tool, (upstream, reason) in reasons.items():
         result = broken[tool]
         assert error_code(result) == "retries_exhausted", text(result)
-        message = result.structured_content["error"]["message"]  # type: ignore[index]
+        message = result.structured_content["error"]["message"]
         assert f"upstream {upstream!r}" in message and reason in message, message
         assert "not sent" in message, message
     assert lines(tmp_path / "secretive.jsonl") == []  # nothing was sent: no effect anywhere

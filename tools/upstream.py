@@ -127,12 +127,6 @@ class _WatchedStream:
         await self._inner.aclose()
 
 
-def unset_reason(names: tuple[str, ...]) -> str:
-    if len(names) == 1:
-        return f"environment variable {names[0]} is not set"
-    return f"environment variables {', '.join(names)} are not set"
-
-
 def inherited_env(spec: UpstreamPolicy) -> dict[str, str] | None:
     """What a stdio upstream gets beside the MCP SDK's safe defaults: the variables of serve's own
     environment that `inherit_env` names (all of them for "*"), then its own `env`."""
@@ -220,8 +214,8 @@ class UpstreamConnection:
             self._lost.set()
 
     def start(self) -> None:
-        if self.spec.unset_env:  # it cannot start: its calls answer at once, naming what is missing
-            self.error = unset_reason(self.spec.unset_env)
+        if self.spec.unset_reason is not None:  # it cannot start: its calls answer at once, saying why
+            self.error = self.spec.unset_reason
             log.warning(
                 "upstream %s cannot start: %s; its tools answer retryable errors (set it and restart)",
                 self.name,

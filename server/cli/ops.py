@@ -47,7 +47,7 @@ from commitgate.server.ledger import (
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, ActorRole, AuditEvent
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -358,7 +358,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "from_state": entry.from_state,
                 "to_state": entry.to_state,
                 "attempt_fence": entry.fence,
-                "actor": entry.actor,
+                **_actor_fields(Actor.of_record(entry.actor, entry.event, op.principal)),
                 "detail": entry.detail,
             }
             for entry in history
@@ -386,13 +386,18 @@ def cmd_show(args: argparse.Namespace) -> int:
                 entry["from_state"] or "",
                 entry["to_state"] or "",
                 str(entry["attempt_fence"]),
-                cell(entry["actor"]),
+                cell(Actor(ActorRole(entry["actor_role"]), entry["actor"]).shown),
                 Text(detail),
             )
         out.print(table)
         return 0
 
     return _run(args, body)
+
+
+def _actor_fields(actor: Actor) -> dict[str, str]:
+    """Who made a transition, in `ops show --json`: the name and its role (principal, commitgate, operator)."""
+    return {"actor": actor.name, "actor_role": actor.role.value}
 
 
 # --- ops resolve ----------------------------------------------------------------------------------

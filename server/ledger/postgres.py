@@ -56,6 +56,7 @@ from commitgate.server.ledger.base import (
     timed,
 )
 from commitgate.server.ledger.filters import filter_terms
+from commitgate.server.model.audit import recorded_actor
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
@@ -1099,7 +1100,7 @@ class PostgresLedger:
             lease.owner if lease is not None else None,
             lease.expires_at if lease is not None else None,
             change.to_state.terminal,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             _dump_record(change.approval),
@@ -1121,7 +1122,7 @@ class PostgresLedger:
             change.event,
             lease.owner,
             lease.expires_at,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             budget.name,

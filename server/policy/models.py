@@ -393,6 +393,16 @@ class UpstreamPolicy(_Strict):
     def unset_env(self) -> tuple[str, ...]:
         return self._unset_env
 
+    @property
+    def unset_reason(self) -> str | None:
+        """Why it cannot start, when its `env` or `headers` name variables that are not set."""
+        names = self._unset_env
+        if not names:
+            return None
+        if len(names) == 1:
+            return f"environment variable {names[0]} is not set"
+        return f"environment variables {', '.join(names)} are not set"
+
     def mark_unset(self, names: list[str]) -> None:
         self._unset_env = tuple(names)
 

@@ -28,7 +28,6 @@ from commitgate.server.policy.problems import Problem, toml_key, with_lines
 from commitgate.server.policy.rules import argument_key_problems, missing_path, template_references
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError
-from commitgate.tools.upstream import unset_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +74,10 @@ def policy_warnings(path: Path) -> list[str]:
     if policy is None:
         return []
     warnings = [
-        f"upstreams.{toml_key(name)}: {unset_reason(spec.unset_env)}: this upstream cannot start and "
+        f"upstreams.{toml_key(name)}: {spec.unset_reason}: this upstream cannot start and "
         "its tools answer retryable errors; the other upstreams are served"
         for name, spec in policy.upstreams.items()
-        if spec.unset_env
+        if spec.unset_reason is not None
     ]
     for name, tool in policy.tools.items():
         if tool.idempotency_class.keyed:
