@@ -33,7 +33,7 @@ def model(state: MessagesState) -> dict[str, Any]:
 async def run(config: dict[str, Any]) -> list[str]:
     command = config["server"]
     connection = {"transport": "stdio", "command": command[0], "args": command[1:], "env": config["env"]}
-    client = MultiServerMCPClient({"commitgate": connection})  # type: ignore[dict-item]
+    client = MultiServerMCPClient({"commitgate": connection})
     opened = commitgate_session(client) if config["contained"] else client.session("commitgate")
     async with opened as session:
         tools = await load_commitgate_tools(session, run_id=config["run_id"])
@@ -43,7 +43,8 @@ async def run(config: dict[str, Any]) -> list[str]:
         graph.add_edge(START, "model")
         graph.add_conditional_edges("model", tools_condition, ["tools", END])
         graph.add_edge("tools", "model")
-        state = await graph.compile().ainvoke({"messages": [("user", "Charge order 42")]})
+        compiled: Any = graph.compile()
+        state = await compiled.ainvoke({"messages": [("user", "Charge order 42")]})
     return [m.status for m in state["messages"] if isinstance(m, ToolMessage)]
 
 
