@@ -25,7 +25,7 @@ from rich.text import Text
 
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
-from commitgate.server.cli.served import desktop_policy
+from commitgate.server.cli.served import policy_path
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.budgets import budget_report
@@ -89,7 +89,11 @@ _BY = "(default: the OS user); an operator of the policy's [[auth.tokens]] when 
 
 def add_where_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Which ledger a command works on, and how it answers."""
-    parser.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
+    parser.add_argument(
+        "--policy",
+        help="read the ledger URL from this policy (default: $COMMITGATE_POLICY, else the one Claude"
+        " Desktop's commitgate entry serves)",
+    )
     parser.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -190,16 +194,6 @@ def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
 
 
 WHICH_LEDGER = "pass --policy FILE, the policy your server serves (or --ledger URL)"
-
-
-def policy_path(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """The policy file a command reads and, when it was not given, why that one: --policy,
-    $COMMITGATE_POLICY, else the one Claude Desktop's commitgate entry serves (None: the bundled one)."""
-    given = args.policy or os.environ.get("COMMITGATE_POLICY")
-    if given:
-        return given, None
-    served = desktop_policy()
-    return (served.path, served.why) if served is not None else (None, None)
 
 
 def ledger_url(args: argparse.Namespace) -> str:

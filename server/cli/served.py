@@ -7,6 +7,8 @@ Desktop's config says which policy its server serves, hence which ledger it reco
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,3 +76,13 @@ def desktop_policy(config: Path | None = None) -> ServedPolicy | None:
         return None
     ((policy, name),) = policies.items()
     return ServedPolicy(policy, name, path)
+
+
+def policy_path(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The policy file a command reads and, when it was not given, why that one: --policy,
+    $COMMITGATE_POLICY, else the one Claude Desktop's commitgate entry serves (None: the bundled one)."""
+    given = args.policy or os.environ.get("COMMITGATE_POLICY")
+    if given:
+        return given, None
+    served = desktop_policy()
+    return (served.path, served.why) if served is not None else (None, None)
