@@ -16,6 +16,9 @@ import pytest
 from mcp.client.stdio import get_default_environment
 from support.wrapping import TESTS_DIR, call, serve, text
 
+from commitgate.server.policy.loading import loads_policy
+from commitgate.server.policy.problems import PolicyError
+
 SERVER = TESTS_DIR / "support" / "env_server.py"
 # serve itself reads SSL_CERT_FILE (its HTTP client does): a bundle that exists
 SERVES = {"HTTPS_PROXY": "http://proxy.invalid:3128", "SSL_CERT_FILE": certifi.where(), "UNASKED": "secret"}
@@ -67,3 +70,10 @@ async def test_an_upstream_gets_the_sdk_defaults_its_env_and_what_it_inherits(tm
     everything = seen["everything"]
     assert everything["UNASKED"] == "secret" and everything["HTTPS_PROXY"] == SERVES["HTTPS_PROXY"]
     assert everything["OWN"] == "everything"
+
+
+def test_inherit_env_on_an_http_upstream_is_a_problem_said_where() -> None:
+    text = '[upstreams.crm]\nurl = "http://127.0.0.1:9/mcp"\ninherit_env = ["HTTPS_PROXY"]\n'
+    with pytest.raises(PolicyError) as raised:
+        loads_policy(text)
+    assert "upstreams.crm" in str(raised.value) and "inherit_env" in str(raised.value)

@@ -412,6 +412,10 @@ class UpstreamPolicy(_Strict):
             raise ValueError("an upstream has exactly one of `command` or `url`")
         if self.default_class is not None and self.tools != "all":
             raise ValueError('`default_class` is only used with `tools = "all"`')
+        if self.url is not None and self.inherit_env:
+            raise ValueError(
+                "`inherit_env` is for a `command` (stdio) upstream: commitgate starts no process for a `url`"
+            )
         return self
 
     @field_validator("default_class")
