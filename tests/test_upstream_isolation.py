@@ -134,15 +134,15 @@ async def test_each_broken_upstream_fails_alone_and_names_itself(tmp_path: Path)
         assert f"upstream {upstream!r}" in message and reason in message, message
         assert "not sent" in message, message
     assert lines(tmp_path / "secretive.jsonl") == []  # nothing was sent: no effect anywhere
-    listed = subprocess.run(
+    recorded = subprocess.run(
         [str(CONSOLE_SCRIPT), "ops", "list", "--policy", str(path), "--json"],
         env=base_env(),  # without the secret, as every command but serve may run
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert listed.returncode == 0, listed.stderr
-    tools = sorted(op["tool"] for op in json.loads(listed.stdout)["operations"])
+    assert recorded.returncode == 0, recorded.stderr
+    tools = sorted(op["tool"] for op in json.loads(recorded.stdout)["operations"])
     assert tools == sorted(["record", "secret_record", "absent_record", "refused_record", "crash_record"])
     log = stderr.read_text()
     assert "Traceback" not in log
