@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import time
@@ -131,12 +132,21 @@ class _WatchedStream:
         await self._inner.aclose()
 
 
+def inherited_env(spec: UpstreamPolicy) -> dict[str, str] | None:
+    """What a stdio upstream gets beside the MCP SDK's safe defaults: the variables of serve's own
+    environment that `inherit_env` names (all of them for "*"), then its own `env`."""
+    wanted = spec.inherit_env
+    inherited = dict(os.environ) if wanted == "*" else {n: os.environ[n] for n in wanted if n in os.environ}
+    merged = {**inherited, **spec.env}
+    return merged or None
+
+
 @contextlib.asynccontextmanager
 async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator[tuple[Any, Any]]:
     async with AsyncExitStack() as stack:
         if spec.command is not None:
             params = StdioServerParameters(
-                command=spec.command, args=spec.args, env=spec.env or None, cwd=spec.cwd
+                command=spec.command, args=spec.args, env=inherited_env(spec), cwd=spec.cwd
             )
             read, write = await stack.enter_async_context(stdio_client(params))
         elif spec.transport == "sse":
@@ -228,6 +238,15 @@ class UpstreamConnection:
         return session
 
     def start(self) -> None:
+        if self.spec.unset_reason is not None:  # it cannot start: its calls answer at once, saying why
+            self.error = self.spec.unset_reason
+            log.warning(
+                "upstream %s cannot start: %s; its tools answer retryable errors (set it and restart)",
+                self.name,
+                self.error,
+            )
+            self._settle()
+            return
         self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
 
     async def first_attempt(self, timeout: float) -> None:
@@ -272,8 +291,14 @@ class UpstreamConnection:
             try:
                 await self._hold()
             except Exception as exc:  # a failing upstream must never take the server down
-                self.error = _reason(exc)
-                log.warning("upstream %s: %s", self.name, self.error)
+                said, self.error = self.error, self._why(exc)
+                # a crash loop says why once, not at every attempt
+                log.log(
+                    logging.DEBUG if self.error == said else logging.WARNING,
+                    "upstream %s: %s",
+                    self.name,
+                    self.error,
+                )
             finally:
                 self._client = None
                 self._settle()
@@ -283,6 +308,19 @@ class UpstreamConnection:
                 await asyncio.wait_for(self._wake.wait(), delay * random.uniform(0.5, 1.0))
             self._wake.clear()
             delay = min(delay * 2, BACKOFF_MAX)
+
+    def _why(self, exc: BaseException) -> str:
+        """A failed attempt's reason, in the user's words where the usual ones are known."""
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        command = self.spec.command
+        if command is not None and isinstance(exc, FileNotFoundError):
+            return f"cannot start {command!r}: no such command; is it installed, and on PATH?"
+        if command is not None and isinstance(exc, PermissionError):
+            return f"cannot start {command!r}: not executable"
+        if command is not None and isinstance(exc, MCPError) and exc.code == types.CONNECTION_CLOSED:
+            return "its process exited before answering; what it printed is in serve's log"
+        return _reason(exc)
 
     async def _hold(self) -> None:
         lost = self._lost = asyncio.Event()
@@ -440,7 +478,7 @@ class UpstreamTool:
         # to say that nothing was sent rather than time out the attempt (an ambiguous failure).
         client = await connection.ready(self.timeout * 0.9) if connection is not None else None
         if connection is None or client is None:
-            why = f" ({connection.error})" if connection is not None and connection.error else ""
+            why = f": {connection.error}" if connection is not None and connection.error else ""
             raise RetryableError(f"upstream {self.upstream!r} is not connected{why}; the call was not sent")
         args = dict(arguments)
         meta: dict[str, Any] = {SESSION_META: ctx.session}
@@ -571,7 +609,7 @@ class UpstreamManager:
             return
         await asyncio.gather(*(c.first_attempt(c.connect_timeout) for c in fresh))
         for connection in fresh:
-            if not connection.connected:
+            if not connection.connected and not connection.spec.unset_env:  # that one said so
                 log.warning(
                     "upstream %s is not reachable (%s); its tools answer retryable errors until it is",
                     connection.name,

@@ -27,6 +27,7 @@ from commitgate.server.cli import evidence
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.cli.served import policy_path
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.budgets import budget_report
@@ -49,7 +50,7 @@ from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
 from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, ActorRole, AuditEvent
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
@@ -92,7 +93,11 @@ _BY = "(default: the OS user); an operator of the policy's [[auth.tokens]] when 
 
 def add_where_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Which ledger a command works on, and how it answers."""
-    parser.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
+    parser.add_argument(
+        "--policy",
+        help="read the ledger URL from this policy (default: $COMMITGATE_POLICY, else the one Claude"
+        " Desktop's commitgate entry serves)",
+    )
     parser.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -197,18 +202,22 @@ def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
 # --- plumbing ------------------------------------------------------------------------------
 
 
+WHICH_LEDGER = "pass --policy FILE, the policy your server serves (or --ledger URL)"
+
+
 def ledger_url(args: argparse.Namespace) -> str:
     """The ledger this command works on, said in one line on stderr."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
-    policy = default_policy() if args.ledger or not path else load_policy(path)
+    path, served = (None, None) if args.ledger else policy_path(args)
+    policy = load_policy(path) if path else default_policy()
     url, why = ledger_choice(args.ledger, policy, path)
-    say_ledger(url, why)
+    say_ledger(url, f"{why}, {served}" if served else why)
     return url
 
 
 def policy_of(args: argparse.Namespace) -> Policy:
-    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, or the bundled one."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, Claude Desktop's
+    commitgate entry, or the bundled one."""
+    path, _ = policy_path(args)
     return load_policy(path) if path else default_policy()
 
 
@@ -225,7 +234,7 @@ async def opened(
         raise CommandError(f"unsupported ledger URL {url!r}: {exc}") from None
     if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
         if must_exist:
-            raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
+            raise CommandError(f"no ledger at {url} (nothing has been recorded there); {WHICH_LEDGER}")
         yield None
         return
     ledger = await open_ledger(url)
@@ -257,7 +266,15 @@ def _run(args: argparse.Namespace, body: Callable[[], Coroutine[Any, Any, int]])
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    except (LedgerUnavailable, ValueError) as exc:
+    except LedgerUnavailable as exc:
+        told = (
+            getattr(args, "ledger", None)
+            or getattr(args, "policy", None)
+            or os.environ.get("COMMITGATE_POLICY")
+        )
+        print(f"ledger: {exc}" + ("" if told else f"; {WHICH_LEDGER}"), file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"ledger: {exc}", file=sys.stderr)
         return 1
 
@@ -349,7 +366,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "from_state": entry.from_state,
                 "to_state": entry.to_state,
                 "attempt_fence": entry.fence,
-                "actor": entry.actor,
+                **_actor_fields(Actor.of_record(entry.actor, entry.event, op.principal)),
                 "detail": entry.detail,
             }
             for entry in history
@@ -377,13 +394,18 @@ def cmd_show(args: argparse.Namespace) -> int:
                 entry["from_state"] or "",
                 entry["to_state"] or "",
                 str(entry["attempt_fence"]),
-                cell(entry["actor"]),
+                cell(Actor(ActorRole(entry["actor_role"]), entry["actor"]).shown),
                 Text(detail),
             )
         out.print(table)
         return 0
 
     return _run(args, body)
+
+
+def _actor_fields(actor: Actor) -> dict[str, str]:
+    """Who made a transition, in `ops show --json`: the name and its role (principal, commitgate, operator)."""
+    return {"actor": actor.name, "actor_role": actor.role.value}
 
 
 # --- ops resolve ----------------------------------------------------------------------------------

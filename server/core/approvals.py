@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
 from commitgate.server.model.amounts import decimal_of, left, with_unit
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.model.records import Operation, iso
@@ -132,7 +132,7 @@ def approve_change(op: Operation, by: str, via: str, reason: str | None, now: fl
         AuditEvent.APPROVED,
         expect_fence=op.fence,
         approval=_decided(op, ApprovalState.APPROVED, by, via, reason, now),
-        actor=by,
+        actor=Actor.operator(by),
         detail={"via": via, "reason": reason},
     )
 
@@ -146,7 +146,7 @@ def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float
         expect_fence=op.fence,
         error=ErrorRecord(code=ErrorCode.APPROVAL_DENIED.value, message=f"denied by {by} ({via}){why}"),
         approval=_decided(op, ApprovalState.DENIED, by, via, reason, now),
-        actor=by,
+        actor=Actor.operator(by),
         detail={"via": via, "reason": reason},
     )
 
@@ -163,6 +163,7 @@ def expire_change(op: Operation, now: float) -> Transition:
             code=ErrorCode.APPROVAL_EXPIRED.value, message=f"nobody approved it before {before}"
         ),
         approval=_decided(op, ApprovalState.EXPIRED, None, "timeout", None, now),
+        actor=COMMITGATE,
     )
 
 
@@ -175,6 +176,7 @@ def take_change(op: Operation, lease: Lease, budget: BudgetCheck | None = None) 
         AuditEvent.APPROVED_CLAIMED,
         expect_fence=op.fence,
         lease=lease,
+        actor=Actor.principal(op.principal),
         budget=budget,
     )
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from commitgate.server.ledger.base import Ledger, Transition, lease_over
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
@@ -77,7 +77,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
             AuditEvent.RESOLVED,
             result=_result(resolution.result_json, by, reason),
             reconciliation=note,
-            actor=by,
+            actor=Actor.operator(by),
             detail={"resolution": "succeeded", "reason": reason},
         )
     if reason is None:
@@ -100,7 +100,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
         AuditEvent.RESOLVED,
         error=error,
         reconciliation=note,
-        actor=by,
+        actor=Actor.operator(by),
         detail={"resolution": state.value, "reason": reason},
     )
 
@@ -130,6 +130,7 @@ async def current(ledger: Ledger, operation_id: str, now: float, principal: str 
         error=ErrorRecord(
             code="lease_expired", message="the process running this operation stopped answering"
         ),
+        actor=COMMITGATE,
     )
     return await ledger.update(op.operation_id, change, now) or await _reread(ledger, op, principal)
 

@@ -58,6 +58,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.evidence import POSTGRES_MIGRATION, Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
+from commitgate.server.model.audit import recorded_actor
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.receipts import at_text, digest
@@ -1123,7 +1124,7 @@ class PostgresLedger:
             lease.owner if lease is not None else None,
             lease.expires_at if lease is not None else None,
             change.to_state.terminal,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             _dump_record(change.approval),
@@ -1145,7 +1146,7 @@ class PostgresLedger:
             change.event,
             lease.owner,
             lease.expires_at,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             budget.name,

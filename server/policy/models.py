@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     StrictBool,
     ValidationInfo,
     WithJsonSchema,
@@ -362,6 +363,11 @@ class UpstreamPolicy(_Strict):
     command: str | None = Field(None, min_length=1, description="stdio: the command to start.")
     args: list[str] = Field(default_factory=list, description="stdio: its arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment.")
+    inherit_env: list[str] | Literal["*"] = Field(
+        default_factory=list,
+        description="stdio: variables of serve's own environment it also gets, beside the MCP SDK's "
+        'safe defaults (PATH, HOME...) and `env`; "*" for all of them.',
+    )
     cwd: str | None = Field(None, description="stdio: working directory.")
     url: str | None = Field(None, min_length=1, description="HTTP: the server's URL.")
     transport: Literal["streamable-http", "sse"] = Field(
@@ -389,12 +395,36 @@ class UpstreamPolicy(_Strict):
         "with it (stateful servers, several principals).",
     )
 
+    # Variables its `env` or `headers` name that are not set: this upstream cannot start (set by loading).
+    _unset_env: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def unset_env(self) -> tuple[str, ...]:
+        return self._unset_env
+
+    @property
+    def unset_reason(self) -> str | None:
+        """Why it cannot start, when its `env` or `headers` name variables that are not set."""
+        names = self._unset_env
+        if not names:
+            return None
+        if len(names) == 1:
+            return f"environment variable {names[0]} is not set"
+        return f"environment variables {', '.join(names)} are not set"
+
+    def mark_unset(self, names: list[str]) -> None:
+        self._unset_env = tuple(names)
+
     @model_validator(mode="after")
     def _one_target(self) -> UpstreamPolicy:
         if (self.command is None) == (self.url is None):
             raise ValueError("an upstream has exactly one of `command` or `url`")
         if self.default_class is not None and self.tools != "all":
             raise ValueError('`default_class` is only used with `tools = "all"`')
+        if self.url is not None and self.inherit_env:
+            raise ValueError(
+                "`inherit_env` is for a `command` (stdio) upstream: commitgate starts no process for a `url`"
+            )
         return self
 
     @field_validator("default_class")

@@ -171,4 +171,7 @@ def _stop_on_sigterm() -> Iterator[None]:
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        # Stopping already (end of input, or this very signal): a SIGTERM now, such as a client's
+        # after its grace period, must not cut short the drain and the upstreams' close, or they
+        # are left writing into a closed pipe. The handler goes with the event loop.
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)
