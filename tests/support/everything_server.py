@@ -122,7 +122,9 @@ async def _mixed(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.
 
 @tool("test_tool_with_logging", "Sends three log messages while it runs.")
 async def _logging(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
-    for step, words in enumerate(("Tool execution started", "Tool processing data", "Tool execution completed")):
+    for step, words in enumerate(
+        ("Tool execution started", "Tool processing data", "Tool execution completed")
+    ):
         if step:
             await asyncio.sleep(0.05)
         params = types.LoggingMessageNotificationParams(level="info", data=words, logger=NAME)
@@ -149,7 +151,10 @@ async def _error(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.
     return failed
 
 
-@tool("test_reconnection", "Closes the call's SSE stream before answering: the client resumes to read the answer.")
+@tool(
+    "test_reconnection",
+    "Closes the call's SSE stream before answering: the client resumes to read the answer.",
+)
 async def _reconnection(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
     if ctx.close_sse_stream is not None:
         await ctx.close_sse_stream()
@@ -157,7 +162,9 @@ async def _reconnection(ctx: ServerRequestContext[Any], args: dict[str, Any]) ->
     return _result(_text("Reconnection test completed: the answer arrived after the stream was resumed."))
 
 
-@tool("test_sampling", "Asks the client's model to answer a prompt.", _string_argument("prompt", "What to ask"))
+@tool(
+    "test_sampling", "Asks the client's model to answer a prompt.", _string_argument("prompt", "What to ask")
+)
 async def _sampling(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
     message = types.SamplingMessage(role="user", content=_text(args.get("prompt", "")))
     try:
@@ -167,7 +174,9 @@ async def _sampling(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> typ
     except Exception as exc:  # the suite checks that the request was made; say what came back
         return _result(_text(f"Sampling failed: {exc}"))
     content = answer.content
-    said = content.text if isinstance(content, types.TextContent) else json.dumps(answer.model_dump(mode="json"))
+    said = (
+        content.text if isinstance(content, types.TextContent) else json.dumps(answer.model_dump(mode="json"))
+    )
     return _result(_text(f"LLM response: {said}"))
 
 
@@ -175,9 +184,7 @@ async def _elicit(
     ctx: ServerRequestContext[Any], message: str, schema: dict[str, Any], lead: str
 ) -> types.CallToolResult:
     try:
-        answer = await ctx.session.elicit_form(
-            message, schema, related_request_id=ctx.request_id
-        )
+        answer = await ctx.session.elicit_form(message, schema, related_request_id=ctx.request_id)
     except Exception as exc:
         return _result(_text(f"Elicitation failed: {exc}"))
     return _result(_text(f"{lead}: action={answer.action}, content={json.dumps(answer.content or {})}"))
@@ -270,7 +277,10 @@ SCHEMA_2020_12: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
     "$defs": {
-        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}}}
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+        }
     },
     "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"}},
     "additionalProperties": False,
@@ -300,7 +310,10 @@ RESOURCES = [
         mime_type="image/png",
     ),
     types.Resource(
-        name="watched-resource", uri=WATCHED, title="Watched", description="A resource to subscribe to",
+        name="watched-resource",
+        uri=WATCHED,
+        title="Watched",
+        description="A resource to subscribe to",
         mime_type="text/plain",
     ),
 ]
@@ -315,7 +328,9 @@ TEMPLATE = types.ResourceTemplate(
 
 def _contents(uri: str) -> types.TextResourceContents | types.BlobResourceContents:
     if uri == "test://static-text":
-        return types.TextResourceContents(uri=uri, mime_type="text/plain", text="A static text resource's content.")
+        return types.TextResourceContents(
+            uri=uri, mime_type="text/plain", text="A static text resource's content."
+        )
     if uri == "test://static-binary":
         return types.BlobResourceContents(uri=uri, mime_type="image/png", blob=PNG)
     if uri == WATCHED:
@@ -345,7 +360,9 @@ PROMPTS = [
         description="A prompt that embeds a resource",
         arguments=[types.PromptArgument(name="resourceUri", description="The resource's URI", required=True)],
     ),
-    types.Prompt(name="test_prompt_with_image", title="Prompt with an image", description="A prompt with an image"),
+    types.Prompt(
+        name="test_prompt_with_image", title="Prompt with an image", description="A prompt with an image"
+    ),
 ]
 
 
@@ -381,7 +398,9 @@ async def list_tools(ctx: ServerRequestContext[Any], params: Any) -> types.ListT
     return types.ListToolsResult(tools=[t.definition for t in TOOLS.values()])
 
 
-async def call_tool(ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> types.CallToolResult:
+async def call_tool(
+    ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+) -> types.CallToolResult:
     _record_call(params.name)
     found = TOOLS.get(params.name)
     if found is None:
@@ -403,11 +422,15 @@ async def read_resource(
     return types.ReadResourceResult(contents=[_contents(str(params.uri))])
 
 
-async def subscribe(ctx: ServerRequestContext[Any], params: types.SubscribeRequestParams) -> types.EmptyResult:
+async def subscribe(
+    ctx: ServerRequestContext[Any], params: types.SubscribeRequestParams
+) -> types.EmptyResult:
     return types.EmptyResult()
 
 
-async def unsubscribe(ctx: ServerRequestContext[Any], params: types.UnsubscribeRequestParams) -> types.EmptyResult:
+async def unsubscribe(
+    ctx: ServerRequestContext[Any], params: types.UnsubscribeRequestParams
+) -> types.EmptyResult:
     return types.EmptyResult()
 
 
@@ -415,11 +438,15 @@ async def list_prompts(ctx: ServerRequestContext[Any], params: Any) -> types.Lis
     return types.ListPromptsResult(prompts=PROMPTS)
 
 
-async def get_prompt(ctx: ServerRequestContext[Any], params: types.GetPromptRequestParams) -> types.GetPromptResult:
+async def get_prompt(
+    ctx: ServerRequestContext[Any], params: types.GetPromptRequestParams
+) -> types.GetPromptResult:
     return types.GetPromptResult(messages=_messages(params.name, dict(params.arguments or {})))
 
 
-async def complete(ctx: ServerRequestContext[Any], params: types.CompleteRequestParams) -> types.CompleteResult:
+async def complete(
+    ctx: ServerRequestContext[Any], params: types.CompleteRequestParams
+) -> types.CompleteResult:
     """Values of the prompt's argument that start with what was typed (the suite asks for arg1)."""
     known = ["paris", "park", "party", "test-value"]
     typed = params.argument.value
@@ -442,7 +469,9 @@ class MemoryEventStore(EventStore):
         self._events.append((event_id, stream_id, message))
         return event_id
 
-    async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+    async def replay_events_after(
+        self, last_event_id: EventId, send_callback: EventCallback
+    ) -> StreamId | None:
         position = next((i for i, (e, _, _) in enumerate(self._events) if e == last_event_id), None)
         if position is None:
             return None
@@ -479,6 +508,7 @@ def main() -> None:
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     listener = socket.socket()
     listener.bind(("127.0.0.1", port))
+    listener.listen(128)  # connections made before the server runs wait in the backlog
     print(f"http://127.0.0.1:{listener.getsockname()[1]}/mcp", flush=True)
     app = build_server().streamable_http_app(event_store=MemoryEventStore(), retry_interval=1000)
     config = uvicorn.Config(app, log_level="warning")

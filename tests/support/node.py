@@ -51,7 +51,9 @@ def _major(node: str) -> int:
 
 
 def _node_package() -> str:
-    machine = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine().lower())
+    machine = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine().lower()
+    )
     if machine is None:
         raise NodeMissing(f"no Node {NODE_MAJOR} package on npm for this machine ({platform.machine()})")
     return f"node-linux-{machine}"
