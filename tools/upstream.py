@@ -65,6 +65,7 @@ from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
+from commitgate.tools.upstream_relay import Hub, Relay, outside_any_call
 
 log = logging.getLogger("commitgate.tools.upstream")
 
@@ -190,6 +191,8 @@ class UpstreamConnection:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()  # ends a backoff early: a call wants the next attempt now, or a stop
         self._task: asyncio.Task[None] | None = None
+        # What the upstream says to clients (server/serve/passthrough.py); its tools/list_changed lists again.
+        self.relay = Relay(name, on_tools_changed=self.relist)
 
     @property
     def connected(self) -> bool:
@@ -204,7 +207,9 @@ class UpstreamConnection:
             self._lost.set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
+        self._task = asyncio.create_task(
+            self._supervise(), name=f"commitgate-upstream:{self.name}", context=outside_any_call()
+        )
 
     async def first_attempt(self, timeout: float) -> None:
         await self.ready(timeout)
@@ -264,7 +269,12 @@ class UpstreamConnection:
         async with AsyncExitStack() as stack:
             async with asyncio.timeout(self.connect_timeout):
                 client = await stack.enter_async_context(
-                    Client(_transport(self.spec, lost), cache=None, mode=handshake(self.spec.command))
+                    Client(
+                        _transport(self.spec, lost),
+                        cache=None,
+                        mode=handshake(self.spec.command),
+                        **self.relay.client_options(),
+                    )
                 )
                 tools = await _list_all(client)
             if tools != self.tools or not self.listed:
@@ -282,6 +292,23 @@ class UpstreamConnection:
             if not self._stop.is_set():
                 self.error = "the connection was lost"
                 log.warning("upstream %s: connection lost; reconnecting", self.name)
+
+    async def relist(self) -> None:
+        """List the tools again now (the upstream said they changed): new ones and changed
+        definitions are served as at a reconnect."""
+        client = self.client()
+        if client is None:
+            return
+        try:
+            tools = await _list_all(client)
+        except Exception as exc:  # the next connect lists them anyway
+            log.warning("upstream %s: could not list its changed tools: %s", self.name, _reason(exc))
+            return
+        if tools != self.tools:
+            self._say_new_offer(tools)
+            self.tools = tools
+            if self.on_new_tools is not None:
+                self.on_new_tools()
 
     def _say_new_offer(self, tools: dict[str, types.Tool]) -> None:
         """Log what a reconnected upstream offers now that it did not before, and what it dropped:
@@ -393,8 +420,15 @@ class UpstreamTool:
                 args[KEY_ARGUMENT] = ctx.idempotency_key
         # The upstream's tools/call span joins this trace (the SDK's client refines it to its own span).
         traces.inject(meta)
+        relay = connection.relay
         try:
-            result = await client.call_tool(self.upstream_tool, args, meta=typing.cast(Any, meta))
+            with relay.serving() as caller:  # the client's progress, logs and questions reach it
+                result = await client.call_tool(
+                    self.upstream_tool,
+                    args,
+                    progress_callback=relay.progress_callback(caller),
+                    meta=typing.cast(Any, {**(caller.meta if caller else {}), **meta}),
+                )
         except MCPError as exc:
             raise self._protocol_outcome(exc, connection, client) from exc
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
@@ -405,7 +439,7 @@ class UpstreamTool:
         content = [
             block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in result.content
         ]
-        return ToolResult(content=content, structured=result.structured_content)
+        return ToolResult(content=content, structured=result.structured_content, meta=result.meta)
 
     def _protocol_outcome(self, exc: MCPError, connection: UpstreamConnection, client: Client) -> Exception:
         if exc.code == types.CONNECTION_CLOSED:
@@ -483,6 +517,7 @@ class UpstreamManager:
         # Set when a connection lists other tools than before (e.g. it was down at start): the
         # sources built from the old list are stale (server/reload.py rebuilds them).
         self.tools_changed = asyncio.Event()
+        self.hub = Hub()  # where the upstreams' change notifications go (server/serve/passthrough.py)
 
     def connection(self, name: str, spec: UpstreamPolicy) -> UpstreamConnection | None:
         return self._pool.get(_key(name, spec))
@@ -497,6 +532,7 @@ class UpstreamManager:
             if key not in self._pool:
                 connection = UpstreamConnection(name, upstreams[name], self.connect_timeout)
                 connection.on_new_tools = self.tools_changed.set
+                connection.relay.hub = self.hub
                 connection.start()
                 self._pool[key] = connection
                 fresh.append(connection)

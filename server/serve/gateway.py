@@ -588,7 +588,9 @@ def render(answer: Answer) -> types.CallToolResult:
     if answer.result is None:  # a success always carries a result; never pretend otherwise
         assert answer.operation is not None
         return render_error(error_for_state(answer.operation), answer.replayed)
-    meta = {OPERATION_META: operation_meta(answer.operation, answer.replayed)} if answer.operation else None
+    meta = dict(answer.result.meta or {})  # the tool's own keys, then commitgate's
+    if answer.operation:
+        meta[OPERATION_META] = operation_meta(answer.operation, answer.replayed)
     content = list(answer.result.content)
     if answer.replayed and answer.operation is not None:
         # Clients such as Claude Desktop show the model the content, not `_meta`: say it in words too.
@@ -596,7 +598,7 @@ def render(answer: Answer) -> types.CallToolResult:
     return types.CallToolResult(
         content=content,  # validated into content blocks by pydantic
         structured_content=answer.result.structured,
-        _meta=meta,
+        _meta=meta or None,
     )
 
 

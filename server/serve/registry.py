@@ -134,6 +134,8 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
         ),
         output_schema=source.output_schema,
         annotations=annotations_for(policy, declared),
+        icons=declared.icons if declared else None,
+        _meta=declared.meta if declared else None,  # an upstream's own keys (MCP Apps' `ui`) as sent
     )
 
 

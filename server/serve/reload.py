@@ -36,7 +36,7 @@ import anyio.abc
 import mcp.types as types
 from mcp.server import Server, ServerRequestContext
 from mcp.server.context import CallNext, HandlerResult
-from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ServerEvent, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
@@ -87,10 +87,19 @@ class ToolListAnnouncer:
                 self._connections.add(connection)
         return await call_next(ctx)
 
-    async def announce(self) -> None:
-        await self.bus.publish(ToolsListChanged())
+    async def announce(
+        self, event: ServerEvent | None = None, send: Callable[[Any], Awaitable[None]] | None = None
+    ) -> None:
+        """Tell every client: the tool list changed, or `event` (sent to handshake-era ones by `send`)."""
+        await self.bus.publish(event or ToolsListChanged())
         for connection in list(self._connections):
-            await connection.send_tool_list_changed()  # best effort: never raises
+            if send is None:
+                await connection.send_tool_list_changed()  # best effort: never raises
+                continue
+            try:
+                await send(connection)
+            except Exception:  # a client that went away
+                log.debug("could not tell a client of %s", type(event).__name__)
 
     def close(self) -> None:
         self.listen.close()

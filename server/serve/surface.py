@@ -21,7 +21,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import asking, calls, tracing
+from commitgate.server.serve import asking, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
@@ -61,7 +61,8 @@ def build_server(
     ) -> types.CallToolResult | types.InputRequiredResult:
         principal = principal_of_request()
         channel = asking.channel_of(ctx, params)  # how to ask for an approval
-        return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
+        with passthrough.caller_of(ctx):  # an upstream's questions, progress and logs reach this client
+            return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
@@ -72,6 +73,9 @@ def build_server(
     )
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
+    if passthrough.has_upstreams(gateway):  # resources, prompts, completions, logging of the upstreams
+        passthrough.Passthrough(gateway, announcer).install(server)
+        server.passes_through = True
     # Seals the state of a call that asks the client's user for an approval (2026-07-28).
     server.middleware.append(
         asking.request_state_boundary(gateway.policy.server.name, lambda: principal_of_request())
@@ -89,21 +93,29 @@ INSTRUCTIONS = (
 
 
 class _AnnouncingServer(Server[Any]):
-    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport.
+    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport, and
+    `listChanged` of resources and prompts when it passes an upstream's on.
 
     The streamable-HTTP session manager asks the server for its default initialization options
     and takes no options of its own, so the default has to say it.
     """
 
+    passes_through = False  # serves the upstreams' resources and prompts (passthrough.py)
+
     def create_initialization_options(
         self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        options = notification_options or NotificationOptions(tools_changed=True)
+        options = notification_options or _notification_options(self)
         return super().create_initialization_options(options, *args, **kwargs)
 
 
+def _notification_options(server: Server[Any]) -> NotificationOptions:
+    relayed = getattr(server, "passes_through", False)
+    return NotificationOptions(tools_changed=True, prompts_changed=relayed, resources_changed=relayed)
+
+
 def initialization_options(server: Server[Any]) -> Any:
-    return server.create_initialization_options(NotificationOptions(tools_changed=True))
+    return server.create_initialization_options(_notification_options(server))
 
 
 @contextlib.asynccontextmanager
