@@ -27,6 +27,7 @@ from commitgate.server.cli.client_configs import (
     write_with_backup,
 )
 from commitgate.server.cli.desktop import desktop_entry
+from commitgate.server.cli.init_definitions import record_listings
 from commitgate.server.cli.tool_listing import Listing, list_all
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.policy.rules import RESERVED_TOOL_NAMES, TOOL_NAME
@@ -92,6 +93,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     listings = asyncio.run(list_all(entries, args.connect_timeout))
     text = policy_text(config.path, out, listings, args.connect_timeout)
     out.write_text(text, encoding="utf-8")
+    record_listings(out, listings)  # so serve advertises the real tools before they connect
     _report(config, out.resolve(), listings, args.write_config)
     for listing in listings:
         if listing.error is not None:

@@ -48,6 +48,7 @@ from commitgate.server.serve.checking import check_report, format_report, served
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError, ToolSource
+from commitgate.tools.upstream_definitions import record_listed
 
 log = logging.getLogger("commitgate.reload")
 
@@ -367,6 +368,8 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
     unless it declares one, and no key forwarding); one that comes back with other tools has
     stale schemas. Other tools keep their sources. True when clients were told of a change.
     """
+    # What they list now is what the next start advertises before they connect.
+    await record_listed(gateway.upstreams, gateway.policy, gateway.ledger)
     async with gateway.rebuilding:
         policy = gateway.policy
         try:

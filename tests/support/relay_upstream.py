@@ -91,7 +91,9 @@ def rich_prompt() -> list[Any]:
         types.ImageContent(type="image", data=base64.b64encode(PIXEL).decode(), mime_type="image/png"),
         types.EmbeddedResource(
             type="resource",
-            resource=types.TextResourceContents(uri=f"test://{NAME}/text", text=f"text of {NAME}", mime_type="text/plain"),
+            resource=types.TextResourceContents(
+                uri=f"test://{NAME}/text", text=f"text of {NAME}", mime_type="text/plain"
+            ),
         ),
     ]
 
@@ -227,18 +229,24 @@ async def hold_record(note: str) -> dict[str, Any]:
 # --- the requests MCPServer leaves to the low-level server ------------------------------------------
 
 
-async def set_level(ctx: ServerRequestContext[Any, Any], params: types.SetLevelRequestParams) -> types.EmptyResult:
+async def set_level(
+    ctx: ServerRequestContext[Any, Any], params: types.SetLevelRequestParams
+) -> types.EmptyResult:
     state["level"] = params.level
     effect(tool="logging/setLevel", level=params.level)
     return types.EmptyResult()
 
 
-async def subscribe(ctx: ServerRequestContext[Any, Any], params: types.SubscribeRequestParams) -> types.EmptyResult:
+async def subscribe(
+    ctx: ServerRequestContext[Any, Any], params: types.SubscribeRequestParams
+) -> types.EmptyResult:
     effect(tool="resources/subscribe", uri=params.uri)
     return types.EmptyResult()
 
 
-async def unsubscribe(ctx: ServerRequestContext[Any, Any], params: types.UnsubscribeRequestParams) -> types.EmptyResult:
+async def unsubscribe(
+    ctx: ServerRequestContext[Any, Any], params: types.UnsubscribeRequestParams
+) -> types.EmptyResult:
     effect(tool="resources/unsubscribe", uri=params.uri)
     return types.EmptyResult()
 

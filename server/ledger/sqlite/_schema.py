@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commitgate.server.ledger import tool_definitions
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
@@ -131,6 +132,8 @@ MIGRATIONS: list[str] = [
     DROP INDEX operations_expiry;
     CREATE INDEX operations_expiry ON operations (expires_at, state) WHERE expires_at IS NOT NULL;
     """,
+    # 9: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
+    tool_definitions.SQLITE_MIGRATION,
 ]
 
 _COLUMNS = (
