@@ -21,7 +21,7 @@ from typing import Any
 Definitions = dict[str, dict[str, Any]]
 
 SQLITE_MIGRATION = """
-    CREATE TABLE tool_definitions (
+    CREATE TABLE IF NOT EXISTS tool_definitions (
         upstream TEXT NOT NULL,
         tool TEXT NOT NULL,
         definition TEXT NOT NULL,
@@ -31,7 +31,7 @@ SQLITE_MIGRATION = """
 """
 
 POSTGRES_MIGRATION = """
-    CREATE TABLE commitgate_tool_definitions (
+    CREATE TABLE IF NOT EXISTS commitgate_tool_definitions (
         upstream TEXT NOT NULL,
         tool TEXT NOT NULL,
         definition TEXT NOT NULL,
