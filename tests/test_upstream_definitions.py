@@ -80,7 +80,10 @@ async def serving(policy: Path, log: Path, env: dict[str, str]) -> AsyncIterator
 
     with log.open("a") as errlog:
         async with Client(
-            stdio_client(params, errlog=errlog), mode="legacy", message_handler=on_message, read_timeout_seconds=60
+            stdio_client(params, errlog=errlog),
+            mode="legacy",
+            message_handler=on_message,
+            read_timeout_seconds=60,
         ) as client:
             yield Served(client, log, notifications)
 
@@ -91,7 +94,8 @@ async def advertised(client: Client, name: str = "record") -> Any:
 
 def is_real(tool: Any) -> bool:
     """Advertised with what the upstream declared: its description and its own parameter."""
-    return (tool.description or "").startswith(DESCRIPTION) and "note" in tool.input_schema.get("properties", {})
+    own = tool.input_schema.get("properties", {})
+    return (tool.description or "").startswith(DESCRIPTION) and "note" in own
 
 
 def effects(path: Path) -> list[dict[str, Any]]:
@@ -110,7 +114,9 @@ async def test_an_upstream_that_starts_late_is_advertised_from_the_first_listing
     state = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path)}
     port, log, gate = free_port(), tmp_path / "effects.jsonl", tmp_path / "up"
     config = tmp_path / "claude_desktop_config.json"
-    config.write_text(json.dumps({"mcpServers": {"stub": {"type": "http", "url": f"http://127.0.0.1:{port}/mcp"}}}))
+    config.write_text(
+        json.dumps({"mcpServers": {"stub": {"type": "http", "url": f"http://127.0.0.1:{port}/mcp"}}})
+    )
     policy = tmp_path / "commitgate.toml"
     with upstream(port, log):
         done = init(config, policy, state)
