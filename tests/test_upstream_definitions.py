@@ -134,8 +134,8 @@ async def test_an_upstream_that_starts_late_is_advertised_from_the_first_listing
 
             await anyio.sleep(max(0.0, started + LATE - time.monotonic()))
             gate.touch()
-            done = await served.client.call_tool("record", {"note": "late", "idempotency_key": "late-1"})
-            assert not done.is_error, text(done)
+            called = await served.client.call_tool("record", {"note": "late", "idempotency_key": "late-1"})
+            assert not called.is_error, text(called)
             assert "upstream stub: connected" in served.logged()
             # It connected with the definitions it was advertised with: nothing to announce. The
             # refresh that would announce runs at connect; give it a moment to have run.
