@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,12 +19,19 @@ from typing import Any
 
 import anyio
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.shared.subscriptions import (
+    PromptsListChanged,
+    ResourcesListChanged,
+    ResourceUpdated,
+    ToolsListChanged,
+)
 from mcp.types import (
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
     AudioContent,
     BlobResourceContents,
-    CompletionArgument,
     ElicitResult,
     EmbeddedResource,
     ImageContent,
@@ -45,14 +53,15 @@ PIXEL = base64.b64decode(
 ERAS = {"legacy": "2025-11-25", "auto": "2026-07-28"}
 
 
-def policy(root: Path) -> Path:
-    def upstream(name: str, tools: str) -> str:
+def policy(root: Path, sessions: str = "shared") -> Path:
+    def upstream(name: str, tools: str, sessions: str = "shared") -> str:
         return f"""
 [upstreams.{name}]
 command = "{sys.executable}"
 args = ["{UPSTREAM}"]
 env = {{ RELAY_NAME = "{name}", RELAY_DIR = "{root}" }}
 tools = "{tools}"
+sessions = "{sessions}"
 """
 
     path = root / "policy.toml"
@@ -66,7 +75,7 @@ respond_within = "20s"
 [ledger]
 url = "sqlite:///{root / "ledger.db"}"
 synchronous = "NORMAL"
-{upstream("alpha", "all")}
+{upstream("alpha", "all", sessions)}
 {upstream("beta", "listed")}
 [tools.beta_chatter]
 upstream = "beta"
@@ -135,9 +144,13 @@ async def stdio_served(root: Path, mode: str, heard: Heard, stdio: str = "fast")
         env=base_env(),
     )
     with (root / "serve.stderr").open("a", encoding="utf-8") as errlog:
-        log_level = "debug" if mode == "auto" else None
+        log_level: Any = "debug" if mode == "auto" else None
         async with Client(
-            stdio_client(params, errlog=errlog), mode=mode, read_timeout_seconds=60, log_level=log_level, **heard.options()
+            stdio_client(params, errlog=errlog),
+            mode=mode,
+            read_timeout_seconds=60,
+            log_level=log_level,
+            **heard.options(),
         ) as client:
             yield client
 
@@ -156,7 +169,9 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag:
     """What every transport and era must show (`tag` keeps keys and markers apart on a shared server)."""
     assert client.protocol_version == ERAS[mode]
     capabilities = client.server_capabilities
-    assert capabilities.resources and capabilities.prompts and capabilities.completions and capabilities.logging
+    assert (
+        capabilities.resources and capabilities.prompts and capabilities.completions and capabilities.logging
+    )
     await connected(client)
 
     # resources: one list in policy order, URIs as the upstreams gave them, the first lister serves
@@ -184,14 +199,17 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag:
     greeting = (await client.get_prompt("beta__greet", {"name": "Ada"})).messages[0].content
     assert isinstance(greeting, TextContent) and greeting.text == "beta greets Ada"
     rich_prompt = (await client.get_prompt("alpha_rich")).messages
-    assert isinstance(rich_prompt[0].content, ImageContent) and isinstance(rich_prompt[1].content, EmbeddedResource)
+    assert isinstance(rich_prompt[0].content, ImageContent) and isinstance(
+        rich_prompt[1].content, EmbeddedResource
+    )
 
     # completions, routed by prompt and by template
-    done = await client.complete(PromptReference(type="ref/prompt", name="beta__greet"), {"name": "name", "value": "A"})
+    done = await client.complete(
+        PromptReference(type="ref/prompt", name="beta__greet"), {"name": "name", "value": "A"}
+    )
     assert done.completion.values == ["Ada@beta", "Alan@beta"]
     template = ResourceTemplateReference(type="ref/resource", uri="test://alpha/items/{item_id}")
     assert (await client.complete(template, {"name": "item_id", "value": "2"})).completion.values == ["2"]
-    assert CompletionArgument  # the wire names above are the SDK's
 
     # tools: the upstream's _meta and outputSchema on the definition, every content type in the result
     tools = {t.name: t for t in (await client.list_tools()).tools}
@@ -209,15 +227,15 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag:
     if mode == "legacy":
         await client.set_logging_level("debug")
         await eventually(lambda: len(effects(root, tool="logging/setLevel", level="debug")) >= 2)
-    progress: list[str | None] = []
+    heard_progress: list[str | None] = []
 
-    async def on_progress(done: float, total: float | None, message: str | None) -> None:
-        progress.append(message)
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        heard_progress.append(message)
 
     marker = f"m1{tag}"
     said = await client.call_tool("beta_chatter", {"marker": marker}, progress_callback=on_progress)
     assert text(said) == f"{marker} done"
-    assert progress == [f"{marker} step 1", f"{marker} step 2"]
+    assert heard_progress == [f"{marker} step 1", f"{marker} step 2"]
     logs = [(entry.logger, entry.data) for entry in heard.logs]
     assert ("beta/chatter", f"{marker} log 1") in logs and ("beta/chatter", f"{marker} log 2") in logs
 
@@ -225,8 +243,7 @@ async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag:
     refused = await client.call_tool("ask", {"topic": f"nothing{tag}"})
     assert error_code(refused) == "idempotency_key_required"
     assert effects(root, tool="ask", topic=f"nothing{tag}") == [] and heard.asked == []
-    if mode == "legacy":
-        await asked_during_keyed_call(client, root, heard, tag)
+    await asked_during_keyed_call(client, root, heard, tag)
 
 
 async def asked_during_keyed_call(client: Client, root: Path, heard: Heard, tag: str) -> None:
@@ -286,8 +303,13 @@ async def http_client(served: Any, principal: str, mode: str, heard: Heard) -> A
     from mcp.client.streamable_http import streamable_http_client
 
     headers = http_servers.bearer(principal)
-    log_level = "debug" if mode == "auto" else None
-    options = {"mode": mode, "log_level": log_level, "read_timeout_seconds": 60, **heard.options()}
+    log_level: Any = "debug" if mode == "auto" else None
+    options: dict[str, Any] = {
+        "mode": mode,
+        "log_level": log_level,
+        "read_timeout_seconds": 60,
+        **heard.options(),
+    }
     if served.transport == "sse":
         async with Client(sse_client(served.endpoint, headers=headers), **options) as client:
             yield client
@@ -307,3 +329,259 @@ async def test_http_passes_everything_through(http_served: Any, http_root: Path,
     heard = Heard()
     async with http_client(http_served, "alice", mode, heard) as client:
         await walk_through(client, http_root, heard, mode, tag=f"-{http_served.transport}-{mode}")
+
+
+@pytest.mark.anyio
+async def test_two_clients_never_hear_each_other(http_served: Any, http_root: Path) -> None:
+    """Two principals calling at once through one shared upstream session: each hears its own
+    progress (mapped by token) and never the other's progress, logs or questions; a question the
+    upstream asks while both are in flight reaches no one (it cannot be told whose it is)."""
+    tag = http_served.transport
+    alice, bob = Heard(), Heard()
+    heard: dict[str, list[str | None]] = {"alice": [], "bob": []}
+
+    def on_progress(who: str) -> Any:
+        async def record(progress: float, total: float | None, message: str | None) -> None:
+            heard[who].append(message)
+
+        return record
+
+    release = http_root / "release"
+    async with (
+        http_client(http_served, "alice", "legacy", alice) as a,
+        http_client(http_served, "bob", "legacy", bob) as b,
+    ):
+        await connected(a)
+        for client in (a, b):
+            await client.set_logging_level("debug")
+        results: dict[str, Any] = {}
+
+        async def chatter(who: str, client: Client, marker: str) -> None:
+            results[who] = await client.call_tool(
+                "chatter", {"marker": marker, "hold": True}, progress_callback=on_progress(who)
+            )
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(chatter, "alice", a, f"A-{tag}")
+                group.start_soon(chatter, "bob", b, f"B-{tag}")
+                await eventually(lambda: len(effects(http_root, tool="chatter", phase="started")) >= 2)
+                # both in flight on the upstream: a question now cannot be told whose it is
+                asked = await b.call_tool("ask", {"topic": f"both-{tag}", "idempotency_key": f"both-{tag}"})
+                assert asked.is_error, asked
+                release.touch()
+        finally:
+            release.unlink(missing_ok=True)
+        assert heard["alice"] == [f"A-{tag} step 1", f"A-{tag} step 2"]
+        assert heard["bob"] == [f"B-{tag} step 1", f"B-{tag} step 2"]
+        assert all(str(entry.data).startswith(f"A-{tag}") for entry in alice.logs), alice.logs
+        assert all(str(entry.data).startswith(f"B-{tag}") for entry in bob.logs), bob.logs
+        assert alice.asked == [] and bob.asked == []
+        assert effects(http_root, tool="ask", topic=f"both-{tag}") == []
+        # alone on the upstream, bob's question reaches bob, and only bob
+        alone = await b.call_tool("ask", {"topic": f"alone-{tag}", "idempotency_key": f"alone-{tag}"})
+        assert alone.structured_content and alone.structured_content["reply"] == "yes", alone
+        assert bob.asked == [f"alone-{tag}: what do you say?"] and alice.asked == []
+        assert len(effects(http_root, tool="ask", topic=f"alone-{tag}")) == 1
+
+
+# --- what changes while serving, and cancellation (stdio, handshake era) ------------------------------
+
+
+@pytest.mark.anyio
+async def test_changes(tmp_path: Path) -> None:
+    heard = Heard()
+    async with stdio_served(tmp_path, "legacy", heard) as client:
+        await connected(client)
+
+        # a subscription is forwarded, and the upstream's updates reach the subscriber
+        await client.subscribe_resource("test://alpha/text")
+        assert effects(tmp_path, tool="resources/subscribe") == [
+            {"server": "alpha", "tool": "resources/subscribe", "uri": "test://alpha/text"}
+        ]
+        await client.call_tool("touch", {"uri": "test://alpha/text"})
+
+        def said(method: str) -> list[Any]:
+            return [m for m in heard.messages if getattr(m, "method", None) == method]
+
+        updated = await eventually(lambda: said("notifications/resources/updated"))
+        assert [m.params.uri for m in updated] == ["test://alpha/text"]
+        await eventually(lambda: said("notifications/resources/list_changed"))
+        await eventually(lambda: said("notifications/prompts/list_changed"))
+        await client.unsubscribe_resource("test://alpha/text")
+        await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe"))
+
+        # the upstream's own tools/list_changed: its new tool is served at once (tools = "all")
+        await client.call_tool("grow", {"name": "sprout"})
+        await eventually(lambda: said("notifications/tools/list_changed"))
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
+        assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+        await cancellations(client, tmp_path)
+
+
+@pytest.mark.anyio
+async def test_changes_reach_a_listening_client(tmp_path: Path) -> None:
+    """2026-07-28: the same changes arrive on the client's `subscriptions/listen` stream, and the
+    resources it names there are subscribed upstream while it listens."""
+    heard = Heard()
+    async with stdio_served(tmp_path, "auto", heard) as client:
+        await connected(client)
+        uri = "test://alpha/text"
+        async with client.listen(
+            tools_list_changed=True,
+            prompts_list_changed=True,
+            resources_list_changed=True,
+            resource_subscriptions=[uri],
+        ) as changes:
+            await eventually(lambda: effects(tmp_path, tool="resources/subscribe", uri=uri))
+            await client.call_tool("touch", {"uri": uri})
+            await client.call_tool("grow", {"name": "sprout"})
+            wanted = {
+                ResourceUpdated(uri=uri),
+                ResourcesListChanged(),
+                PromptsListChanged(),
+                ToolsListChanged(),
+            }
+            seen: set[Any] = set()
+            with anyio.fail_after(30):
+                async for event in changes:
+                    seen.add(event)
+                    if wanted <= seen:
+                        break
+        await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe", uri=uri))
+        assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+        await cancellations(client, tmp_path)
+
+
+async def cancellations(client: Client, root: Path) -> None:
+    """A safe-retry call the client cancels is cancelled upstream too; a keyed one runs to its
+    recorded outcome, once."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.call_tool, "slow", {"marker": "s1"})
+        await eventually(lambda: effects(root, tool="slow", phase="started"))
+        group.cancel_scope.cancel()
+    await eventually(lambda: effects(root, tool="slow", phase="cancelled"))
+
+    # a keyed call the client cancels runs to its recorded outcome, once
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.call_tool, "hold_record", {"note": "n1", "idempotency_key": "hold-1"})
+        await eventually(lambda: effects(root, tool="hold_record", phase="started"))
+        group.cancel_scope.cancel()
+    (root / "release-hold").touch()
+    await eventually(lambda: effects(root, tool="hold_record", phase="done"))
+
+    async def succeeded() -> bool:
+        status = await client.call_tool("get_operation_status", {"idempotency_key": "hold-1"})
+        return (
+            bool(status.structured_content) and status.structured_content["operation"]["state"] == "SUCCEEDED"
+        )
+
+    await eventually(succeeded)
+    assert [e["phase"] for e in effects(root, tool="hold_record")] == ["started", "done"]
+
+
+# --- sessions = "per-client" --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_per_client_sessions(tmp_path: Path) -> None:
+    """Each client session calls through an upstream session of its own, closed with it: a question
+    asked while another client's call is in flight reaches its own client."""
+    path = policy(tmp_path, sessions="per-client")
+    path.write_text(path.read_text(encoding="utf-8") + http_servers.auth_section(), encoding="utf-8")
+    alice, bob = Heard(), Heard()
+    release = tmp_path / "release"
+    with http_servers.running(
+        tmp_path, path, "streamable-http", ledger=tmp_path / "ledger-http.db", sandbox=tmp_path / "sandbox"
+    ) as served:
+        async with http_client(served, "bob", "legacy", bob) as b:
+            async with http_client(served, "alice", "legacy", alice) as a:
+                await connected(a)
+                pid_a = (await a.call_tool("whoami", {})).structured_content
+                pid_b = (await b.call_tool("whoami", {})).structured_content
+                assert pid_a and pid_b and pid_a != pid_b
+                assert (await a.call_tool("whoami", {})).structured_content == pid_a
+                async with anyio.create_task_group() as group:
+                    group.start_soon(a.call_tool, "chatter", {"marker": "A", "hold": True})
+                    await eventually(lambda: effects(tmp_path, tool="chatter", phase="started"))
+                    asked = await b.call_tool("ask", {"topic": "mine", "idempotency_key": "mine-1"})
+                    release.touch()
+                assert asked.structured_content and asked.structured_content["reply"] == "yes", asked
+                assert bob.asked == ["mine: what do you say?"] and alice.asked == []
+                assert len(effects(tmp_path, tool="ask", topic="mine")) == 1
+            # alice's session ended: so did her upstream session; bob's lives on
+            await eventually(lambda: not _alive(pid_a["result"]))
+            assert _alive(pid_b["result"])
+            assert (await b.call_tool("whoami", {})).structured_content == pid_b
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# --- nobody to serve it ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("upstream", [True, False])
+async def test_nobody_to_serve_it_answers_as_a_server_without_it(tmp_path: Path, upstream: bool) -> None:
+    """With an upstream that is not connected, the capabilities are advertised and answered as a
+    server with nothing to offer; with no upstream at all, not advertised (method not found)."""
+    declared = f"""
+[upstreams.down]
+command = "{sys.executable}"
+args = ["-c", "raise SystemExit(3)"]
+tools = "all"
+"""
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n' + (declared if upstream else ""),
+        encoding="utf-8",
+    )
+    params = StdioServerParameters(
+        command=str(CONSOLE_SCRIPT), args=["serve", "--policy", str(path)], env=base_env()
+    )
+    with (tmp_path / "serve.stderr").open("a", encoding="utf-8") as errlog:
+        async with Client(
+            stdio_client(params, errlog=errlog), mode="legacy", read_timeout_seconds=60
+        ) as client:
+            capabilities = client.server_capabilities
+            if not upstream:
+                assert capabilities.resources is None and capabilities.prompts is None
+                with pytest.raises(MCPError) as unknown:
+                    await client.list_resources()
+                assert unknown.value.error.code == METHOD_NOT_FOUND
+                return
+            assert capabilities.resources and capabilities.resources.subscribe and capabilities.prompts
+            assert (await client.list_resources()).resources == []
+            assert (await client.list_resource_templates()).resource_templates == []
+            assert (await client.list_prompts()).prompts == []
+            with pytest.raises(MCPError) as missing:
+                await client.read_resource("test://nowhere")
+            assert missing.value.error.code == -32002
+            with pytest.raises(MCPError) as no_prompt:
+                await client.get_prompt("nothing")
+            assert no_prompt.value.error.code == INVALID_PARAMS
+            done = await client.complete(
+                PromptReference(type="ref/prompt", name="nothing"), {"name": "a", "value": ""}
+            )
+            assert done.completion.values == []
+            await client.set_logging_level("info")
+
+
+def test_policy_show_warns_of_a_uri_two_upstreams_list(tmp_path: Path) -> None:
+    import subprocess
+
+    command = [str(CONSOLE_SCRIPT), "policy", "show", "--upstreams", "--json", str(policy(tmp_path))]
+    shown = json.loads(
+        subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    )
+    warnings = {item["name"]: item["warnings"] for item in shown["upstream_inventory"]}
+    assert warnings["alpha"] == []
+    assert len(warnings["beta"]) == 1 and "test://shared/readme" in warnings["beta"][0]
+    assert "upstream alpha, which serves it" in warnings["beta"][0]

@@ -45,7 +45,7 @@ import time
 import typing
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -65,7 +65,7 @@ from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
-from commitgate.tools.upstream_relay import Hub, Relay, outside_any_call
+from commitgate.tools.upstream_relay import CALLER, Hub, PerClient, Relay, outside_any_call
 
 log = logging.getLogger("commitgate.tools.upstream")
 
@@ -193,6 +193,7 @@ class UpstreamConnection:
         self._task: asyncio.Task[None] | None = None
         # What the upstream says to clients (server/serve/passthrough.py); its tools/list_changed lists again.
         self.relay = Relay(name, on_tools_changed=self.relist)
+        self.own_sessions: PerClient[UpstreamConnection] = PerClient()  # sessions = "per-client"
 
     @property
     def connected(self) -> bool:
@@ -205,6 +206,20 @@ class UpstreamConnection:
         """A call saw `client`'s connection break; a newer connection is not affected."""
         if client is self._client:
             self._lost.set()
+
+    def for_caller(self) -> UpstreamConnection:
+        """The session a call goes through: this one, or with `sessions = "per-client"` the calling
+        client's own (it inherits what this one listed; the tools it serves stay this one's)."""
+        caller = CALLER.get()
+        if self.spec.sessions != "per-client" or caller is None:
+            return self
+        return self.own_sessions.get(caller, self._client_session)
+
+    def _client_session(self) -> UpstreamConnection:
+        session = UpstreamConnection(self.name, self.spec, self.connect_timeout)
+        session.relay.hub = self.relay.hub
+        session.start()
+        return session
 
     def start(self) -> None:
         self._task = asyncio.create_task(
@@ -231,6 +246,7 @@ class UpstreamConnection:
         self._settled.set()
 
     async def aclose(self) -> None:
+        await self.own_sessions.aclose()
         self._stop.set()
         self._wake.set()
         self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
@@ -405,7 +421,7 @@ class UpstreamTool:
         return self._validator.validate(arguments)
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
-        connection = self.connection
+        connection = self.connection.for_caller() if self.connection is not None else None
         # Waiting for a connection under way is part of the attempt: leave a little of its timeout
         # to say that nothing was sent rather than time out the attempt (an ambiguous failure).
         client = await connection.ready(self.timeout * 0.9) if connection is not None else None
@@ -601,10 +617,12 @@ class UpstreamInventory:
     not_exposed: list[str]  # offered by the upstream, not served ("available, not exposed")
     missing: list[str]  # declared in the policy, not offered by the upstream
     tools: list[OfferedTool]
+    warnings: list[str] = field(default_factory=list)  # about the upstream itself (resources it shares)
 
     def as_json(self) -> dict[str, Any]:
         shown = {
-            k: getattr(self, k) for k in ("name", "connected", "error", "exposed", "not_exposed", "missing")
+            k: getattr(self, k)
+            for k in ("name", "connected", "error", "exposed", "not_exposed", "missing", "warnings")
         }
         return {**shown, "tools": [tool.as_json() for tool in self.tools]}
 
@@ -620,13 +638,37 @@ async def inventory(policy: Policy, connect_timeout: float | None = None) -> lis
             key = (t.upstream or "", t.upstream_tool or n)
             if t.upstream and (key not in served or not served[key][1].expose):
                 served[key] = (n, t)  # a tool served under two names is shown under the first
-        return [
+        found = [
             _inventory_of(name, connection, policy, served)
             for name in sorted(policy.upstreams)
             if (connection := lookup(name)) is not None
         ]
+        await _warn_of_shared_uris(policy, lookup, found)
+        return found
     finally:
         await manager.aclose()
+
+
+async def _warn_of_shared_uris(
+    policy: Policy, lookup: Callable[[str], UpstreamConnection | None], found: list[UpstreamInventory]
+) -> None:
+    """A resource URI two upstreams list is served by the first in policy order: warn of the others."""
+    from commitgate.tools.upstream_catalog import duplicate_uris, listed_uris  # built on this module
+
+    listings = []
+    for name in policy.upstreams:
+        connection = lookup(name)
+        client = connection.client() if connection is not None else None
+        if client is not None:
+            with contextlib.suppress(Exception):  # no resources to say anything about
+                listings.append((name, await listed_uris(client)))
+    by_name = {item.name: item for item in found}
+    for uri, owners in duplicate_uris(listings).items():
+        for other in owners[1:]:
+            by_name[other].warnings.append(
+                f"resource {uri} is also listed by upstream {owners[0]}, which serves it (the first in"
+                " policy order): this upstream's is never read"
+            )
 
 
 def _inventory_of(

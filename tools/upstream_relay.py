@@ -27,7 +27,7 @@ import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import mcp.types as types
 from mcp.client.session import ClientRequestContext
@@ -75,6 +75,10 @@ class Caller(Protocol):
 
     async def progress(self, progress: float, total: float | None, message: str | None) -> None: ...
 
+    def when_gone(self, close: Callable[[], Awaitable[None]]) -> bool:
+        """Have `close` run when the client's session ends; False if it has none (2026-07-28)."""
+        ...
+
 
 CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("commitgate_caller", default=None)
 
@@ -116,6 +120,42 @@ class Hub:
             await self.notice(upstream, notification)
         except Exception:  # a client that went away must never break the upstream's reader
             log.exception("upstream %s: could not pass on %s", upstream, notification.method)
+
+
+# --- sessions = "per-client" ------------------------------------------------------------------------
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=Closable)
+
+
+class PerClient(Generic[_S]):
+    """One upstream session per client session: opened at the client's first call, closed when its
+    session ends (a 2026-07-28 client has none: its principal and commitgate session stand for it,
+    kept until the server stops)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[object, _S] = {}
+
+    def get(self, caller: Caller, open_session: Callable[[], _S]) -> _S:
+        key = caller.client
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = open_session()
+            caller.when_gone(lambda: self._close(key))
+        return session
+
+    async def _close(self, key: object) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            await session.aclose()
+
+    async def aclose(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
 
 
 # --- one upstream session ----------------------------------------------------------------------------

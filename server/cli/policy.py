@@ -166,9 +166,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if inventory is not None:
         out.print(inventory_table(inventory))
         for item in inventory:
-            for tool in item.tools:
-                for warning in tool.warnings:
-                    out.print(f"[yellow]warning[/yellow]: upstream {escape(item.name)}: {escape(warning)}")
+            for warning in [*item.warnings, *(w for tool in item.tools for w in tool.warnings)]:
+                out.print(f"[yellow]warning[/yellow]: upstream {escape(item.name)}: {escape(warning)}")
     return 0
 
 

@@ -379,6 +379,12 @@ class UpstreamPolicy(_Strict):
     connect_timeout: PositiveDuration = Field(
         60.0, description="Bound of one connection attempt (first start of `npx -y`/`uvx` may be slow)."
     )
+    sessions: Literal["shared", "per-client"] = Field(
+        "shared",
+        description="shared: one upstream session for every client. per-client: the tool calls of each "
+        "client session go through an upstream session of its own, opened at its first call and closed "
+        "with it (stateful servers, several principals).",
+    )
 
     @model_validator(mode="after")
     def _one_target(self) -> UpstreamPolicy:

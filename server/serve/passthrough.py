@@ -4,8 +4,8 @@ Installed on the MCP server when the policy has an upstream. It serves resources
 templates, prompts (tools/upstream_catalog.py merges and routes them), completions and
 `logging/setLevel` from the connected upstreams; forwards subscriptions and passes the upstreams'
 change notifications on (handshake-era clients on their connection, 2026-07-28 clients on their
-`subscriptions/listen` streams); and puts the caller of each request in `upstream_relay.CALLER`,
-so an upstream's questions, progress and log messages while serving it reach that client only.
+`subscriptions/listen` streams). Reads and prompts are served with their client as the caller
+(callers.py), so an upstream's questions while serving them reach that client only.
 
 A request no connected upstream can serve answers as a server without that capability would: an
 empty list, an unknown prompt or resource, an empty completion.
@@ -19,106 +19,22 @@ import logging
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
+import anyio
 import mcp.types as types
 from mcp import Client, MCPDeprecationWarning, MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.subscriptions import PromptsListChanged, ResourcesListChanged, ResourceUpdated
-from mcp.shared.exceptions import NoBackChannelError
-from mcp.shared.message import ServerMessageMetadata
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from commitgate.server.serve.callers import caller_of
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import ToolListAnnouncer
 from commitgate.tools.upstream import used_upstreams
 from commitgate.tools.upstream_catalog import Catalog, Upstreams
-from commitgate.tools.upstream_relay import LOG_LEVEL_META, calling, not_supported
 
 log = logging.getLogger("commitgate.passthrough")
-
-_T = TypeVar("_T")
-
-_CAPABILITY = {
-    "sampling/createMessage": types.ClientCapabilities(sampling=types.SamplingCapability()),
-    "elicitation/create": types.ClientCapabilities(elicitation=types.ElicitationCapability()),
-    "roots/list": types.ClientCapabilities(roots=types.RootsCapability()),
-}
-_REQUESTS: dict[str, type[BaseModel]] = {
-    "sampling/createMessage": types.CreateMessageRequest,
-    "elicitation/create": types.ElicitRequest,
-    "roots/list": types.ListRootsRequest,
-}
-
-
-class _Answer(BaseModel):
-    """A client's answer, every field kept: it goes back upstream as the client sent it."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-def _quietly(make: Callable[[], _T]) -> _T:
-    return make()
-
-
-@dataclass(frozen=True, slots=True)
-class SessionCaller:
-    """The client of one request, reached through the SDK's request context."""
-
-    ctx: ServerRequestContext[Any, Any]
-
-    @property
-    def client(self) -> object:
-        # The SDK keeps the connection behind the per-request session; it has no public accessor.
-        return getattr(self.ctx.session, "_connection", None) or self.ctx.session
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        level = (self.ctx.meta or {}).get(LOG_LEVEL_META)
-        return {LOG_LEVEL_META: level} if level else {}
-
-    @property
-    def wants_progress(self) -> bool:
-        meta: Any = self.ctx.meta or {}  # parsed: the token as `progress_token`
-        return meta.get("progress_token", meta.get("progressToken")) is not None
-
-    async def request(
-        self, method: str, params: types.RequestParams | None
-    ) -> dict[str, Any] | types.ErrorData:
-        try:
-            declared = self.ctx.session.check_client_capability(_CAPABILITY[method])
-        except Exception:
-            declared = False
-        if not declared:
-            return not_supported(method)
-        request = _REQUESTS[method].model_validate({"method": method, "params": params})
-        related = ServerMessageMetadata(related_request_id=self.ctx.request_id)
-        try:
-            answer = await self.ctx.session.send_request(request, _Answer, metadata=related)  # type: ignore[arg-type]
-        except NoBackChannelError:  # a 2026-07-28 client: it has no channel for a question mid-call
-            return not_supported(method)
-        except MCPError as exc:
-            return exc.error
-        return answer.model_dump(by_alias=True, mode="json", exclude_none=True)
-
-    async def log(self, params: types.LoggingMessageNotificationParams) -> None:
-        session = self.ctx.session
-        await _quietly(
-            lambda: session.send_log_message(
-                params.level, params.data, params.logger, related_request_id=self.ctx.request_id
-            )
-        )
-
-    async def progress(self, progress: float, total: float | None, message: str | None) -> None:
-        await self.ctx.session.report_progress(progress, total, message)
-
-
-@contextlib.contextmanager
-def caller_of(ctx: ServerRequestContext[Any, Any]) -> Any:
-    """While a request is served, its client is the caller (the tasks it starts inherit it)."""
-    with calling(SessionCaller(ctx)):
-        yield
 
 
 class Passthrough:
@@ -127,7 +43,8 @@ class Passthrough:
     def __init__(self, gateway: Gateway, announcer: ToolListAnnouncer | None) -> None:
         self.gateway, self.announcer = gateway, announcer
         self.catalog = Catalog()
-        self._subscribers: dict[str, weakref.WeakSet[Any]] = {}  # URI -> handshake-era connections
+        # URI -> who is subscribed: handshake-era connections, 2026-07-28 listen streams
+        self._subscribers: dict[str, weakref.WeakSet[Any]] = {}
 
     def connected(self) -> list[tuple[str, Client]]:
         """The upstreams the policy uses that are connected now, in policy order."""
@@ -163,8 +80,11 @@ class Passthrough:
         # commitgate relays the features the 2026-07-28 era deprecates (logging, roots, subscriptions)
         # to clients and upstreams that speak them: the SDK's warnings would only be noise in its log.
         warnings.filterwarnings("ignore", category=MCPDeprecationWarning)
+        if self.announcer is not None:
+            handlers.append(("subscriptions/listen", types.SubscriptionsListenRequestParams, self.listen))
         for method, params_type, handler in handlers:
             server.add_request_handler(method, params_type, handler)
+        server.passes_through = True  # type: ignore[attr-defined]  # advertises their listChanged
         self.gateway.upstreams.hub.notice = self.notice
 
     # --- requests ---------------------------------------------------------------------------------
@@ -191,31 +111,54 @@ class Passthrough:
     async def subscribe(
         self, ctx: ServerRequestContext[Any, Any], params: types.SubscribeRequestParams
     ) -> types.EmptyResult:
-        upstreams = self.connected()
-        owner = await self.catalog.resource_owner(params.uri, upstreams)
-        client = self._client(owner, upstreams)
-        fresh = not self._subscribers.get(params.uri)
-        connection = getattr(ctx.session, "_connection", None)
-        if connection is not None:
-            self._subscribers.setdefault(params.uri, weakref.WeakSet()).add(connection)
-        if fresh:  # one upstream subscription serves every client subscribed to the URI
-            await _quietly(lambda: client.subscribe_resource(params.uri))
+        await self._hold(params.uri, getattr(ctx.session, "_connection", None) or _Listening())
         return types.EmptyResult()
 
     async def unsubscribe(
         self, ctx: ServerRequestContext[Any, Any], params: types.UnsubscribeRequestParams
     ) -> types.EmptyResult:
-        subscribers = self._subscribers.get(params.uri)
-        connection = getattr(ctx.session, "_connection", None)
-        if subscribers is not None and connection is not None:
-            subscribers.discard(connection)
+        await self._release(params.uri, getattr(ctx.session, "_connection", None))
+        return types.EmptyResult()
+
+    async def listen(
+        self, ctx: ServerRequestContext[Any, Any], params: types.SubscriptionsListenRequestParams
+    ) -> Any:
+        """A 2026-07-28 client's stream of changes: the resources it names are subscribed upstream
+        while it lasts."""
+        assert self.announcer is not None
+        uris = list(params.notifications.resource_subscriptions or ())
+        holder = _Listening()
+        try:
+            for uri in uris:
+                with contextlib.suppress(MCPError):  # a URI nobody lists: nothing to subscribe to
+                    await self._hold(uri, holder)
+            return await self.announcer.listen(ctx, params)
+        finally:
+            with anyio.move_on_after(10, shield=True):  # the stream ends by being cancelled
+                for uri in uris:
+                    with contextlib.suppress(Exception):
+                        await self._release(uri, holder)
+
+    async def _hold(self, uri: str, holder: object) -> None:
+        """One upstream subscription per URI serves every client subscribed to it."""
+        upstreams = self.connected()
+        owner = await self.catalog.resource_owner(uri, upstreams)
+        client = self._client(owner, upstreams)
+        fresh = not self._subscribers.get(uri)
+        self._subscribers.setdefault(uri, weakref.WeakSet()).add(holder)
+        if fresh:
+            await client.subscribe_resource(uri)
+
+    async def _release(self, uri: str, holder: object | None) -> None:
+        subscribers = self._subscribers.get(uri)
+        if subscribers is not None and holder is not None:
+            subscribers.discard(holder)
         if not subscribers:
-            self._subscribers.pop(params.uri, None)
+            self._subscribers.pop(uri, None)
             upstreams = self.connected()
             with contextlib.suppress(MCPError):
-                owner = await self.catalog.resource_owner(params.uri, upstreams)
-                await _quietly(lambda: self._client(owner, upstreams).unsubscribe_resource(params.uri))
-        return types.EmptyResult()
+                owner = await self.catalog.resource_owner(uri, upstreams)
+                await self._client(owner, upstreams).unsubscribe_resource(uri)
 
     async def list_prompts(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams
@@ -256,7 +199,7 @@ class Passthrough:
             if client.server_capabilities.logging is None:
                 continue
             try:
-                await _quietly(lambda c=client: c.set_logging_level(params.level))  # type: ignore[misc]
+                await client.set_logging_level(params.level)
             except MCPError as exc:  # one upstream's refusal leaves the others' level set
                 log.info("upstream %s refused logging/setLevel: %s", name, exc.error.message)
         return types.EmptyResult()
@@ -271,11 +214,16 @@ class Passthrough:
             uri = notification.params.uri
             await self.announcer.bus.publish(ResourceUpdated(uri=uri))
             for connection in list(self._subscribers.get(uri, ())):
-                await _send(functools.partial(connection.send_resource_updated, uri))
+                if not isinstance(connection, _Listening):  # those have it on their stream
+                    await _send(functools.partial(connection.send_resource_updated, uri))
         elif isinstance(notification, types.ResourceListChangedNotification):
             await self.announcer.announce(ResourcesListChanged(), lambda c: c.send_resource_list_changed())
         elif isinstance(notification, types.PromptListChangedNotification):
             await self.announcer.announce(PromptsListChanged(), lambda c: c.send_prompt_list_changed())
+
+
+class _Listening:
+    """Holds a subscription for a `subscriptions/listen` stream (or a client with no connection)."""
 
 
 async def _send(send: Callable[[], Awaitable[None]]) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import threading
+import typing
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import asking, calls, passthrough, tracing
+from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway
 from commitgate.server.serve.metrics import Metrics
@@ -50,6 +51,7 @@ def build_server(
 
     handler = gateway.handler()
     served = calls.recorded(calls.limited(answer), metrics)
+    rounds = callers.Rounds() if passthrough.has_upstreams(gateway) else None
 
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
@@ -61,8 +63,12 @@ def build_server(
     ) -> types.CallToolResult | types.InputRequiredResult:
         principal = principal_of_request()
         channel = asking.channel_of(ctx, params)  # how to ask for an approval
-        with passthrough.caller_of(ctx):  # an upstream's questions, progress and logs reach this client
+
+        async def run() -> types.CallToolResult | types.InputRequiredResult:
             return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
+
+        # An upstream's questions, progress and logs while serving the call reach this client only.
+        return typing.cast(Any, await callers.relayed_call(ctx, params, run, rounds))
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
@@ -75,7 +81,6 @@ def build_server(
         announcer.install(server)
     if passthrough.has_upstreams(gateway):  # resources, prompts, completions, logging of the upstreams
         passthrough.Passthrough(gateway, announcer).install(server)
-        server.passes_through = True
     # Seals the state of a call that asks the client's user for an approval (2026-07-28).
     server.middleware.append(
         asking.request_state_boundary(gateway.policy.server.name, lambda: principal_of_request())

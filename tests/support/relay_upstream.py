@@ -203,6 +203,12 @@ async def touch(uri: str, ctx: Context) -> str:
 
 
 @mcp.tool(annotations=READ_ONLY)
+def whoami() -> int:
+    """This server's process id (one process per upstream session)."""
+    return os.getpid()
+
+
+@mcp.tool(annotations=READ_ONLY)
 async def slow(marker: str) -> str:
     """Wait for the file `release`; say so when cancelled first."""
     effect(tool="slow", marker=marker, phase="started")
