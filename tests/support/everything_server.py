@@ -29,6 +29,7 @@ import uvicorn
 from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.shared.message import ServerMessageMetadata
 from mcp.types import JSONRPCMessage
 
 NAME = "commitgate-everything"
@@ -46,7 +47,8 @@ WAV = base64.b64encode(
 ).decode()
 WATCHED = "test://watched-resource"
 
-Handler = Callable[[ServerRequestContext[Any], dict[str, Any]], Awaitable[types.CallToolResult]]
+Answer = types.CallToolResult | types.InputRequiredResult
+Handler = Callable[[ServerRequestContext[Any], dict[str, Any]], Awaitable[Answer]]
 
 
 def _text(text: str) -> types.TextContent:
@@ -162,17 +164,36 @@ async def _reconnection(ctx: ServerRequestContext[Any], args: dict[str, Any]) ->
     return _result(_text("Reconnection test completed: the answer arrived after the stream was resumed."))
 
 
+ASKED = "ask"  # the key of the one question a 2026-07-28 round carries
+
+
+async def ask(ctx: ServerRequestContext[Any], question: Any, answer_type: Any) -> Any:
+    """The client's answer to `question` (a sampling or elicitation request), in the era it speaks:
+    a request on the back-channel through 2025-11-25; on 2026-07-28, which has none, the call answers
+    an `InputRequiredResult` and the client calls again with the answer."""
+    if ctx.session.can_send_request:
+        related = ServerMessageMetadata(related_request_id=ctx.request_id)  # on the call's own stream
+        return await ctx.session.send_request(question, answer_type, metadata=related)
+    answers = (ctx.params or {}).get("inputResponses") or {}
+    if ASKED in answers:
+        return answer_type.model_validate(answers[ASKED])
+    return types.InputRequiredResult(input_requests={ASKED: question})
+
+
 @tool(
     "test_sampling", "Asks the client's model to answer a prompt.", _string_argument("prompt", "What to ask")
 )
-async def _sampling(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
+async def _sampling(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> Answer:
     message = types.SamplingMessage(role="user", content=_text(args.get("prompt", "")))
+    question = types.CreateMessageRequest(
+        params=types.CreateMessageRequestParams(messages=[message], max_tokens=100)
+    )
     try:
-        answer = await ctx.session.create_message(
-            [message], max_tokens=100, related_request_id=ctx.request_id
-        )
+        answer = await ask(ctx, question, types.CreateMessageResult)
     except Exception as exc:  # the suite checks that the request was made; say what came back
         return _result(_text(f"Sampling failed: {exc}"))
+    if isinstance(answer, types.InputRequiredResult):
+        return answer
     content = answer.content
     said = (
         content.text if isinstance(content, types.TextContent) else json.dumps(answer.model_dump(mode="json"))
@@ -180,18 +201,19 @@ async def _sampling(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> typ
     return _result(_text(f"LLM response: {said}"))
 
 
-async def _elicit(
-    ctx: ServerRequestContext[Any], message: str, schema: dict[str, Any], lead: str
-) -> types.CallToolResult:
+async def _elicit(ctx: ServerRequestContext[Any], message: str, schema: dict[str, Any], lead: str) -> Answer:
+    form = types.ElicitRequestFormParams(message=message, requested_schema=schema)
     try:
-        answer = await ctx.session.elicit_form(message, schema, related_request_id=ctx.request_id)
+        answer = await ask(ctx, types.ElicitRequest(params=form), types.ElicitResult)
     except Exception as exc:
         return _result(_text(f"Elicitation failed: {exc}"))
+    if isinstance(answer, types.InputRequiredResult):
+        return answer
     return _result(_text(f"{lead}: action={answer.action}, content={json.dumps(answer.content or {})}"))
 
 
 @tool("test_elicitation", "Asks the user for a response.", _string_argument("message", "What to ask"))
-async def _elicitation(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
+async def _elicitation(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> Answer:
     schema = {
         "type": "object",
         "properties": {"response": {"type": "string", "description": "The user's response"}},
@@ -219,7 +241,7 @@ DEFAULTS_SCHEMA: dict[str, Any] = {
 
 
 @tool("test_elicitation_sep1034_defaults", "Asks for a form whose fields have defaults.")
-async def _defaults(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
+async def _defaults(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> Answer:
     message = "Please review and update the form fields with defaults"
     return await _elicit(ctx, message, DEFAULTS_SCHEMA, "Elicitation completed")
 
@@ -268,7 +290,7 @@ ENUMS_SCHEMA: dict[str, Any] = {
 
 
 @tool("test_elicitation_sep1330_enums", "Asks for a form with every kind of enum field.")
-async def _enums(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> types.CallToolResult:
+async def _enums(ctx: ServerRequestContext[Any], args: dict[str, Any]) -> Answer:
     message = "Please select options from the enum fields"
     return await _elicit(ctx, message, ENUMS_SCHEMA, "Elicitation completed")
 
@@ -398,9 +420,7 @@ async def list_tools(ctx: ServerRequestContext[Any], params: Any) -> types.ListT
     return types.ListToolsResult(tools=[t.definition for t in TOOLS.values()])
 
 
-async def call_tool(
-    ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
-) -> types.CallToolResult:
+async def call_tool(ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> Answer:
     _record_call(params.name)
     found = TOOLS.get(params.name)
     if found is None:
