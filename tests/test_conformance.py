@@ -30,7 +30,8 @@ from support.everything_server import TOOLS
 from support.http_servers import Served, running
 from support.wrapping import error_code, upstream_listed
 
-pytestmark = pytest.mark.anyio
+# A first run installs Node 22 and the suite from npm (a minute or more) before the suite runs.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 
 
 def wrapping_policy(directory: Path, name: str, url: str, cls: str) -> Path:

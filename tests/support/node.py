@@ -96,33 +96,39 @@ def _install(specs: list[str]) -> None:
     if npm is None:
         raise NodeMissing("npm is not installed: apt-get install npm (CI's .ci/run does)")
     # Saved in build/node22/package.json, so a later install keeps what an earlier one added.
-    command = [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", str(ROOT)]
+    command = [npm, "install", "--save-exact", "--no-audit", "--no-fund", "--loglevel=error"]
+    command += ["--prefix", str(ROOT)]
     done = subprocess.run([*command, *missing], capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
     if done.returncode != 0 or any(_installed(spec) is None for spec in missing):
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise NodeMissing(f"npm install {' '.join(missing)} failed: {' / '.join(tail)}")
 
 
-def node() -> str:
-    """A Node 22 (or newer) executable: the machine's when new enough, else one installed from npm."""
+def _system_node() -> str | None:
     system = shutil.which("node")
-    if system is not None and _major(system) >= NODE_MAJOR:
-        return system
-    spec = f"{_node_package()}@{NODE_MAJOR}"
-    with _locked():
-        _install([spec])
+    return system if system is not None and _major(system) >= NODE_MAJOR else None
+
+
+def _installed_node() -> str:
     installed = ROOT / "node_modules" / _node_package() / "bin" / "node"
     if _major(str(installed)) < NODE_MAJOR:
-        raise NodeMissing(f"the Node installed from {spec} does not run")
+        raise NodeMissing(f"the Node installed from {_node_package()}@{NODE_MAJOR} does not run")
     return str(installed)
+
+
+def node(*packages: str) -> str:
+    """A Node 22 (or newer) executable: the machine's when new enough, else one installed from npm;
+    the npm `packages` (`name@version`) are installed beside it in the same npm run."""
+    system = _system_node()
+    with _locked():
+        _install([*([] if system else [f"{_node_package()}@{NODE_MAJOR}"]), *packages])
+    return system or _installed_node()
 
 
 def npm_binary(spec: str, binary: str | None = None) -> list[str]:
     """The command line that runs `binary` (default: the package's only one) of the npm package
-    `spec` (`name@version`) with Node 22, installing the package into build/node22 first if needed."""
-    executable = node()
-    with _locked():
-        _install([spec])
+    `spec` (`name@version`) with Node 22, installing both into build/node22 first if needed."""
+    executable = node(spec)
     package = _installed(spec)
     assert package is not None
     bins = json.loads((package / "package.json").read_text()).get("bin", {})
