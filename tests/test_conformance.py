@@ -101,25 +101,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         yield Runs(done["direct"], done["safe"], done["keyed"], targets["keyed"], calls)
 
 
-# Checks that need what commitgate passes through from an upstream besides its tools (resources,
-# prompts, completions, logging, progress, and the upstream's own requests to the client): until
-# that is in, these may fail through commitgate, and only these (the test names those that do).
-NEEDS_PASSTHROUGH = {
-    ("completion-complete", "completion-complete"),
-    ("logging-set-level", "logging-set-level"),
-    ("tools-call-with-logging", "tools-call-with-logging"),
-    ("tools-call-with-progress", "tools-call-with-progress"),
-    ("tools-call-sampling", "tools-call-sampling"),
-    ("tools-call-elicitation", "tools-call-elicitation"),
-    *{("elicitation-sep1034-defaults", f"elicitation-sep1034-{kind}") for kind in
-      ("general", "string-default", "integer-default", "number-default", "enum-default", "boolean-default")},
-    *{("elicitation-sep1330-enums", f"elicitation-sep1330-{kind}") for kind in
-      ("general", "untitled-single", "titled-single", "legacy-enumnames", "untitled-multi", "titled-multi")},
-    *{(name, name) for name in ("resources-list", "resources-read-text", "resources-read-binary",
-      "resources-templates-read", "resources-subscribe", "resources-unsubscribe")},
-    *{(name, name) for name in ("prompts-list", "prompts-get-simple", "prompts-get-with-args",
-      "prompts-get-embedded-resource", "prompts-get-with-image")},
-}  # fmt: skip
+# Checks that may still fail through commitgate, each with why; any other lost check fails the test.
+# resources/subscribe: commitgate speaks 2026-07-28 to an HTTP upstream, an era without that method
+# (a subscription there is a `subscriptions/listen` stream), and forwards a handshake-era client's
+# subscribe as it is, so the upstream answers "method not found".
+SUBSCRIBE = ("resources-subscribe", "resources-subscribe")
+STILL_LOST = {SUBSCRIBE: "a subscribe is not yet carried over to the upstream's era"}
 
 
 def _failures(run: SuiteRun, checks: set[tuple[str, str]]) -> str:
@@ -139,9 +126,10 @@ def test_every_check_passes_against_the_everything_server(runs: Runs) -> None:
 def test_every_check_that_passes_directly_passes_through_commitgate(runs: Runs) -> None:
     lost = runs.direct.passed() - runs.safe.passed()
     said = f"through commitgate {runs.safe.summary()} (directly {runs.direct.summary()}); lost:\n{_failures(runs.safe, lost)}"
-    assert not lost - NEEDS_PASSTHROUGH, said
+    assert not lost - STILL_LOST.keys(), said
     if lost:
-        pytest.xfail(f"upstream passthrough is not in yet: {said}")
+        why = "; ".join(f"{check}: {STILL_LOST[(scenario, check)]}" for scenario, check in sorted(lost))
+        pytest.xfail(f"{why} ({said})")
 
 
 def _refused_without_key(result: dict[str, Any]) -> bool:
