@@ -585,3 +585,81 @@ def test_policy_show_warns_of_a_uri_two_upstreams_list(tmp_path: Path) -> None:
     assert warnings["alpha"] == []
     assert len(warnings["beta"]) == 1 and "test://shared/readme" in warnings["beta"][0]
     assert "upstream alpha, which serves it" in warnings["beta"][0]
+
+
+# --- a 2026-07-28 upstream over streamable HTTP --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_http_upstream_of_the_other_era(tmp_path: Path) -> None:
+    """An HTTP upstream speaks 2026-07-28 to commitgate while the client speaks the handshake era:
+    its questions (asked as rounds of the call), progress, logs and change notifications still
+    reach the client."""
+    import subprocess
+
+    env = {**base_env(RELAY_NAME="web", RELAY_DIR=str(tmp_path))}
+    upstream = subprocess.Popen(
+        [sys.executable, str(UPSTREAM), "http"], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert upstream.stdout is not None
+        url = upstream.stdout.readline().strip()
+        path = tmp_path / "policy.toml"
+        path.write_text(
+            f'[server]\nrespond_within = "20s"\n[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n'
+            f'[upstreams.web]\nurl = "{url}"\ntools = "all"\n',
+            encoding="utf-8",
+        )
+        heard = Heard()
+        params = StdioServerParameters(
+            command=str(CONSOLE_SCRIPT), args=["serve", "--policy", str(path)], env=base_env()
+        )
+        with (tmp_path / "serve.stderr").open("a", encoding="utf-8") as errlog:
+            async with Client(
+                stdio_client(params, errlog=errlog), mode="legacy", read_timeout_seconds=60, **heard.options()
+            ) as client:
+
+                async def listed() -> bool:
+                    return "test://web/text" in {r.uri for r in (await client.list_resources()).resources}
+
+                await eventually(listed, within=30)
+                blob = (await client.read_resource("test://web/blob")).contents[0]
+                assert isinstance(blob, BlobResourceContents) and base64.b64decode(blob.blob) == PIXEL
+                greeting = (await client.get_prompt("greet", {"name": "Ada"})).messages[0].content
+                assert isinstance(greeting, TextContent) and greeting.text == "web greets Ada"
+
+                await client.set_logging_level("debug")
+                heard_progress: list[str | None] = []
+
+                async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+                    heard_progress.append(message)
+
+                said = await client.call_tool("chatter", {"marker": "w"}, progress_callback=on_progress)
+                assert text(said) == "w done" and heard_progress == ["w step 1", "w step 2"]
+                assert [(e.logger, e.data) for e in heard.logs] == [
+                    ("web/chatter", "w log 1"),
+                    ("web/chatter", "w log 2"),
+                ]
+
+                first = await client.call_tool("ask", {"topic": "web", "idempotency_key": "web-1"})
+                assert json.loads(first.content[0].text)["reply"] == "yes", first  # type: ignore[union-attr]
+                assert first.meta is not None and not any(
+                    k.startswith("io.modelcontextprotocol/") for k in first.meta
+                )
+                again = await client.call_tool("ask", {"topic": "web", "idempotency_key": "web-1"})
+                assert operation(again)["replayed"] is True
+                assert heard.asked == ["web: what do you say?"]
+                assert len(effects(tmp_path, tool="ask", topic="web")) == 1
+
+                def said_to(method: str) -> bool:
+                    return any(getattr(m, "method", None) == method for m in heard.messages)
+
+                await client.call_tool("touch", {"uri": "test://web/text"})
+                await eventually(lambda: said_to("notifications/resources/list_changed"))
+                await eventually(lambda: said_to("notifications/prompts/list_changed"))
+                await client.call_tool("grow", {"name": "sprout"})
+                await eventually(lambda: said_to("notifications/tools/list_changed"))
+                assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)

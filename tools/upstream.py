@@ -218,13 +218,13 @@ class UpstreamConnection:
     def _client_session(self) -> UpstreamConnection:
         session = UpstreamConnection(self.name, self.spec, self.connect_timeout)
         session.relay.hub = self.relay.hub
-        session.start()
+        # Started inside a call: its reader must not take that call's client for the caller of
+        # everything it reads later.
+        outside_any_call().run(session.start)
         return session
 
     def start(self) -> None:
-        self._task = asyncio.create_task(
-            self._supervise(), name=f"commitgate-upstream:{self.name}", context=outside_any_call()
-        )
+        self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
 
     async def first_attempt(self, timeout: float) -> None:
         await self.ready(timeout)
@@ -293,6 +293,7 @@ class UpstreamConnection:
                     )
                 )
                 tools = await _list_all(client)
+                await stack.enter_async_context(self.relay.watching(client))
             if tools != self.tools or not self.listed:
                 if self.listed:
                     self._say_new_offer(tools)
@@ -356,6 +357,15 @@ def _without_key(schema: dict[str, Any]) -> dict[str, Any]:
         schema["properties"] = {k: v for k, v in schema["properties"].items() if k != KEY_ARGUMENT}
         schema["required"] = [r for r in schema.get("required", []) if r != KEY_ARGUMENT]
     return schema
+
+
+RESERVED_META = "io.modelcontextprotocol/"  # the protocol's own keys (the upstream's server info)
+
+
+def _own_meta(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A result's `_meta` as the upstream's tool gave it: every key but the protocol's own."""
+    kept = {k: v for k, v in (meta or {}).items() if not k.startswith(RESERVED_META)}
+    return kept or None
 
 
 def _text_of(result: types.CallToolResult) -> str:
@@ -455,7 +465,7 @@ class UpstreamTool:
         content = [
             block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in result.content
         ]
-        return ToolResult(content=content, structured=result.structured_content, meta=result.meta)
+        return ToolResult(content=content, structured=result.structured_content, meta=_own_meta(result.meta))
 
     def _protocol_outcome(self, exc: MCPError, connection: UpstreamConnection, client: Client) -> Exception:
         if exc.code == types.CONNECTION_CLOSED:

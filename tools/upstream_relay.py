@@ -25,12 +25,15 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+import anyio
 import mcp.types as types
+from mcp import Client
 from mcp.client.session import ClientRequestContext
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 log = logging.getLogger("commitgate.tools.upstream_relay")
@@ -169,6 +172,31 @@ class Relay:
     hub: Hub = field(default_factory=Hub)
     on_tools_changed: Callable[[], Coroutine[Any, Any, None]] | None = None  # list the tools again
     _inflight: list[Caller] = field(default_factory=list)
+
+    @contextlib.asynccontextmanager
+    async def watching(self, client: Client) -> AsyncIterator[None]:
+        """While connected: a 2026-07-28 upstream says what changed only on a `subscriptions/listen`
+        stream, so one stays open (each event reaches `_message` as a notification)."""
+        if client.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            yield
+            return
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._listen, client)
+            try:
+                yield
+            finally:
+                group.cancel_scope.cancel()
+
+    async def _listen(self, client: Client) -> None:
+        try:
+            changes = client.listen(
+                tools_list_changed=True, prompts_list_changed=True, resources_list_changed=True
+            )
+            async with changes as events:
+                async for _ in events:
+                    pass
+        except Exception as exc:  # an upstream without listen streams: nothing changes, then
+            log.info("upstream %s: no change notifications (%s)", self.upstream, type(exc).__name__)
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments for the upstream's `Client`: commitgate declares what a client may

@@ -78,8 +78,16 @@ class SessionCaller:
 
     @property
     def meta(self) -> dict[str, Any]:
+        """The client's log level for the call: a 2026-07-28 request's own, else the level a
+        handshake-era client set (a 2026-07-28 upstream logs only for requests that carry one)."""
         level = (self.ctx.meta or {}).get(LOG_LEVEL_META)
+        if level is None and self._has_session:
+            level = self._connection.state.get(LOG_LEVEL_META)
         return {LOG_LEVEL_META: level} if level else {}
+
+    def remember_log_level(self, level: str) -> None:
+        if self._has_session:
+            self._connection.state[LOG_LEVEL_META] = level
 
     @property
     def wants_progress(self) -> bool:

@@ -26,9 +26,10 @@ import mcp.types as types
 from mcp import Client, MCPDeprecationWarning, MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.subscriptions import PromptsListChanged, ResourcesListChanged, ResourceUpdated
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel
 
-from commitgate.server.serve.callers import caller_of
+from commitgate.server.serve.callers import SessionCaller, caller_of
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import ToolListAnnouncer
 from commitgate.tools.upstream import used_upstreams
@@ -195,7 +196,10 @@ class Passthrough:
     async def set_level(
         self, ctx: ServerRequestContext[Any, Any], params: types.SetLevelRequestParams
     ) -> types.EmptyResult:
+        SessionCaller(ctx).remember_log_level(params.level)
         for name, client in self.connected():
+            if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                continue  # it logs per request, at the level each call carries
             if client.server_capabilities.logging is None:
                 continue
             try:

@@ -1,6 +1,7 @@
 """An upstream MCP server with everything besides tools, for the passthrough tests (stdio).
 
-    RELAY_NAME=alpha RELAY_DIR=/tmp/x python relay_upstream.py
+    RELAY_NAME=alpha RELAY_DIR=/tmp/x python relay_upstream.py          # stdio
+    RELAY_NAME=web RELAY_DIR=/tmp/x python relay_upstream.py http     # streamable HTTP; prints its URL
 
 Resources (static text with `_meta`, binary, a URI every instance lists, a template), prompts (one
 every instance offers, one of its own, one with an image and an embedded resource), completions,
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
+import socket
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import mcp.types as types
 from mcp.server import ServerRequestContext
 from mcp.server.mcpserver import Context, MCPServer
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel
 
 NAME = os.environ.get("RELAY_NAME", "alpha")
@@ -116,12 +121,31 @@ class Reply(BaseModel):
 
 
 @mcp.tool()
-async def ask(topic: str, ctx: Context) -> dict[str, Any]:
+async def ask(topic: str, ctx: Context) -> Any:
     """Ask the user about a topic, then record what they said (the effect)."""
-    answer = await ctx.elicit(f"{topic}: what do you say?", Reply)
-    reply = answer.data.reply if answer.action == "accept" and answer.data else None
-    line = effect(tool="ask", topic=topic, action=answer.action, reply=reply)
-    return {"topic": topic, "action": answer.action, "reply": reply, "line": line}
+    question = f"{topic}: what do you say?"
+    if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # no back-channel: the call's next round
+        answered = (ctx.input_responses or {}).get("reply")
+        if answered is None:
+            request = types.ElicitRequest(
+                params=types.ElicitRequestFormParams(
+                    message=question, requested_schema=Reply.model_json_schema()
+                )
+            )
+            return types.InputRequiredResult(input_requests={"reply": request}, request_state="ask")
+        result = types.ElicitResult.model_validate(answered.model_dump(by_alias=True))
+        action, reply = result.action, (result.content or {}).get("reply")
+    else:
+        answer = await ctx.elicit(question, Reply)
+        action, reply = (
+            answer.action,
+            answer.data.reply if answer.action == "accept" and answer.data else None,
+        )
+    line = effect(tool="ask", topic=topic, action=action, reply=reply)
+    said = {"topic": topic, "action": action, "reply": reply, "line": line}
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=json.dumps(said))], structured_content=said
+    )
 
 
 @mcp.tool(annotations=READ_ONLY)
@@ -189,17 +213,24 @@ async def grow(name: str, ctx: Context) -> str:
         return f"{name} says {text}"
 
     mcp.add_tool(extra, name=name, description=f"The {name} tool.", annotations=READ_ONLY)
-    await ctx.session.send_tool_list_changed()
+    await changed(ctx.session.send_tool_list_changed(), ctx.notify_tools_changed())
     return name
 
 
 @mcp.tool(annotations=READ_ONLY)
 async def touch(uri: str, ctx: Context) -> str:
     """Say `uri` was updated, and that the resource and prompt lists changed."""
-    await ctx.session.send_resource_updated(uri)
-    await ctx.session.send_resource_list_changed()
-    await ctx.session.send_prompt_list_changed()
+    await changed(ctx.session.send_resource_updated(uri), ctx.notify_resource_updated(uri))
+    await changed(ctx.session.send_resource_list_changed(), ctx.notify_resources_changed())
+    await changed(ctx.session.send_prompt_list_changed(), ctx.notify_prompts_changed())
     return uri
+
+
+async def changed(handshake: Any, listen: Any) -> None:
+    """Say it both ways: on the connection (handshake era) and on listen streams (2026-07-28)."""
+    for saying in (handshake, listen):
+        with contextlib.suppress(Exception):
+            await saying
 
 
 @mcp.tool(annotations=READ_ONLY)
@@ -263,5 +294,20 @@ low.add_request_handler("resources/subscribe", types.SubscribeRequestParams, sub
 low.add_request_handler("resources/unsubscribe", types.UnsubscribeRequestParams, unsubscribe)
 
 
+def serve_http() -> None:
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    app = mcp.streamable_http_app(streamable_http_path="/mcp")
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
 if __name__ == "__main__":
-    mcp.run()
+    if sys.argv[1:2] == ["http"]:
+        serve_http()
+    else:
+        mcp.run()
