@@ -98,6 +98,26 @@ def is_real(tool: Any) -> bool:
     return (tool.description or "").startswith(DESCRIPTION) and "note" in own
 
 
+async def kept(url: str) -> dict[str, Any]:
+    """What the ledger at `url` keeps of the stub upstream's tools."""
+    ledger = await open_ledger(url)
+    try:
+        return (await ledger.tool_definitions(["stub"])).get("stub", {})
+    finally:
+        await ledger.close()
+
+
+async def recorded(url: str) -> dict[str, Any]:
+    """Once the ledger keeps the stub's own definition of `record` (written after each listing)."""
+
+    async def real() -> dict[str, Any] | None:
+        definition = (await kept(url)).get("record")
+        return definition if definition and definition.get("description") == DESCRIPTION else None
+
+    found: dict[str, Any] = await eventually(real, within=30)
+    return found
+
+
 def effects(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -164,14 +184,8 @@ async def test_a_changed_definition_is_announced_and_kept(tmp_path: Path) -> Non
                 assert (first.description or "").startswith("An older description."), first
                 await eventually(lambda: CHANGED in served.notifications, within=30)
             assert is_real(await advertised(served.client))
-
-    ledger = await open_ledger(f"sqlite:///{ledger_path}")
-    try:
-        kept = (await ledger.tool_definitions(["stub"]))["stub"]
-    finally:
-        await ledger.close()
-    assert kept["record"]["description"] == DESCRIPTION
-    assert "note" in kept["record"]["inputSchema"]["properties"]
+            definition = await recorded(f"sqlite:///{ledger_path}")  # what the next start advertises
+    assert "note" in definition["inputSchema"]["properties"]
 
 
 @pytest.mark.postgres
@@ -190,6 +204,7 @@ async def test_replicas_on_one_postgres_ledger_share_what_an_upstream_listed(tmp
                 return is_real(await advertised(first.client))
 
             await eventually(connected, within=30)
+            await recorded(url)
     # The upstream is gone now: the second replica has only the ledger to go by.
     async with serving(policy, tmp_path / "second.log", {}) as second:
         assert is_real(await advertised(second.client))

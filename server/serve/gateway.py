@@ -240,6 +240,9 @@ class Gateway:
         upstreams, http = UpstreamManager(), pooled_client()
         given = ledger
         try:
+            # Connects the upstream MCP servers the policy uses in the background: clients are answered
+            # at once, and a call waits for its upstream (docs/policy.md#upstreams).
+            await upstreams.update(policy, wait=False)
             ledger = ledger or await open_ledger(
                 policy.ledger.url or default_ledger_url(policy_path),
                 synchronous=policy.ledger.synchronous,
@@ -247,9 +250,6 @@ class Gateway:
                 durability=policy.ledger.durability,
                 outcome_sync_within=policy.ledger.outcome_sync_within,
             )
-            # Connects the upstream MCP servers the policy uses in the background: clients are answered
-            # at once, and a call waits for its upstream (docs/policy.md#upstreams).
-            await upstreams.update(policy, wait=False)
             await remembered(upstreams, policy, ledger)  # their tools as last listed, until they list
             using = Collaborators(http=http, upstream=upstreams.lookup(policy))
             served = build_tools(policy, policy_path.parent if policy_path else None, using)

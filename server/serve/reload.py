@@ -368,8 +368,6 @@ async def refresh_upstream_tools(gateway: Gateway, on_applied: OnApplied) -> boo
     unless it declares one, and no key forwarding); one that comes back with other tools has
     stale schemas. Other tools keep their sources. True when clients were told of a change.
     """
-    # What they list now is what the next start advertises before they connect.
-    await record_listed(gateway.upstreams, gateway.policy, gateway.ledger)
     async with gateway.rebuilding:
         policy = gateway.policy
         try:
@@ -406,6 +404,8 @@ async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIt
             upstreams.tools_changed.clear()
             try:
                 await refresh_upstream_tools(gateway, on_applied)
+                # What they list now is what the next start advertises before they connect.
+                await record_listed(upstreams, gateway.policy, gateway.ledger)
             except Exception:  # refreshing must never take the server down
                 log.exception("refreshing upstream tools failed; the current tools keep serving")
 
