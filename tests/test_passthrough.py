@@ -53,7 +53,7 @@ PIXEL = base64.b64decode(
 ERAS = {"legacy": "2025-11-25", "auto": "2026-07-28"}
 
 
-def policy(root: Path, sessions: str = "shared") -> Path:
+def policy(root: Path, sessions: str = "shared", bare: bool = False) -> Path:
     def upstream(name: str, tools: str, sessions: str = "shared") -> str:
         return f"""
 [upstreams.{name}]
@@ -81,6 +81,7 @@ synchronous = "NORMAL"
 upstream = "beta"
 upstream_tool = "chatter"
 class = "safe-retry"
+{upstream("gamma", "listed") if bare else ""}
 """,
         encoding="utf-8",
     )
@@ -137,10 +138,12 @@ class Heard:
 
 
 @contextlib.asynccontextmanager
-async def stdio_served(root: Path, mode: str, heard: Heard, stdio: str = "fast") -> AsyncIterator[Client]:
+async def stdio_served(
+    root: Path, mode: str, heard: Heard, stdio: str = "fast", bare: bool = False
+) -> AsyncIterator[Client]:
     params = StdioServerParameters(
         command=str(CONSOLE_SCRIPT),
-        args=["serve", "--policy", str(policy(root)), "--stdio", stdio],
+        args=["serve", "--policy", str(policy(root, bare=bare)), "--stdio", stdio],
         env=base_env(),
     )
     with (root / "serve.stderr").open("a", encoding="utf-8") as errlog:
@@ -391,8 +394,15 @@ async def test_two_clients_never_hear_each_other(http_served: Any, http_root: Pa
 @pytest.mark.anyio
 async def test_changes(tmp_path: Path) -> None:
     heard = Heard()
-    async with stdio_served(tmp_path, "legacy", heard) as client:
+    async with stdio_served(tmp_path, "legacy", heard, bare=True) as client:
         await connected(client)
+        # an upstream with no tool entry is connected all the same: its resources and prompts are
+        # served, its tools are not
+        await eventually(
+            lambda: _has(client.list_resources(), "resources", "uri", "test://gamma/text"), within=30
+        )
+        assert {p.name for p in (await client.list_prompts()).prompts} >= {"gamma__greet", "gamma_rich"}
+        assert "gamma__chatter" not in {t.name for t in (await client.list_tools()).tools}
 
         # a subscription is forwarded, and the upstream's updates reach the subscriber
         await client.subscribe_resource("test://alpha/text")
@@ -412,8 +422,10 @@ async def test_changes(tmp_path: Path) -> None:
         await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe"))
 
         # the upstream's own tools/list_changed: its new tool is served at once (tools = "all")
+        announced = len(said("notifications/tools/list_changed"))
         await client.call_tool("grow", {"name": "sprout"})
-        await eventually(lambda: said("notifications/tools/list_changed"))
+        await eventually(lambda: _has(client.list_tools(), "tools", "name", "sprout"))
+        await eventually(lambda: len(said("notifications/tools/list_changed")) > announced)
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
         assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
@@ -514,6 +526,10 @@ async def test_per_client_sessions(tmp_path: Path) -> None:
             await eventually(lambda: not _alive(pid_a["result"]))
             assert _alive(pid_b["result"])
             assert (await b.call_tool("whoami", {})).structured_content == pid_b
+
+
+async def _has(listing: Any, items: str, key: str, value: str) -> bool:
+    return any(getattr(item, key) == value for item in getattr(await listing, items))
 
 
 def _alive(pid: int) -> bool:

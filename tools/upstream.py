@@ -29,6 +29,10 @@ Outcomes of a proxied call:
 * an `isError` result: `PermanentError` with its text, unless the text says it is transient
   (rate limited: `RetryableError`; timed out / temporarily unavailable: `AmbiguousError`).
 
+What an upstream says to the client while serving a call (questions, progress, log messages) is relayed
+to that client only, and its change notifications passed on (tools/upstream_relay.py); with
+`sessions = "per-client"` each client session's calls go through an upstream session of its own.
+
 Each call carries `_meta = {"commitgate/session": ..., "commitgate/step": <key>}`, and the key as the
 `idempotency_key` argument when the upstream tool takes one, so a chain of commitgate servers dedups
 end to end. `status_check = {python = ...}` (or `{http = ...}`) works as for other schema tools.
@@ -487,8 +491,9 @@ class UpstreamTool:
 
 
 def used_upstreams(policy: Policy) -> set[str]:
-    listed = {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
-    return listed | {name for name, spec in policy.upstreams.items() if spec.tools == "all"}
+    """The upstreams to connect: every one declared. One without a tool entry still offers its
+    resources, prompts and completions (server/serve/passthrough.py); its tools stay unserved."""
+    return set(policy.upstreams)
 
 
 SHARED_NAME = "{upstream}__{tool}"
