@@ -134,9 +134,13 @@ async def test_an_upstream_that_starts_late_is_advertised_from_the_first_listing
     state = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path)}
     port, log, gate = free_port(), tmp_path / "effects.jsonl", tmp_path / "up"
     config = tmp_path / "claude_desktop_config.json"
-    config.write_text(
-        json.dumps({"mcpServers": {"stub": {"type": "http", "url": f"http://127.0.0.1:{port}/mcp"}}})
-    )
+    # A secret header: init writes it as a ${STUB_AUTHORIZATION} reference, unset where init runs.
+    entry = {
+        "type": "http",
+        "url": f"http://127.0.0.1:{port}/mcp",
+        "headers": {"Authorization": "Bearer t0k"},
+    }
+    config.write_text(json.dumps({"mcpServers": {"stub": entry}}))
     policy = tmp_path / "commitgate.toml"
     with upstream(port, log):
         done = init(config, policy, state)
@@ -144,7 +148,9 @@ async def test_an_upstream_that_starts_late_is_advertised_from_the_first_listing
 
     with upstream(port, log, gate):  # started ahead, it listens LATE seconds after serve starts
         started = time.monotonic()
-        async with serving(policy, tmp_path / "serve.log", state) as served:
+        async with serving(
+            policy, tmp_path / "serve.log", {**state, "STUB_AUTHORIZATION": "Bearer t0k"}
+        ) as served:
             first = await advertised(served.client)
             listed_at = time.monotonic() - started
             placeholder = 0.0 if is_real(first) else None

@@ -7,13 +7,14 @@ definition before the server has started (tools/upstream_definitions.py).
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from commitgate.server.cli.tool_listing import Listing
 from commitgate.server.ledger import default_ledger_url, open_ledger
-from commitgate.server.policy.loading import load_policy
 from commitgate.tools.upstream_definitions import definitions
 
 
@@ -28,9 +29,20 @@ def record_listings(policy_path: Path, listings: list[Listing]) -> None:
         print(f"commitgate: the listed tools were not recorded in the ledger: {exc}", file=sys.stderr)
 
 
+def ledger_url(policy_path: Path) -> str:
+    """The policy's ledger, read without loading the policy: the `${NAME}` references init writes for
+    secrets are usually not set yet where init runs."""
+    url = tomllib.loads(policy_path.read_text(encoding="utf-8")).get("ledger", {}).get("url")
+    if not url:
+        return default_ledger_url(policy_path)
+    expanded = os.path.expandvars(str(url))
+    if "${" in expanded:
+        raise ValueError(f"its ledger URL refers to an unset variable ({url})")
+    return expanded
+
+
 async def _record(policy_path: Path, listings: list[Listing]) -> None:
-    policy = load_policy(policy_path)
-    ledger = await open_ledger(policy.ledger.url or default_ledger_url(policy_path))
+    ledger = await open_ledger(ledger_url(policy_path))
     try:
         now = time.time()
         for listing in listings:
