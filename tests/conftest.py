@@ -38,6 +38,7 @@ _PROCESS_MODULES = {
     "test_agent_eval",
     "test_bad_inputs",
     "test_bench",
+    "test_conformance",
     "test_console_browser",
     "test_demo_command",
     "test_e2e_stdio",
@@ -55,6 +56,7 @@ _PROCESS_MODULES = {
     "test_saga",
     "test_tracing_otlp",
     "test_upstream",
+    "test_upstream_definitions",
     "test_verify",
 }
 

@@ -34,6 +34,7 @@ from commitgate.server.cli.client_configs import (
 from commitgate.server.cli.desktop import desktop_entry
 from commitgate.server.cli.policy_writing import Block, check_written, composed
 from commitgate.server.cli.safe_files import backup_slot, permissions, read_regular, refuse_link, replace_file
+from commitgate.server.cli.init_definitions import record_listings
 from commitgate.server.cli.tool_listing import Listing, list_all
 from commitgate.server.cli.unwrap import read_policy_document, served_entries, serving_entry
 from commitgate.server.model.durations import format_duration, parse_duration
@@ -108,6 +109,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         if target.text is not None:
             mode &= permissions(target.out)  # never more readable than it was, nor than the config
         replace_file(target.out, plan.text.encode("utf-8"), mode)
+    record_listings(target.out, listings)  # so serve advertises the real tools before they connect
     _report(config, target, listings, plan, args.write_config)
     for listing in listings:
         if listing.error is not None:

@@ -333,6 +333,16 @@ class Ledger(Protocol):
         and only `session`'s when given too. Read-only."""
         ...
 
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """The latest definition each of `upstreams` gave of each of its tools (tool_definitions.py)."""
+        ...
+
+    async def record_tool_definitions(
+        self, upstream: str, tools: dict[str, dict[str, Any]], now: float
+    ) -> None:
+        """Replace what is kept of `upstream`'s tools with `tools` (name -> definition, wire JSON)."""
+        ...
+
     async def check_writable(self) -> None: ...
 
     async def close(self) -> None: ...

@@ -29,7 +29,7 @@ import json
 import socket
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -58,6 +58,8 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.evidence import POSTGRES_MIGRATION, Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
+from commitgate.server.ledger import tool_definitions
+from commitgate.server.ledger.tool_definitions import Definitions, grouped, postgres_record, select_sql
 from commitgate.server.model.audit import recorded_actor
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
@@ -722,8 +724,10 @@ MIGRATIONS: list[str] = [
         RETURN QUERY SELECT 'taken'::text, r, v_spent;
     END $$;
     """,
-    # receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
+    # 7: receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
     POSTGRES_MIGRATION,
+    # 8: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
+    tool_definitions.POSTGRES_MIGRATION,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -1304,6 +1308,14 @@ class PostgresLedger:
         return [SpentIn(r[0] * span_seconds, r[1], int(r[2])) for r in rows]
 
     @timed
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, Definitions]:
+        """The latest definitions of `upstreams`' tools (server/ledger/tool_definitions.py)."""
+        sql = select_sql("commitgate_tool_definitions", len(upstreams), numbered=True)
+        return grouped(await self._fetch(sql, *upstreams)) if upstreams else {}
+
+    async def record_tool_definitions(self, upstream: str, tools: Definitions, now: float) -> None:
+        await self._run(lambda conn: postgres_record(conn, upstream, tools, now))
+
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.
         await self._run(

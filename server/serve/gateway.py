@@ -237,16 +237,16 @@ class Gateway:
     ) -> Gateway:
         from commitgate.tools.http import pooled_client
         from commitgate.tools.upstream import UpstreamManager
+        from commitgate.tools.upstream_definitions import remembered
 
         faults = FaultPlan.from_env()  # read (and removed) before any child process starts
         evidence = evidence_for(policy, policy_path)  # an unusable receipts key stops the start here
         upstreams, http = UpstreamManager(), pooled_client()
+        given = ledger
         try:
             # Connects the upstream MCP servers the policy uses in the background: clients are answered
             # at once, and a call waits for its upstream (docs/policy.md#upstreams).
             await upstreams.update(policy, wait=False)
-            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
-            served = build_tools(policy, policy_path.parent if policy_path else None, using)
             ledger = ledger or await open_ledger(
                 policy.ledger.url or default_ledger_url(policy_path),
                 synchronous=policy.ledger.synchronous,
@@ -255,9 +255,14 @@ class Gateway:
                 outcome_sync_within=policy.ledger.outcome_sync_within,
             )
             attach(ledger, evidence)
+            await remembered(upstreams, policy, ledger)  # their tools as last listed, until they list
+            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
+            served = build_tools(policy, policy_path.parent if policy_path else None, using)
         except BaseException:
             await upstreams.aclose()
             await http.aclose()
+            if ledger is not None and given is None:
+                await ledger.close()
             raise
         served = faults.wrap(served) if faults is not None else served
         tools = {name: s.guard for name, s in served.items()}

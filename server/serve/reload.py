@@ -48,6 +48,7 @@ from commitgate.server.serve.checking import check_report, format_report, served
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError, ToolSource
+from commitgate.tools.upstream_definitions import record_listed
 
 log = logging.getLogger("commitgate.reload")
 
@@ -403,6 +404,8 @@ async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIt
             upstreams.tools_changed.clear()
             try:
                 await refresh_upstream_tools(gateway, on_applied)
+                # What they list now is what the next start advertises before they connect.
+                await record_listed(upstreams, gateway.policy, gateway.ledger)
             except Exception:  # refreshing must never take the server down
                 log.exception("refreshing upstream tools failed; the current tools keep serving")
 

@@ -78,6 +78,7 @@ from commitgate.server.ledger.sqlite._schema import (
 )
 from commitgate.server.ledger.sqlite._writer import Writer
 from commitgate.server.ledger.sqlite._writes import SETTLED, ClaimWrite, OutcomeWrite, to_unknown
+from commitgate.server.ledger.tool_definitions import Definitions, grouped, select_sql, sqlite_record
 from commitgate.server.model.amounts import joined
 from commitgate.server.model.facts import State
 from commitgate.server.model.receipts import at_text, digest
@@ -422,6 +423,14 @@ class SQLiteLedger:
         return [SpentIn(r[0] * span_seconds, joined(r[1], r[2]), int(r[3])) for r in rows]
 
     @timed
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, Definitions]:
+        """The latest definitions of `upstreams`' tools (server/ledger/tool_definitions.py)."""
+        sql = select_sql("tool_definitions", len(upstreams), numbered=False)
+        return grouped(await self._read(sql, list(upstreams))) if upstreams else {}
+
+    async def record_tool_definitions(self, upstream: str, tools: Definitions, now: float) -> None:
+        await self._write(sqlite_record(upstream, tools, now))
+
     async def check_writable(self) -> None:
         self.check_identity()
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commitgate.server.ledger import tool_definitions
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.ledger.evidence import SQLITE_MIGRATION
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -134,6 +135,8 @@ MIGRATIONS: list[str] = [
     """,
     # 9: receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
     SQLITE_MIGRATION,
+    # 10: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
+    tool_definitions.SQLITE_MIGRATION,
 ]
 
 _COLUMNS = (
