@@ -32,9 +32,9 @@ from commitgate.server.cli.client_configs import (
     write_config,
 )
 from commitgate.server.cli.desktop import desktop_entry
+from commitgate.server.cli.init_definitions import record_listings
 from commitgate.server.cli.policy_writing import Block, check_written, composed
 from commitgate.server.cli.safe_files import backup_slot, permissions, read_regular, refuse_link, replace_file
-from commitgate.server.cli.init_definitions import record_listings
 from commitgate.server.cli.tool_listing import Listing, list_all
 from commitgate.server.cli.unwrap import read_policy_document, served_entries, serving_entry
 from commitgate.server.model.durations import format_duration, parse_duration

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from commitgate.server.ledger import evidence
+from commitgate.server.ledger import evidence, tool_definitions
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     LEASE_LOST,
@@ -58,7 +58,6 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.evidence import POSTGRES_MIGRATION, Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
-from commitgate.server.ledger import tool_definitions
 from commitgate.server.ledger.tool_definitions import Definitions, grouped, postgres_record, select_sql
 from commitgate.server.model.audit import recorded_actor
 from commitgate.server.model.facts import IdempotencyClass, State
