@@ -22,6 +22,7 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.policy.models import FROM_FILE, Policy, ToolPolicy
 from commitgate.server.policy.problems import PolicyError, Problem, pydantic_problems, toml_key, with_lines
 from commitgate.server.policy.rules import cross_field_problems, raw_tables
+from commitgate.server.policy.tokens import shared_token_problems
 
 # `${NAME}` or `${NAME:-default}` in any string of the file, resolved at load time.
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -108,6 +109,8 @@ def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | Non
         policy = Policy.model_validate(data, context=FROM_FILE)
     except ValidationError as exc:
         problems += pydantic_problems(exc)
+    else:
+        problems += shared_token_problems(policy.auth)
     problems = _dedupe(problems + cross_field_problems(data))
     if text is not None:
         problems = sorted(with_lines(problems, text), key=lambda p: (p.line is None, p.line or 0))
