@@ -62,6 +62,7 @@ from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
+from commitgate.server.policy.rules import prefixed_tool_name, usable_tool_name
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
@@ -431,15 +432,14 @@ def used_upstreams(policy: Policy) -> set[str]:
     return listed | {name for name, spec in policy.upstreams.items() if spec.tools == "all"}
 
 
-SHARED_NAME = "{upstream}__{tool}"
-
-
 def implied_entries(
     policy: Policy, lookup: Callable[[str], UpstreamConnection | None]
 ) -> dict[str, ToolPolicy]:
     """The entries `tools = "all"` upstreams add: each offered tool without a [tools.X] entry of its
     own, with the class its annotations give (or the upstream's `default_class`). A name offered
-    twice, or already a policy tool, becomes `UPSTREAM__TOOL` (docs/policy.md)."""
+    twice, already a policy tool, a meta tool's, or one no tool name can be (spaces, control or bidi
+    characters, over 128 characters) becomes `UPSTREAM__TOOL` (docs/policy.md); an empty one is left
+    out."""
     entered = {(t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream}
     offered: list[tuple[str, types.Tool]] = []
     for name, spec in sorted(policy.upstreams.items()):
@@ -452,10 +452,13 @@ def implied_entries(
     implied: dict[str, ToolPolicy] = {}
     for upstream, tool in offered:
         served = tool.name
-        if counts[served] > 1 or served in policy.tools:
-            served = SHARED_NAME.format(upstream=upstream, tool=tool.name)
+        if not served:  # nothing to call it by: an entry's `upstream_tool` cannot name it either
+            log.warning("upstream %s: a tool with an empty name is not served", upstream)
+            continue
+        if counts[served] > 1 or served in policy.tools or not usable_tool_name(served):
+            served = prefixed_tool_name(upstream, tool.name)
         if served in policy.tools or served in implied:
-            log.warning("upstream %s: tool %s is not served: its name is taken", upstream, tool.name)
+            log.warning("upstream %s: tool %r is not served: its name is taken", upstream, tool.name)
             continue
         cls = policy.upstreams[upstream].default_class or proposed_class(tool.annotations)
         implied[served] = ToolPolicy.model_validate(
