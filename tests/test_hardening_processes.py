@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import anyio
@@ -144,9 +145,34 @@ def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
-# The server's HEADER_TIMEOUT (10 s), shortened in its process: the test waits it out for a connection
-# that never finishes its headers.
-SHORT_HEADER_TIMEOUT = "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1"
+# The server's HEADER_TIMEOUT (10 s) and BODY_TIMEOUT (30 s), shortened in its process: the test waits
+# them out for a connection that never finishes its headers, and one that trickles its body.
+SHORT_HEADER_TIMEOUT = "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1\nhttp.BODY_TIMEOUT = 2"
+
+
+def _trickled_body_held_for(port: int, give_up: float) -> float:
+    """Send a POST's headers, then its body one byte every 0.2 s; the seconds until the server closes
+    the connection (or `give_up`, when it never does)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=give_up) as conn:
+        conn.sendall(
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json, text/event-stream\r\nContent-Length: 100000\r\n\r\n{"
+        )
+        conn.settimeout(0.2)
+        while time.monotonic() - started < give_up:
+            try:
+                if conn.recv(1024) == b"":
+                    break
+            except TimeoutError:
+                pass
+            except ConnectionError:
+                break
+            try:
+                conn.sendall(b" ")
+            except OSError:
+                break
+    return time.monotonic() - started
 
 
 def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
@@ -200,6 +226,9 @@ def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
             except TimeoutError:
                 closed = False
             assert closed, "a connection that never finished its headers was kept open"
+
+        held = _trickled_body_held_for(port, give_up=12.0)  # a byte at a time: never idle, never done
+        assert held < 8.0, f"a body trickled a byte at a time held its connection for {held:.1f} s"
 
         for suffix in ("", "-wal", "-shm"):
             Path(f"{ledger}{suffix}").unlink(missing_ok=True)
