@@ -147,7 +147,9 @@ def _status(answer: bytes) -> int:
 
 # The server's HEADER_TIMEOUT (10 s) and BODY_TIMEOUT (30 s), shortened in its process: the test waits
 # them out for a connection that never finishes its headers, and one that trickles its body.
-SHORT_HEADER_TIMEOUT = "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1\nhttp.BODY_TIMEOUT = 2"
+SHORT_HEADER_TIMEOUT = (
+    "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1\nhttp.BODY_TIMEOUT = 2"
+)
 
 
 def _trickled_body_held_for(port: int, give_up: float) -> float:
