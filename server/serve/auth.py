@@ -101,6 +101,8 @@ class RoleGate:
                 body = {"error": "forbidden", "error_description": REFUSALS[holder.role]}
                 await JSONResponse(body, status_code=403)(scope, receive, send)
                 return
+            if holder is not None:  # `request.state.holder`: what an operator's token may see (/metrics)
+                scope.setdefault("state", {})["holder"] = holder
         await self.app(scope, receive, send)
 
 

@@ -278,8 +278,10 @@ def ops_routes(
         refusal = await guard.validate_request(request)
         if refusal is not None:
             return refusal
+        holder = getattr(request.state, "holder", None)  # set by RoleGate for a known token
+        sees = holder.sees if holder is not None else None
         return Response(
-            await metrics.exposition(gateway.ledger, gateway.policy.budgets), media_type=CONTENT_TYPE
+            await metrics.exposition(gateway.ledger, gateway.policy.budgets, sees), media_type=CONTENT_TYPE
         )
 
     metrics_app = protect(request_response(metrics_text), authenticated)
