@@ -249,3 +249,43 @@ async def test_a_truncated_shared_memory_file_is_not_a_silent_death(tmp_path: Pa
             await server.call("send_email", {**email, "idempotency_key": new_id("b")})
     (log,) = tmp_path.glob("server-*.stderr")
     assert "Fatal Python error: Bus error" in log.read_text(encoding="utf-8")
+
+
+def test_a_hung_stdio_upstream_and_its_child_end_with_the_server(tmp_path: Path) -> None:
+    """A client closes stdin, then sends SIGTERM while the server still waits for a hung upstream to
+    stop: the upstream and the child it started must not outlive the server."""
+    hung = Path(__file__).resolve().parent / "support" / "hung_server.py"
+    pids_file = tmp_path / "pids"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n\n'
+        f'[upstreams.hung]\ncommand = "{sys.executable}"\nargs = ["{hung}"]\n'
+        f'env = {{ HUNG_PIDS = "{pids_file}" }}\n\n[tools.x]\nupstream = "hung"\nclass = "key-required"\n'
+    )
+    argv = [sys.executable, "-m", "commitgate.server.cli", "serve", "--policy", str(policy)]
+    server = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids_file.exists() and len(pids_file.read_text().split()) == 2):
+            assert time.monotonic() < deadline and server.poll() is None, "the upstream never started"
+            time.sleep(0.05)
+        pids = [int(pid) for pid in pids_file.read_text().split()]
+        time.sleep(0.5)  # it is connecting: the upstream never answers
+        assert server.stdin is not None
+        server.stdin.close()  # the client is done...
+        time.sleep(0.5)
+        server.send_signal(signal.SIGTERM)  # ...and stops the server before the SDK's 2 s grace is over
+        server.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(_exited(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if not _exited(pid)] == [], "the upstream outlived the server"
+    finally:
+        if server.poll() is None:
+            server.kill()
+        if pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pids[0], signal.SIGKILL)  # the group this test's upstream started

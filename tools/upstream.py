@@ -63,6 +63,7 @@ from commitgate.server.model.outcomes import AmbiguousError, PermanentError, Ret
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
 from commitgate.server.policy.rules import prefixed_tool_name, usable_tool_name
+from commitgate.tools import processes
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
@@ -134,7 +135,10 @@ async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator
             params = StdioServerParameters(
                 command=spec.command, args=spec.args, env=spec.env or None, cwd=spec.cwd
             )
-            read, write = await stack.enter_async_context(stdio_client(params))
+            groups: list[int] = []
+            stack.callback(processes.end, groups)  # runs last: what outlived the SDK's own stop
+            with processes.recording(groups):
+                read, write = await stack.enter_async_context(stdio_client(params))
         elif spec.transport == "sse":
             assert spec.url is not None
             read, write = await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None))
@@ -533,7 +537,8 @@ class UpstreamManager:
 
     async def aclose(self) -> None:
         connections, self._pool = list(self._pool.values()), {}
-        await asyncio.gather(*(c.aclose() for c in connections))
+        with processes.ended_on_sigterm():  # a client's SIGTERM now must not orphan a hung server
+            await asyncio.gather(*(c.aclose() for c in connections))
 
 
 @dataclass(frozen=True, slots=True)
