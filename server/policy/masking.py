@@ -180,7 +180,7 @@ def _masked(value: Any, name: str, secrets: list[str]) -> Any:
         return value
     inside = _json_in(value)
     if inside is not None and (shown := _masked(inside, "", secrets)) != inside:
-        return json.dumps(shown, ensure_ascii=False)
+        value = json.dumps(shown, ensure_ascii=False)  # JSON as text: its credential fields hidden too
     for secret in secrets:
         value = value.replace(secret, MASK)
     return _mask_card_numbers(value)
