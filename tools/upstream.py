@@ -67,6 +67,8 @@ from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
+from commitgate.server.policy.rules import prefixed_tool_name, usable_tool_name
+from commitgate.tools import processes
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
@@ -148,7 +150,10 @@ async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator
             params = StdioServerParameters(
                 command=spec.command, args=spec.args, env=inherited_env(spec), cwd=spec.cwd
             )
-            read, write = await stack.enter_async_context(stdio_client(params))
+            groups: list[int] = []
+            stack.callback(processes.end, groups)  # runs last: what outlived the SDK's own stop
+            with processes.recording(groups):
+                read, write = await stack.enter_async_context(stdio_client(params))
         elif spec.transport == "sse":
             assert spec.url is not None
             read, write = await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None))
@@ -534,15 +539,14 @@ def used_upstreams(policy: Policy) -> set[str]:
     return set(policy.upstreams)
 
 
-SHARED_NAME = "{upstream}__{tool}"
-
-
 def implied_entries(
     policy: Policy, lookup: Callable[[str], UpstreamConnection | None]
 ) -> dict[str, ToolPolicy]:
     """The entries `tools = "all"` upstreams add: each offered tool without a [tools.X] entry of its
     own, with the class its annotations give (or the upstream's `default_class`). A name offered
-    twice, or already a policy tool, becomes `UPSTREAM__TOOL` (docs/policy.md)."""
+    twice, already a policy tool, a meta tool's, or one no tool name can be (spaces, control or bidi
+    characters, over 128 characters) becomes `UPSTREAM__TOOL` (docs/policy.md); an empty one is left
+    out."""
     entered = {(t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream}
     offered: list[tuple[str, types.Tool]] = []
     for name, spec in sorted(policy.upstreams.items()):
@@ -555,10 +559,13 @@ def implied_entries(
     implied: dict[str, ToolPolicy] = {}
     for upstream, tool in offered:
         served = tool.name
-        if counts[served] > 1 or served in policy.tools:
-            served = SHARED_NAME.format(upstream=upstream, tool=tool.name)
+        if not served:  # nothing to call it by: an entry's `upstream_tool` cannot name it either
+            log.warning("upstream %s: a tool with an empty name is not served", upstream)
+            continue
+        if counts[served] > 1 or served in policy.tools or not usable_tool_name(served):
+            served = prefixed_tool_name(upstream, tool.name)
         if served in policy.tools or served in implied:
-            log.warning("upstream %s: tool %s is not served: its name is taken", upstream, tool.name)
+            log.warning("upstream %s: tool %r is not served: its name is taken", upstream, tool.name)
             continue
         cls = policy.upstreams[upstream].default_class or proposed_class(tool.annotations)
         implied[served] = ToolPolicy.model_validate(
@@ -635,7 +642,8 @@ class UpstreamManager:
 
     async def aclose(self) -> None:
         connections, self._pool = list(self._pool.values()), {}
-        await asyncio.gather(*(c.aclose() for c in connections))
+        with processes.ended_on_sigterm():  # a client's SIGTERM now must not orphan a hung server
+            await asyncio.gather(*(c.aclose() for c in connections))
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.loading import default_policy, load_policy
-from commitgate.server.policy.masking import mask_values
+from commitgate.server.policy.masking import mask_values, secret_values
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import PolicyError
 from commitgate.server.serve.evidence import attach
@@ -378,16 +378,22 @@ def cmd_show(args: argparse.Namespace) -> int:
         # digits. --json keeps every value as recorded, for scripts.
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
+        secrets = secret_values(view)  # a credential in the arguments is hidden in the result's text too
         for key in (
             "idempotency_class", "arguments", "approval", "result", "error", "reconciliation", "expires_at",
         ):  # fmt: skip
             if view.get(key) is not None:
-                out.print(Text.assemble((key, "bold"), ": ", json_text(mask_values(view[key]), indent=None)))
+                shown = json_text(mask_values(view[key], secrets=secrets), indent=None)
+                out.print(Text.assemble((key, "bold"), ": ", shown))
         table = Table(title="history", title_justify="left")
         for column in ("at", "event", "from", "to", "fence", "actor", "detail"):
             table.add_column(column, overflow="fold")
         for entry in view["history"]:
-            detail = json_text(mask_values(entry["detail"]), indent=None) if entry["detail"] else ""
+            detail = (
+                json_text(mask_values(entry["detail"], secrets=secrets), indent=None)
+                if entry["detail"]
+                else ""
+            )
             table.add_row(
                 entry["at"],
                 cell(entry["event"]),

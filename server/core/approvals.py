@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from commitgate.server.core.resolutions import names_its_agent
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
 from commitgate.server.model.amounts import decimal_of, left, with_unit
 from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
@@ -235,7 +236,7 @@ async def decide(
     if op is None:
         raise ApprovalRefused(f"no operation {operation_id!r}" + (" visible to you" if principal else ""))
     op, _ = await touch(ledger, op, now)
-    refusal = _refusal(op, via)
+    refusal = _refusal(op, via) or (names_its_agent(by, op) if via == "operator" else None)
     if refusal is not None:
         raise ApprovalRefused(refusal)
     change = (approve_change if decision == "approve" else deny_change)(op, by, via, reason, now)

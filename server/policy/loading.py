@@ -23,6 +23,7 @@ from commitgate.server.policy.evidence import literal_secrets
 from commitgate.server.policy.models import FROM_FILE, Policy, ToolPolicy
 from commitgate.server.policy.problems import PolicyError, Problem, pydantic_problems, toml_key, with_lines
 from commitgate.server.policy.rules import cross_field_problems, raw_tables
+from commitgate.server.policy.tokens import shared_token_problems
 
 # `${NAME}` or `${NAME:-default}` in any string of the file, resolved at load time.
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -145,6 +146,8 @@ def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | Non
         policy = Policy.model_validate(data, context=FROM_FILE)
     except ValidationError as exc:
         problems += pydantic_problems(exc)
+    else:
+        problems += shared_token_problems(policy.auth)
     for name, names in unset.items():
         if policy is not None and name in policy.upstreams:
             policy.upstreams[name].mark_unset(names)
