@@ -17,7 +17,7 @@ import mcp.types as types
 from mcp import Client, MCPError
 from mcp.shared.uri_template import UriTemplate
 
-from commitgate.tools.upstream import SHARED_NAME
+from commitgate.server.policy.rules import SHARED_NAME
 
 RESOURCE_NOT_FOUND = -32002  # MCP's code for a URI no server offers
 
@@ -93,7 +93,7 @@ class Catalog:
         for upstream, prompt in offered:
             served = prompt.name
             if counts[served] > 1:
-                served = SHARED_NAME.format(upstream=upstream, tool=prompt.name)
+                served = SHARED_NAME.format(upstream=upstream, name=prompt.name)
             if served in routes:
                 continue
             routes[served] = (upstream, prompt.name)

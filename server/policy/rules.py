@@ -30,9 +30,12 @@ def usable_tool_name(name: str) -> bool:
     return name not in RESERVED_TOOL_NAMES and TOOL_NAME.fullmatch(name) is not None
 
 
+SHARED_NAME = "{upstream}__{name}"  # a tool or prompt name two upstreams share, served under each's name
+
+
 def prefixed_tool_name(prefix: str, name: str) -> str:
     """`PREFIX__NAME` as a tool name: what a name cannot hold becomes `_`, cut to the longest allowed."""
-    return _NOT_IN_A_TOOL_NAME.sub("_", f"{prefix}__{name}")[:128]
+    return _NOT_IN_A_TOOL_NAME.sub("_", SHARED_NAME.format(upstream=prefix, name=name))[:128]
 
 
 CALL_OUTCOMES = tuple(Outcome)  # what an HTTP status may mean for a call
