@@ -192,6 +192,28 @@ def test_policy_show_upstreams_lists_every_offered_tool_with_its_warnings(hinted
     assert "warning: upstream h: " + WARNING in " ".join(as_text.split())
 
 
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_risky_class_is_warned_once_however_many_upstreams_connect_after(tmp_path: Path) -> None:
+    policy, gate = tmp_path / "policy.toml", tmp_path / "late.installed"
+    policy.write_text(
+        SERVER.format(ledger=tmp_path / "ledger.db")
+        + upstream(tmp_path, "h")
+        + tool("note", "safe-retry")  # warned: its server does not declare it read-only
+        + upstream(tmp_path, "late", HINTED_GATE=gate)  # connects only once the test says so
+        + tool("tally", "key-required", upstream="late")
+    )
+    log = tmp_path / "stderr.log"
+    warned = f"tools.note: {WARNING}"
+    async with serve(policy, log) as client:
+        await eventually(lambda: warned in log.read_text())  # h connected and its tools were built
+        gate.touch()
+        await upstream_listed(client, "tally")  # late connected: every tool was built again
+        again = await call(client, "note", {"text": "hi"})
+    assert not again.is_error, text(again)
+    assert log.read_text().count(warned) == 1
+
+
 # --- an upstream slow to start ----------------------------------------------------------------------------
 
 

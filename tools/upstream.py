@@ -203,6 +203,7 @@ class UpstreamConnection:
         self.error: str | None = None
         self.connects = 0
         self.on_new_tools: Callable[[], None] | None = None  # the manager's: the offered tools changed
+        self.warned: set[str] = set()  # warnings about its tools' classes, said once (not at each rebuild)
         self._client: Client | None = None
         self._lost = asyncio.Event()
         self.connecting = True  # an attempt is under way (or about to start); calls wait for it
@@ -452,7 +453,10 @@ class UpstreamTool:
             )
         self.declared = definition  # the upstream's own definition: its title and annotations are kept
         for warning in class_warnings(policy.idempotency_class.value, definition):
-            log.warning("tools.%s: %s", name, warning)
+            said = f"tools.{name}: {warning}"
+            if connection is not None and said not in connection.warned:
+                connection.warned.add(said)
+                log.warning("%s", said)
         imported = dict(definition.input_schema) if definition else None
         schema = policy.input_schema or imported or {"type": "object"}
         self.passes_key = KEY_ARGUMENT in (imported or schema).get("properties", {})
