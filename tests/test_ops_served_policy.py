@@ -31,25 +31,35 @@ def commitgate(*args: str, home: Path, cwd: Path) -> subprocess.CompletedProcess
     )
 
 
-def desktop_config(home: Path, policy: Path) -> dict[str, Any]:
-    """Claude Desktop's config in `home` with the entry `claude-config` prints, beside another server."""
-    printed = commitgate("claude-config", "--policy", str(policy), home=home, cwd=home)
+def printed_entry(home: Path, *args: str) -> dict[str, Any]:
+    printed = commitgate("claude-config", *args, home=home, cwd=home)
     assert printed.returncode == 0, printed.stderr
-    entry = json.loads(printed.stdout)["mcpServers"]["commitgate"]
+    return dict(json.loads(printed.stdout)["mcpServers"]["commitgate"])
+
+
+def desktop_config(home: Path, policy: Path, name: str) -> dict[str, Any]:
+    """Claude Desktop's config in `home` with the entry `claude-config` prints, beside another server;
+    named `commitgate-2`, it stands beside the demo entry as `policy init --write-config` leaves it."""
+    entry = printed_entry(home, "--policy", str(policy))
+    servers = {"time": {"command": "uvx", "args": ["mcp-server-time"]}, name: entry}
+    if name != "commitgate":
+        servers = {"commitgate": printed_entry(home), **servers}  # the demo's: no policy of its own
     config = home / ".config" / "Claude" / "claude_desktop_config.json"
     config.parent.mkdir(parents=True)
-    servers = {"time": {"command": "uvx", "args": ["mcp-server-time"]}, "commitgate": entry}
     config.write_text(json.dumps({"mcpServers": servers}, indent=2), encoding="utf-8")
-    return dict(entry)
+    return entry
 
 
 @pytest.mark.anyio
-async def test_ops_list_finds_the_ledger_of_the_policy_claude_desktop_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["commitgate", "commitgate-2"])
+async def test_ops_list_finds_the_ledger_of_the_policy_claude_desktop_serves(
+    tmp_path: Path, name: str
+) -> None:
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
     home.mkdir()
     elsewhere.mkdir()
     deployment = Deployment.create(tmp_path / "deploy")
-    entry = desktop_config(home, deployment.policy)
+    entry = desktop_config(home, deployment.policy, name)
     params = StdioServerParameters(
         command=entry["command"], args=entry["args"], env={**deployment.env(), "HOME": str(home)}
     )
@@ -63,7 +73,7 @@ async def test_ops_list_finds_the_ledger_of_the_policy_claude_desktop_serves(tmp
     assert listed.returncode == 0, listed.stderr
     operations = json.loads(listed.stdout)["operations"]
     assert [(op["tool"], op["idempotency_key"]) for op in operations] == [("send_email", "mail-1")]
-    assert f"'commitgate' entry of {home / '.config' / 'Claude'}" in listed.stderr
+    assert f"{name!r} entry of {home / '.config' / 'Claude'}" in listed.stderr
 
 
 def test_without_a_desktop_entry_ops_says_which_policy_to_pass(tmp_path: Path) -> None:

@@ -54,7 +54,8 @@ def policy_of_entry(entry: ServerEntry) -> str | None:
 def desktop_policy(config: Path | None = None) -> ServedPolicy | None:
     """The policy of Claude Desktop's commitgate entry; None when there is no config or no such entry.
 
-    The entry named `commitgate` wins; otherwise the one entry that runs `commitgate serve`. Several
+    Entries serving a policy file come before one serving the bundled demo policy; among them the
+    entry named `commitgate` wins, otherwise the one entry that runs `commitgate serve`. Several
     serving different policies raise AmbiguousEntries, naming the `--policy` of each."""
     path = config or config_file(this_platform())
     if not path.is_file():
@@ -64,6 +65,8 @@ def desktop_policy(config: Path | None = None) -> ServedPolicy | None:
     except ClientConfigError:
         return None  # not a config we can read: nothing to go by
     serving = {n: e for n, e in servers.items() if e.runs_commitgate and "serve" in e.args}
+    own = {n: e for n, e in serving.items() if policy_of_entry(e) is not None}
+    serving = own or serving  # the demo entry stays beside `commitgate-2` that init wrote: not it
     if "commitgate" in serving:
         return ServedPolicy(policy_of_entry(serving["commitgate"]), "commitgate", path)
     policies = {policy_of_entry(entry): name for name, entry in serving.items()}
