@@ -11,7 +11,6 @@ with 10,000 operations in the ledger.
 
 from __future__ import annotations
 
-import getpass
 import json
 import re
 import statistics
@@ -179,7 +178,8 @@ async def test_a_reviewer_resolves_an_unknown_outcome_and_the_retry_replays_it(
             note = await page.locator("h2:text-is('Reconciliation') + pre").inner_text()
             assert re.search(r'"at": "\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"', note), note
             by = set(await page.locator("td[data-label='By']").all_inner_texts())
-            assert by == {local_principal(), getpass.getuser()}, by  # people and principals only
+            # people and principals only, each said as what they are
+            assert by == {f"{local_principal()} (principal)", "reviewer (operator)"}, by
             for path in ("/operations", f"/operations/{later}", "/approvals"):
                 await page.goto(base + path)
                 assert await page.evaluate(BROKEN_WORDS) == [], path

@@ -1,4 +1,4 @@
-"""JWT access tokens of `[auth.oauth]`, checked against the issuer's published keys (docs/operating.md#oauth).
+"""JWT access tokens of `[auth.oauth]`, checked against the issuer's published keys (docs/operating.md#identities-from-your-identity-provider).
 
 What is accepted, and nothing else: a JWT signed with RS256, ES256 or EdDSA by a key of the
 issuer's JWKS, whose `iss` is the issuer, whose `aud` contains the audience, with `exp` in the

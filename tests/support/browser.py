@@ -111,8 +111,18 @@ async def load_time_ms(page: Any, url: str) -> float:
 def console_process(
     ledger: Path, policy: Path | None = None, *, env: dict[str, str] | None = None
 ) -> Iterator[str]:
-    """`commitgate console` on a free loopback port; yields the sign-in link it printed."""
-    args = [str(CONSOLE_SCRIPT), "console", "--ledger", f"sqlite:///{ledger}", "--port", "0"]
+    """`commitgate console` on a free loopback port; yields the sign-in link it printed. Its decisions
+    are recorded as the reviewer's: on stdio the agent's principal is the OS user, who may not decide."""
+    args = [
+        str(CONSOLE_SCRIPT),
+        "console",
+        "--ledger",
+        f"sqlite:///{ledger}",
+        "--port",
+        "0",
+        "--as",
+        "reviewer",
+    ]
     if policy is not None:
         args += ["--policy", str(policy)]
     process = subprocess.Popen(
