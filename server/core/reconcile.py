@@ -8,6 +8,7 @@ follows (docs/contract.md#operation-states).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from commitgate.server.core.requests import GuardedTool
@@ -73,6 +74,16 @@ def not_found(op: Operation, note: ReconciliationNote) -> Transition:
         expect_fence=op.fence,  # the check covered attempts up to this one only
         reconciliation=note,
         error=ErrorRecord(outcome=Outcome.RETRYABLE.value, message="the status check found no trace of it"),
+    )
+
+
+def too_soon(note: ReconciliationNote) -> ReconciliationNote:
+    """The check found nothing while the latest attempt may still be running: that proves nothing
+    yet (the attempt may land after the check), so it cannot tell until the attempt is over."""
+    return dataclasses.replace(
+        note,
+        verdict=Verdict.CANNOT_TELL.value,
+        error="not found yet, but its last attempt may still be running; ask again once its lease and timeout have passed",
     )
 
 
