@@ -531,12 +531,16 @@ class CommitBoundary:
     async def _may_still_run(self, op: Operation) -> bool:
         """Whether the operation's latest attempt may still be running, here or in another process.
 
-        Its owner started it within its lease of the take and runs it at most its timeout, so it is
-        over once the take is older than both (on the ledger's clock: never this process's wall
-        clock, which may have stepped), or when its owner is known to be gone.
+        Only an attempt whose owner stopped recording (its lease lapsed) can be: an owner that
+        recorded UNKNOWN itself did so once its attempt ended. Its owner started it within its lease
+        of the take and runs it at most its timeout, so it is over once the take is older than both
+        (on the ledger's clock: never this process's wall clock, which may have stepped), or when
+        its owner is known to be gone.
         """
         if op.operation_id in self._inflight:
             return True
+        if op.error is None or op.error.code != LEASE_LOST.code:
+            return False
         try:
             start = await self.ledger.attempt_start(op.operation_id, op.fence)
         except LedgerUnavailable:
