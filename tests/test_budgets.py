@@ -202,7 +202,9 @@ async def test_a_known_key_is_answered_whatever_the_budget(ledger: Ledger) -> No
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("state", [State.FAILED_RETRYABLE, State.COMPENSATED])
-async def test_retryable_and_compensated_operations_give_their_amount_back(ledger: Ledger, state: State) -> None:
+async def test_retryable_and_compensated_operations_give_their_amount_back(
+    ledger: Ledger, state: State
+) -> None:
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 800.0))
     assert first is not None
     assert await refused(ledger, "k2") == 800.0
@@ -220,7 +222,9 @@ async def test_retryable_and_compensated_operations_give_their_amount_back(ledge
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("state", [State.SUCCEEDED, State.UNKNOWN, State.FAILED_FINAL])
-async def test_succeeded_unknown_and_final_failed_operations_keep_counting(ledger: Ledger, state: State) -> None:
+async def test_succeeded_unknown_and_final_failed_operations_keep_counting(
+    ledger: Ledger, state: State
+) -> None:
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 800.0))
     assert first is not None
     assert await ledger.update(
@@ -454,7 +458,9 @@ async def test_an_amount_that_is_not_a_number_refuses_the_call_and_records_nothi
 
 
 @pytest.mark.anyio
-async def test_a_call_that_ran_and_failed_keeps_its_amount_spent(ledger: Ledger, record: SystemOfRecord) -> None:
+async def test_a_call_that_ran_and_failed_keeps_its_amount_spent(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
     """Only what certainly did not run gives its amount back: a permanent failure came after the tool ran."""
     tool, source = budgeted(record)
     source.script = ["permanent"]

@@ -216,7 +216,7 @@ async def play(cls: str, forwards_key: bool, attempts: int, actions: list[tuple[
         try:
             clock = FakeClock()
             model = ModelTime(ledger, clock)
-            world = World(model, SystemOfRecord(Path(tmp) / "record.db"), cls, forwards_key, attempts, clock)  # type: ignore[arg-type]
+            world = World(model, SystemOfRecord(Path(tmp) / "record.db"), cls, forwards_key, attempts, clock)
             world.restart()
             for action in actions:
                 await world.step(action)
