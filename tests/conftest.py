@@ -42,6 +42,7 @@ _PROCESS_MODULES = {
     "test_demo_command",
     "test_e2e_stdio",
     "test_fast_stdio",
+    "test_fencing",
     "test_hardening_processes",
     "test_http_transports",
     "test_model_facing",
