@@ -53,6 +53,7 @@ _PROCESS_MODULES = {
     "test_saga",
     "test_tracing_otlp",
     "test_upstream",
+    "test_upstream_errors",
     "test_verify",
 }
 
