@@ -44,6 +44,7 @@ _PROCESS_MODULES = {
     "test_fast_stdio",
     "test_fencing",
     "test_hardening_processes",
+    "test_ledger_damage",
     "test_http_transports",
     "test_model_facing",
     "test_multiprocess",
