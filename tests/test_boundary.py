@@ -892,3 +892,33 @@ async def test_safe_retry_failures_answer_without_an_operation(
     assert failed_with(await rig.call(key=None), code) is None
     assert (record.count(), rig.source.calls) == (0, calls)
     assert sum((await ledger.counts()).states.values()) == 0
+
+
+class SlowClaims:
+    """A ledger whose claims come back late, by a monotonic clock the test moves: a stalled owner."""
+
+    def __init__(self, inner: Ledger, stall: Callable[[], None]) -> None:
+        self.inner, self.stall = inner, stall
+
+    async def claim(self, request: ClaimRequest, now: float) -> Any:
+        claim = await self.inner.claim(request, now)
+        self.stall()
+        return claim
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.anyio
+async def test_an_owner_whose_lease_ran_out_before_its_attempt_never_starts_it(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """Another process may take the operation over once the lease is out: the stalled owner fences itself."""
+    elapsed = [0.0]
+    stalled = SlowClaims(ledger, lambda: elapsed.__setitem__(0, elapsed[0] + 11))
+    rig = Rig(stalled, record, "key-required", ["ok"], retry={"attempts": 1})  # type: ignore[arg-type]
+    rig.boundary.monotonic = lambda: elapsed[0]
+    answer = await rig.call()
+    assert answer.error is not None and answer.error.code is ErrorCode.RETRIES_EXHAUSTED
+    assert (await rig.op()).state is State.FAILED_RETRYABLE  # certainly not applied: nothing was sent
+    assert (rig.source.calls, record.count()) == (0, 0)
