@@ -916,7 +916,7 @@ async def test_an_owner_whose_lease_ran_out_before_its_attempt_never_starts_it(
     """Another process may take the operation over once the lease is out: the stalled owner fences itself."""
     elapsed = [0.0]
     stalled = SlowClaims(ledger, lambda: elapsed.__setitem__(0, elapsed[0] + 11))
-    rig = Rig(stalled, record, "key-required", ["ok"], retry={"attempts": 1})  # type: ignore[arg-type]
+    rig = Rig(stalled, record, "key-required", ["ok"], retry={"attempts": 1})
     rig.boundary.monotonic = lambda: elapsed[0]
     answer = await rig.call()
     assert answer.error is not None and answer.error.code is ErrorCode.RETRIES_EXHAUSTED
