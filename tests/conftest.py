@@ -43,7 +43,9 @@ _PROCESS_MODULES = {
     "test_demo_command",
     "test_e2e_stdio",
     "test_fast_stdio",
+    "test_fencing",
     "test_hardening_processes",
+    "test_ledger_damage",
     "test_http_transports",
     "test_init_hostile",
     "test_init_rerun",
@@ -57,6 +59,7 @@ _PROCESS_MODULES = {
     "test_tracing_otlp",
     "test_upstream",
     "test_upstream_definitions",
+    "test_upstream_errors",
     "test_verify",
 }
 

@@ -7,6 +7,7 @@ system of record holds and how often the tool was really called.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import socket
 import subprocess
@@ -31,7 +32,14 @@ from support.boundary import (
 from commitgate.server.core.classes import retry_advice
 from commitgate.server.core.requests import Answer
 from commitgate.server.core.retry import Backoff
-from commitgate.server.ledger.base import ClaimKind, ClaimRequest, Ledger, LedgerUnavailable, OperationFilter
+from commitgate.server.ledger.base import (
+    AttemptStart,
+    ClaimKind,
+    ClaimRequest,
+    Ledger,
+    LedgerUnavailable,
+    OperationFilter,
+)
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, RetryAdvice, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import RetryPolicy
@@ -649,21 +657,24 @@ async def test_an_owner_that_outlived_its_lease_still_records_how_it_ended(
 
 
 @pytest.mark.anyio
-async def test_an_owner_overrules_a_status_check_that_looked_too_early(
+async def test_a_status_check_does_not_conclude_while_the_attempt_runs_after_a_wall_clock_step(
     ledger: Ledger, record: SystemOfRecord
 ) -> None:
-    clock = FakeClock()
+    clock = FakeClock()  # the wall clock: it steps 11 s forward, past the lease
     rig = Rig(ledger, record, "key-and-status-check", ["hold_before"], ["none"], clock=clock)
     late = asyncio.create_task(rig.call())
     await asyncio.sleep(0.05)  # the owner is inside the tool, before its effect
     clock.advance(11)
     await ledger.expire_leases(clock())
-    polled = await rig.boundary.poll(await rig.op())  # the check finds nothing (yet): safe to retry
-    assert polled.state is State.FAILED_RETRYABLE
-    rig.source.release()  # the owner's call goes through after all
+    polled = await rig.boundary.poll(await rig.op())  # the check finds nothing yet: that proves nothing
+    assert polled.state is State.UNKNOWN
+    assert polled.reconciliation is not None and polled.reconciliation.verdict == "cannot_tell"
+    again = await rig.call()  # a call with the same key does not run it again either
+    assert again.error is not None and again.error.code is ErrorCode.OPERATION_IN_PROGRESS
+    rig.source.release()  # the owner's attempt lands after all
     effect = succeeded(await late, replayed=False)
     assert (await rig.op()).state is State.SUCCEEDED
-    assert succeeded(await rig.call(), replayed=True) == effect  # the retry the poll allowed replays
+    assert succeeded(await rig.call(), replayed=True) == effect
     assert (record.count(), rig.source.calls) == (1, 1)
 
 
@@ -693,7 +704,9 @@ async def test_a_stale_owner_cannot_record_after_a_newer_attempt(
 ) -> None:
     clock = FakeClock()
     stale = Rig(ledger, record, cls, ["stale"], clock=clock, forwards_key=forwards_key)
-    newer = Rig(ledger, record, cls, ["hold_after"], clock=clock, forwards_key=forwards_key)
+    # The first owner stalls past its attempt's own deadline too (a process frozen that long):
+    # by the ledger's clock its attempt is over, so the newer one may take it.
+    newer = Rig(AttemptsOver(ledger), record, cls, ["hold_after"], clock=clock, forwards_key=forwards_key)
     newer.boundary.owner = "otherhost:2:y"
     stale_call = asyncio.create_task(stale.call())
     await stale.source.entered.wait()
@@ -713,6 +726,20 @@ async def test_a_stale_owner_cannot_record_after_a_newer_attempt(
     assert record.count() == 1
     history = await ledger.history(op.operation_id)
     assert [e.fence for e in history if e.to_state == "SUCCEEDED"] == [2]
+
+
+class AttemptsOver:
+    """A ledger by whose clock every attempt was taken long ago (past any lease and timeout)."""
+
+    def __init__(self, inner: Ledger) -> None:
+        self.inner = inner
+
+    async def attempt_start(self, operation_id: str, fence: int) -> AttemptStart | None:
+        start = await self.inner.attempt_start(operation_id, fence)
+        return None if start is None else AttemptStart(start.owner, math.inf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class StaleReads:
@@ -865,3 +892,33 @@ async def test_safe_retry_failures_answer_without_an_operation(
     assert failed_with(await rig.call(key=None), code) is None
     assert (record.count(), rig.source.calls) == (0, calls)
     assert sum((await ledger.counts()).states.values()) == 0
+
+
+class SlowClaims:
+    """A ledger whose claims come back late, by a monotonic clock the test moves: a stalled owner."""
+
+    def __init__(self, inner: Ledger, stall: Callable[[], None]) -> None:
+        self.inner, self.stall = inner, stall
+
+    async def claim(self, request: ClaimRequest, now: float) -> Any:
+        claim = await self.inner.claim(request, now)
+        self.stall()
+        return claim
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.anyio
+async def test_an_owner_whose_lease_ran_out_before_its_attempt_never_starts_it(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """Another process may take the operation over once the lease is out: the stalled owner fences itself."""
+    elapsed = [0.0]
+    stalled = SlowClaims(ledger, lambda: elapsed.__setitem__(0, elapsed[0] + 11))
+    rig = Rig(stalled, record, "key-required", ["ok"], retry={"attempts": 1})
+    rig.boundary.monotonic = lambda: elapsed[0]
+    answer = await rig.call()
+    assert answer.error is not None and answer.error.code is ErrorCode.RETRIES_EXHAUSTED
+    assert (await rig.op()).state is State.FAILED_RETRYABLE  # certainly not applied: nothing was sent
+    assert (rig.source.calls, record.count()) == (0, 0)

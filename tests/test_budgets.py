@@ -201,8 +201,10 @@ async def test_a_known_key_is_answered_whatever_the_budget(ledger: Ledger) -> No
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("state", [State.FAILED_FINAL, State.FAILED_RETRYABLE, State.COMPENSATED])
-async def test_failed_and_compensated_operations_give_their_amount_back(ledger: Ledger, state: State) -> None:
+@pytest.mark.parametrize("state", [State.FAILED_RETRYABLE, State.COMPENSATED])
+async def test_retryable_and_compensated_operations_give_their_amount_back(
+    ledger: Ledger, state: State
+) -> None:
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 800.0))
     assert first is not None
     assert await refused(ledger, "k2") == 800.0
@@ -219,8 +221,10 @@ async def test_failed_and_compensated_operations_give_their_amount_back(ledger: 
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("state", [State.SUCCEEDED, State.UNKNOWN])
-async def test_succeeded_and_unknown_operations_keep_counting(ledger: Ledger, state: State) -> None:
+@pytest.mark.parametrize("state", [State.SUCCEEDED, State.UNKNOWN, State.FAILED_FINAL])
+async def test_succeeded_unknown_and_final_failed_operations_keep_counting(
+    ledger: Ledger, state: State
+) -> None:
     first = await ledger.get_by_id(None, await spend(ledger, "k1", 800.0))
     assert first is not None
     assert await ledger.update(
@@ -454,14 +458,18 @@ async def test_an_amount_that_is_not_a_number_refuses_the_call_and_records_nothi
 
 
 @pytest.mark.anyio
-async def test_a_failed_call_gives_its_amount_back(ledger: Ledger, record: SystemOfRecord) -> None:
+async def test_a_call_that_ran_and_failed_keeps_its_amount_spent(
+    ledger: Ledger, record: SystemOfRecord
+) -> None:
+    """Only what certainly did not run gives its amount back: a permanent failure came after the tool ran."""
     tool, source = budgeted(record)
     source.script = ["permanent"]
     boundary = make_boundary(ledger, [tool])
     failed = await boundary.call(call(tool, "k1", {"amount": 1000}))
     assert failed.error is not None and failed.error.code is ErrorCode.OPERATION_FAILED
-    assert (await boundary.call(call(tool, "k2", {"amount": 1000}))).error is None
-    assert record.count() == 1
+    refused = await boundary.call(call(tool, "k2", {"amount": 1000}))
+    assert refused.error is not None and refused.error.code is ErrorCode.BUDGET_EXCEEDED
+    assert (record.count(), source.calls) == (0, 1)
 
 
 @pytest.mark.anyio

@@ -221,33 +221,35 @@ async def test_concurrent_charges_on_one_postgres_ledger_never_pass_the_limit(tm
     slow = "charge_card.latency=300ms"
     async with together(serve_on(d, url, slow), serve_on(d, url, slow)) as (one, two):
         assert_never_over(await at_once([one, two], 700), d)
-        # the window and the states count as on SQLite: a declined charge gives its amount back
+        # the window and the states count as on SQLite: a declined charge ran, so it keeps its amount
         failed = await one.call(
             "charge_card", {**charge("declined", 200), "card": DECLINED_CARD}, session="x"
         )
         assert error_code(failed) == "operation_failed"
-        assert not (await two.call("charge_card", charge("last", 200), session="x")).is_error
-    assert charged(d) == 3000
+        assert_refused(await two.call("charge_card", charge("last", 200), session="x"), spent=3000)
+    assert charged(d) == 2800
 
 
 # --- what counts ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.anyio
-async def test_failed_and_compensated_charges_give_their_amount_back(tmp_path: Path) -> None:
+async def test_a_declined_charge_keeps_its_amount_and_a_compensated_one_gives_it_back(tmp_path: Path) -> None:
+    """A budget gives back only what certainly did not run or was undone: the declined charge ran."""
     d = deployment(tmp_path)
     async with serve(d) as server:
         failed = await server.call(
-            "charge_card", {**charge("f1", 3000), "card": DECLINED_CARD}, session="trip"
+            "charge_card", {**charge("f1", 1000), "card": DECLINED_CARD}, session="trip"
         )
         assert error_code(failed) == "operation_failed"
-        assert not (await server.call("pay_booking", charge("p1", 3000), session="trip")).is_error
+        assert not (await server.call("pay_booking", charge("p1", 2000), session="trip")).is_error
         assert_refused(await server.call("charge_card", charge("c1", 500), session="other"), spent=3000)
         undone = await server.call("compensate_session", {"reason": "trip cancelled"}, session="trip")
         assert not undone.is_error and undone.structured_content is not None
         assert undone.structured_content["state"] == "COMPLETED"
-        assert not (await server.call("charge_card", charge("c1", 3000), session="other")).is_error
-    assert d.count("charges") == 2 and d.count("refunds") == 1 and charged(d) == 3000
+        assert_refused(await server.call("charge_card", charge("c1", 2001), session="other"), spent=1000)
+        assert not (await server.call("charge_card", charge("c1", 2000), session="other")).is_error
+    assert d.count("charges") == 2 and d.count("refunds") == 1 and charged(d) == 2000
 
 
 @pytest.mark.anyio

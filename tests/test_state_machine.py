@@ -33,14 +33,15 @@ from support.boundary import (
     make_boundary,
 )
 
-from commitgate.server.core.boundary import CommitBoundary
+from commitgate.server.core.boundary import ATTEMPT_SLACK, CommitBoundary
 from commitgate.server.core.requests import Answer
-from commitgate.server.ledger.base import Ledger
+from commitgate.server.ledger.base import AttemptStart, Claim, ClaimKind, ClaimRequest, Ledger, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import ErrorCode, State
 from commitgate.server.model.records import Operation
 
 LEASE = 10.0
+TIMEOUT = 2.0  # the tools' timeout (support.boundary.guarded)
 EXAMPLES = int(os.environ.get("COMMITGATE_SM_EXAMPLES", "60"))  # raise it to hunt harder
 ATTEMPT = st.sampled_from(
     ["ok", "retryable", "permanent", "ambiguous_before", "ambiguous_after", "crash_before", "crash_after"]
@@ -58,6 +59,38 @@ CONFIGS = [
     ("key-and-status-check", False),
     ("compensable", False),
 ]
+
+
+class ModelTime:
+    """The real ledger, whose clock for attempts is the model's: an attempt is as old as the model
+    time passed since its take (time passes only when the model says, never while it runs)."""
+
+    def __init__(self, inner: Ledger, clock: FakeClock) -> None:
+        self.inner, self.clock = inner, clock
+        self.taken: dict[tuple[str, int], float] = {}
+
+    async def claim(self, request: ClaimRequest, now: float) -> Claim:
+        claim = await self.inner.claim(request, now)
+        if claim.kind is ClaimKind.NEW:
+            self.taken[(claim.operation.operation_id, claim.operation.fence)] = self.clock()
+        return claim
+
+    async def update(
+        self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
+    ) -> Operation | None:
+        op = await self.inner.update(operation_id, change, now, current=current)
+        if op is not None and change.lease is not None:
+            self.taken[(operation_id, op.fence)] = self.clock()
+        return op
+
+    async def attempt_start(self, operation_id: str, fence: int) -> AttemptStart | None:
+        start = await self.inner.attempt_start(operation_id, fence)
+        if start is None:
+            return None
+        return AttemptStart(start.owner, self.clock() - self.taken.get((operation_id, fence), self.clock()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @dataclass
@@ -164,8 +197,9 @@ class World:
             await self.boundary.poll(op)
 
     async def settle(self) -> None:
-        """Time passes and the client calls once more, with everything healthy: where can it end?"""
-        self.clock.advance(LEASE + 1)
+        """Time passes and the client calls once more, with everything healthy: where can it end?
+        (Past any attempt's lease and timeout: a status check may then say "not found".)"""
+        self.clock.advance(LEASE + TIMEOUT + ATTEMPT_SLACK + 1)
         await self.call(["ok"], ["lookup"], 1)
         await self.check()
         op = await self.op()
@@ -180,7 +214,9 @@ async def play(cls: str, forwards_key: bool, attempts: int, actions: list[tuple[
         # fsync proves nothing here (no process dies for real): skip it so examples stay cheap
         ledger = await SQLiteLedger.open(Path(tmp) / "ledger.db", synchronous="OFF")
         try:
-            world = World(ledger, SystemOfRecord(Path(tmp) / "record.db"), cls, forwards_key, attempts)
+            clock = FakeClock()
+            model = ModelTime(ledger, clock)
+            world = World(model, SystemOfRecord(Path(tmp) / "record.db"), cls, forwards_key, attempts, clock)
             world.restart()
             for action in actions:
                 await world.step(action)

@@ -331,7 +331,9 @@ async def test_upstream_error_results_become_outcomes(stub_client: Client) -> No
     client = stub_client
     limited = await call(client, "rate_limited", {"note": "x", "idempotency_key": "rl-1"})
     refused = await call(client, "refuse", {"note": "acme", "idempotency_key": "rf-1"})
-    assert error_code(limited) == "retries_exhausted" and operation(limited)["attempts"] == 3
+    # a keyed tool's isError is final whatever its words: the upstream ran it
+    assert error_code(limited) == "operation_failed" and operation(limited)["attempts"] == 1
+    assert operation(limited)["state"] == "FAILED_FINAL"
     assert error_code(refused) == "operation_failed" and operation(refused)["state"] == "FAILED_FINAL"
     assert "account for 'acme' is closed" in text(refused)
 

@@ -26,8 +26,10 @@ Outcomes of a proxied call:
   `RetryableError` (the call was certainly not sent);
 * the connection dies while the call is in flight, or the call times out: `AmbiguousError`;
 * a JSON-RPC rejection (invalid params, unknown method): `PermanentError`;
-* an `isError` result: `PermanentError` with its text, unless the text says it is transient
-  (rate limited: `RetryableError`; timed out / temporarily unavailable: `AmbiguousError`).
+* an `isError` result of a keyed tool: `PermanentError` with its text, whatever the text says: the
+  upstream ran the call, so nothing proves its effect did not happen (it is never retried, and its
+  budget spend is kept); of a `safe-retry` tool, `PermanentError` unless the text says it is
+  transient (rate limited: `RetryableError`; timed out / temporarily unavailable: `AmbiguousError`).
 
 What an upstream says to the client while serving a call (questions, progress, log messages) is relayed
 to that client only, and its change notifications passed on (tools/upstream_relay.py); with
@@ -421,10 +423,14 @@ def _text_of(result: types.CallToolResult) -> str:
     return "\n".join(texts).strip()[:MAX_MESSAGE_CHARS] or "the upstream tool reported an error"
 
 
-def tool_error(result: types.CallToolResult, where: str) -> Exception:
-    """An upstream `isError` result as an outcome: permanent unless its words say it is transient."""
+def tool_error(result: types.CallToolResult, where: str, keyed: bool) -> Exception:
+    """An upstream `isError` result as an outcome. Its text is the upstream's (an argument echoed
+    back, perhaps): it never makes a keyed call retryable or ambiguous, since the upstream ran it.
+    Only a `safe-retry` tool, which has no effect to repeat, is retried on what the words say."""
     text = _text_of(result)
     detail = result.structured_content
+    if keyed:
+        return PermanentError(text, detail=detail)
     if _RATE_LIMITED.search(text):
         return RetryableError(f"{where}: {text}", detail=detail)
     if _TRANSIENT.search(text):
@@ -441,6 +447,7 @@ class UpstreamTool:
         self.name, self.upstream = name, policy.upstream
         self.upstream_tool = policy.upstream_tool or name
         self.timeout = policy.timeout
+        self.keyed = policy.idempotency_class.keyed
         # None: not connected (yet), or built to be checked (policy check) and never called
         connection: UpstreamConnection | None = using.upstream(policy.upstream)
         self.connection = connection
@@ -512,7 +519,7 @@ class UpstreamTool:
             connection.mark_lost(client)
             raise AmbiguousError(f"{self._where}: the connection broke during the call") from exc
         if result.is_error:
-            raise tool_error(result, self._where)
+            raise tool_error(result, self._where, self.keyed)
         content = [
             block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in result.content
         ]

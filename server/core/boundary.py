@@ -51,6 +51,7 @@ from commitgate.server.ledger.base import (
     OverBudget,
     Transition,
     lease_over,
+    owner_known_dead,
     this_owner,
 )
 from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
@@ -58,11 +59,15 @@ from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
-from commitgate.server.model.outcomes import Outcome, ToolOutcomeError, Verdict
+from commitgate.server.model.outcomes import Outcome, RetryableError, ToolOutcomeError, Verdict
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy
 
 log = logging.getLogger("commitgate.boundary")
+
+# Beyond its lease and its timeout, the slack an attempt gets before another process may conclude
+# it is over: the event loop's lag between the timeout and the cancellation taking effect.
+ATTEMPT_SLACK = 1.0
 
 
 @dataclass(slots=True)
@@ -83,7 +88,8 @@ class CommitBoundary:
     settings: ServerPolicy
     tools: Mapping[str, GuardedTool] = field(default_factory=dict)
     observers: list[Observer] = field(default_factory=list)  # metrics, logs: each told every event
-    clock: Callable[[], float] = time.time
+    clock: Callable[[], float] = time.time  # what the ledger records: times people read
+    monotonic: Callable[[], float] = time.monotonic  # what this process alone decides: deadlines, waits
     rng: random.Random = field(default_factory=random.Random)
     owner: str = field(default_factory=this_owner)
     _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
@@ -178,6 +184,7 @@ class CommitBoundary:
             approval=approval,
             budget=budgets.check_for(budget, amount, tool.policy, now) if budget is not None else None,
         )
+        taken_at = self.monotonic()  # before the claim: the attempt's lease runs from no later than this
         claim = await self._claim(request, claim_request)
         if claim.kind is ClaimKind.CONFLICT:
             self.emit(
@@ -205,7 +212,7 @@ class CommitBoundary:
                     scope=budgets.scope_label(tool.budget, request.principal, request.session),
                     amount=claim_request.budget.amount,
                 )
-            return await self._own(request, claim.operation)
+            return await self._own(request, claim.operation, taken_at=taken_at)
         self.final.remember(claim.operation)
         return claim.operation
 
@@ -248,6 +255,7 @@ class CommitBoundary:
             approvals.duplicate_settings(request.tool.policy), self.clock(), duplicate_of=earlier.operation_id
         )
         again = dataclasses.replace(claim_request, duplicates=None, approval=record)
+        taken_at = self.monotonic()
         claim = await self._claim(request, again)
         if claim.kind is ClaimKind.CONFLICT:
             raise errors.key_reused(claim.operation, request.tool.name)
@@ -260,7 +268,7 @@ class CommitBoundary:
             )
             raise errors.approval_pending(claim.operation)
         if claim.kind is ClaimKind.NEW:
-            return await self._own(request, claim.operation)
+            return await self._own(request, claim.operation, taken_at=taken_at)
         return claim.operation
 
     async def _duplicate(self, request: CallRequest, earlier: Operation) -> GateError:
@@ -339,7 +347,7 @@ class CommitBoundary:
     async def _take(self, request: CallRequest, op: Operation) -> Answer | Operation:
         """Run an approved operation: of all the calls that find it PENDING, one takes it. A budgeted
         one spends now: the ledger checks its budget with the take (docs/contract.md#budgets)."""
-        tool, now = request.tool, self.clock()
+        tool, now, taken_at = request.tool, self.clock(), self.monotonic()
         lease = Lease(self.owner, now + self.settings.lease)
         check = None
         if tool.budget is not None:
@@ -366,7 +374,7 @@ class CommitBoundary:
                 scope=budgets.scope_label(tool.budget, op.principal, op.session),
                 amount=check.amount,
             )
-        return await self._own(request, taken)
+        return await self._own(request, taken, taken_at=taken_at)
 
     async def _refuse_take(
         self, request: CallRequest, op: Operation, check: BudgetCheck, spent: Decimal
@@ -401,7 +409,7 @@ class CommitBoundary:
 
     async def _wait(self, op: Operation) -> Operation:
         """Wait (bounded by in_progress_wait) for another owner to finish; return the fresh record."""
-        deadline = self.clock() + self.settings.in_progress_wait
+        deadline = self.monotonic() + self.settings.in_progress_wait
         task = self._inflight.get(op.operation_id)
         if task is not None:  # the owner is this process: no polling needed
             with contextlib.suppress(TimeoutError, Exception):
@@ -414,7 +422,7 @@ class CommitBoundary:
                 return current
             if lease_over(current, self.clock()):
                 return await self.expire(current)
-            if self.clock() + delay > deadline:
+            if self.monotonic() + delay > deadline:
                 return current
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
@@ -461,16 +469,20 @@ class CommitBoundary:
             lease=Lease(self.owner, self.clock() + self.settings.lease),
             actor=Actor.principal(request.principal),
         )
+        taken_at = self.monotonic()
         taken = await self.ledger.update(op.operation_id, change, self.clock())
         if taken is None:  # someone else moved it first: answer from what they did
             return await self._reread(op)
-        return await self._own(request, taken, maybe_applied=maybe_applied)
+        return await self._own(request, taken, maybe_applied=maybe_applied, taken_at=taken_at)
 
     async def _reconcile_in_call(self, request: CallRequest, op: Operation) -> Answer | Operation:
         verdict, found, note = await self._status_check(request.tool, op)
         if verdict is Verdict.FOUND:
             recorded = await self._record_reconciled(op, found, note)
             return Answer(recorded.result, recorded, True)
+        if verdict is Verdict.NOT_FOUND and await self._may_still_run(op):
+            await self._note_reconciliation(op, reconcile.too_soon(note))
+            raise errors.in_progress(op)  # its attempt may still land: not found proves nothing yet
         if verdict is Verdict.NOT_FOUND:
             return await self._rerun(request, op)
         await self._note_reconciliation(op, note)
@@ -501,7 +513,7 @@ class CommitBoundary:
         a wait for approval past its timeout expires."""
         if op.state is State.AWAITING_APPROVAL:
             return await self.touch_approval(op)
-        if lease_over(op, self.clock()):
+        if lease_over(op, self.clock()) and op.operation_id not in self._inflight:  # ours runs: not over
             op = await self.expire(op)
         if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK:
             return op
@@ -511,15 +523,42 @@ class CommitBoundary:
         verdict, found, note = await self._status_check(tool, op)
         if verdict is Verdict.FOUND:
             return await self._record_reconciled(op, found, note)
-        if verdict is Verdict.NOT_FOUND:
+        if verdict is Verdict.NOT_FOUND and await self._may_still_run(op):
+            note = reconcile.too_soon(note)  # its attempt may still land: it stays UNKNOWN
+        elif verdict is Verdict.NOT_FOUND:
             change = reconcile.not_found(op, note)
             return await self.ledger.update(op.operation_id, change, self.clock()) or await self._reread(op)
         await self._note_reconciliation(op, note)
         return await self._reread(op)
 
+    async def _may_still_run(self, op: Operation) -> bool:
+        """Whether the operation's latest attempt may still be running, here or in another process.
+
+        Only an attempt whose owner stopped recording (its lease lapsed) can be: an owner that
+        recorded UNKNOWN itself did so once its attempt ended. Its owner started it within its lease
+        of the take and runs it at most its timeout, so it is over once the take is older than both
+        (on the ledger's clock: never this process's wall clock, which may have stepped), or when
+        its owner is known to be gone.
+        """
+        if op.operation_id in self._inflight:
+            return True
+        if op.error is None or op.error.code != LEASE_LOST.code:
+            return False
+        try:
+            start = await self.ledger.attempt_start(op.operation_id, op.fence)
+        except LedgerUnavailable:
+            return True  # cannot tell: not found proves nothing
+        if start is None or start.owner == self.owner or owner_known_dead(start.owner):
+            return False  # no start recorded (an older record), or ours and done, or its process is gone
+        tool = self.tools.get(op.tool)
+        timeout = tool.policy.timeout if tool is not None else self.settings.lease
+        return start.age < self.settings.lease + timeout + ATTEMPT_SLACK
+
     # --- owning an operation: run, retry, record -------------------------------------------
 
-    async def _own(self, request: CallRequest, op: Operation, *, maybe_applied: bool = False) -> Answer:
+    async def _own(
+        self, request: CallRequest, op: Operation, *, taken_at: float, maybe_applied: bool = False
+    ) -> Answer:
         """Run the work in a task of the boundary's and wait for its answer, at most respond_within.
 
         Waiting never cancels the work: past respond_within, or if this caller goes away (its
@@ -529,7 +568,7 @@ class CommitBoundary:
         loop = asyncio.get_running_loop()
         answered: asyncio.Future[Answer | None] = loop.create_future()  # None: not within respond_within
         self._inflight[op.operation_id] = loop.create_task(
-            self._work(request, op, maybe_applied, answered), name=f"commitgate:{op.operation_id}"
+            self._work(request, op, maybe_applied, answered, taken_at), name=f"commitgate:{op.operation_id}"
         )
         timer = loop.call_later(self.settings.respond_within, _settle, answered, None)
         try:
@@ -546,9 +585,10 @@ class CommitBoundary:
         op: Operation,
         maybe_applied: bool,
         answered: asyncio.Future[Answer | None],
+        taken_at: float,
     ) -> Answer | None:
         try:
-            answer = await self._execute(request, op, maybe_applied)
+            answer = await self._execute(request, op, maybe_applied, taken_at)
         except GateError as exc:  # the work's refusal is its answer, as in `call`
             answer = Answer.refused(exc)
         except asyncio.CancelledError:
@@ -566,10 +606,12 @@ class CommitBoundary:
         _settle(answered, answer)
         return answer
 
-    async def _execute(self, request: CallRequest, op: Operation, maybe_applied: bool = False) -> Answer:
+    async def _execute(
+        self, request: CallRequest, op: Operation, maybe_applied: bool, taken_at: float
+    ) -> Answer:
         tool, policy = request.tool, request.tool.policy
         backoff = Backoff(policy.retry, self.rng)
-        deadline = self.clock() + policy.retry.deadline
+        deadline = self.monotonic() + policy.retry.deadline
         last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
         self.leases[op.operation_id] = op.fence
         actor = Actor.principal(request.principal)  # the call's own attempt; commitgate's after a retry
@@ -579,7 +621,7 @@ class CommitBoundary:
                     request.key, request.session, op.operation_id, op.attempts, request.principal, tool.name
                 )
                 attempt = await tracing.attempted(
-                    self._attempt(tool, request.arguments, ctx), tool.idempotency_class, ctx
+                    self._fenced_attempt(tool, request.arguments, ctx, taken_at), tool.idempotency_class, ctx
                 )
                 next_move = after_attempt(tool.idempotency_class, attempt.outcome, policy.forwards_key)
                 self.emit(
@@ -626,9 +668,20 @@ class CommitBoundary:
                     return await self._finish(
                         op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error, actor
                     )
-                op, actor = retried, COMMITGATE
+                (op, taken_at), actor = retried, COMMITGATE
         finally:
             self.leases.pop(op.operation_id, None)
+
+    async def _fenced_attempt(
+        self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext, taken_at: float
+    ) -> _Attempt:
+        """An attempt starts only within the lease of its take (the owner fences itself): once the
+        lease may have run out, another process may have taken the operation over, and counts on
+        this attempt ending by the lease and the timeout. Nothing was sent: certainly not applied."""
+        if self.monotonic() - taken_at >= self.settings.lease:
+            lapsed = RetryableError("its lease ran out before the attempt started; nothing was sent")
+            return _Attempt(Outcome.RETRYABLE, error=lapsed)
+        return await self._attempt(tool, arguments, ctx)
 
     async def _attempt(self, tool: GuardedTool, arguments: dict[str, Any], ctx: OperationContext) -> _Attempt:
         try:
@@ -639,12 +692,13 @@ class CommitBoundary:
 
     async def _next_attempt(
         self, op: Operation, attempt: _Attempt, backoff: Backoff, deadline: float, last_attempt: int
-    ) -> Operation | None:
-        """Sleep the backoff and take the next attempt in the ledger; None when out of attempts or time."""
+    ) -> tuple[Operation, float] | None:
+        """Sleep the backoff and take the next attempt in the ledger (with the moment of the take);
+        None when out of attempts or time."""
         if op.attempts >= last_attempt:
             return None
         delay = 0.0 if attempt.immediate else backoff.delay(op.attempts, attempt.retry_after)
-        if self.clock() + delay > deadline:
+        if self.monotonic() + delay > deadline:
             return None
         await asyncio.sleep(delay)
         error = error_record(attempt.error, attempt.outcome) if attempt.error else None
@@ -657,12 +711,13 @@ class CommitBoundary:
             error=error,
             actor=COMMITGATE,
         )
+        taken_at = self.monotonic()
         retried = await self.ledger.update(op.operation_id, change, self.clock())
         if retried is None:
             raise errors.in_progress(await self._reread(op))  # fenced out: a newer attempt owns it
         self.leases[op.operation_id] = retried.fence
         self.emit(Event.RETRY, op.tool, op.idempotency_class, operation_id=op.operation_id)
-        return retried
+        return retried, taken_at
 
     async def _finish(
         self,
@@ -780,7 +835,7 @@ class CommitBoundary:
         tool = request.tool
         retry = tool.policy.retry
         backoff = Backoff(retry, self.rng)
-        deadline = self.clock() + retry.deadline
+        deadline = self.monotonic() + retry.deadline
         attempt_number = 1
         while True:
             ctx = OperationContext(
@@ -795,7 +850,7 @@ class CommitBoundary:
             if attempt.outcome is Outcome.PERMANENT:
                 raise errors.failed(message, None)
             delay = backoff.delay(attempt_number, attempt.retry_after)
-            if attempt_number >= retry.attempts or self.clock() + delay > deadline:
+            if attempt_number >= retry.attempts or self.monotonic() + delay > deadline:
                 raise errors.retries_exhausted(message, None)
             self.emit(Event.RETRY, tool.name, tool.idempotency_class)
             await asyncio.sleep(delay)

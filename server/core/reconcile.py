@@ -8,6 +8,7 @@ follows (docs/contract.md#operation-states).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from commitgate.server.core.requests import GuardedTool
@@ -75,6 +76,16 @@ def not_found(op: Operation, note: ReconciliationNote) -> Transition:
         reconciliation=note,
         error=ErrorRecord(outcome=Outcome.RETRYABLE.value, message="the status check found no trace of it"),
         actor=COMMITGATE,  # a status check of its own
+    )
+
+
+def too_soon(note: ReconciliationNote) -> ReconciliationNote:
+    """The check found nothing while the latest attempt may still be running: that proves nothing
+    yet (the attempt may land after the check), so it cannot tell until the attempt is over."""
+    return dataclasses.replace(
+        note,
+        verdict=Verdict.CANNOT_TELL.value,
+        error="not found yet, but its last attempt may still be running; ask again once its lease and timeout have passed",
     )
 
 

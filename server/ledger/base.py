@@ -65,10 +65,13 @@ class DuplicateCheck:
 
 
 # States of an operation whose amount its budget counts: it happened, may have happened, or is
-# about to. Failed and compensated operations give their amount back. An operation spends when it
-# is taken to run (its `budget_spent_at` is set then): one approved and still PENDING does not
-# count yet, and the take, not the creation, places it in the window.
-BUDGET_STATES = (State.PENDING, State.RUNNING, State.SUCCEEDED, State.UNKNOWN)
+# about to. An operation spends when it is taken to run (its `budget_spent_at` is set then): one
+# approved and still PENDING does not count yet, and the take, not the creation, places it in the
+# window. A budget gives back only what certainly did not run or was undone: FAILED_RETRYABLE
+# (failed before any effect), COMPENSATED, and a FAILED_FINAL that was never taken (a denial, an
+# expiry, a take refused for its budget: `budget_spent_at` stays NULL). A FAILED_FINAL that ran
+# keeps counting: nothing proves its effect did not happen.
+BUDGET_STATES = (State.PENDING, State.RUNNING, State.SUCCEEDED, State.UNKNOWN, State.FAILED_FINAL)
 
 
 def sql_states(states: Iterable[State]) -> str:
@@ -208,6 +211,19 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptStart:
+    """When an operation's latest attempt was taken, on the ledger's own clock, and by whom.
+
+    `age` is measured where the start was recorded, never on a caller's wall clock: the SQLite
+    ledger (one host) keeps the host's monotonic clock, PostgreSQL its server's clock. So another
+    process can tell whether that attempt may still be running even if its own wall clock stepped.
+    """
+
+    owner: str | None
+    age: float  # seconds since the take
+
+
+@dataclass(frozen=True, slots=True)
 class Transition:
     """A compare-and-set on one operation, recorded in the audit trail.
 
@@ -294,6 +310,11 @@ class Ledger(Protocol):
         ...
 
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool: ...
+
+    async def attempt_start(self, operation_id: str, fence: int) -> AttemptStart | None:
+        """When the attempt at `fence` was taken; None when the operation is at another fence or
+        the ledger has no start for it (recorded before starts were kept)."""
+        ...
 
     async def get(self, principal: str, session: str, step: str) -> Operation | None: ...
 

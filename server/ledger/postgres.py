@@ -38,6 +38,7 @@ from commitgate.server.ledger import evidence, tool_definitions
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     LEASE_LOST,
+    AttemptStart,
     AuditEntry,
     BudgetCheck,
     Claim,
@@ -727,6 +728,41 @@ MIGRATIONS: list[str] = [
     POSTGRES_MIGRATION,
     # 8: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
     tool_definitions.POSTGRES_MIGRATION,
+    # 9: when each attempt was taken and by whom, on this server's clock (never a replica's, whose
+    # wall clocks differ and may step): a status check may conclude "not found" only once the
+    # latest attempt can no longer be running. A trigger sets it at every take (a RUNNING row at a
+    # new fence), whichever function takes. And a FAILED_FINAL that ran keeps counting against its
+    # budget; one that never ran (a denied or expired approval, spent at its creation by migration
+    # 6) gives its amount back.
+    """
+    ALTER TABLE commitgate_operations ADD COLUMN attempt_owner text;
+    ALTER TABLE commitgate_operations ADD COLUMN attempt_started double precision;
+
+    CREATE FUNCTION commitgate_attempt_started() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.state = 'RUNNING' AND (TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence) THEN
+            NEW.attempt_owner := NEW.lease_owner;
+            NEW.attempt_started := extract(epoch FROM clock_timestamp());
+        END IF;
+        RETURN NEW;
+    END $$;
+    CREATE TRIGGER commitgate_attempt_started BEFORE INSERT OR UPDATE OF fence ON commitgate_operations
+        FOR EACH ROW EXECUTE FUNCTION commitgate_attempt_started();
+
+    UPDATE commitgate_operations SET budget_spent_at = NULL
+        WHERE budget IS NOT NULL AND state = 'FAILED_FINAL' AND attempts = 0;
+    CREATE OR REPLACE FUNCTION commitgate_budget_spent(p_budget text, p_per text, p_principal text,
+        p_session text, p_since double precision, p_now double precision)
+    RETURNS numeric LANGUAGE sql STABLE AS $$
+        SELECT coalesce(sum(o.budget_amount), 0) FROM commitgate_operations o
+            WHERE o.budget = p_budget
+                AND (p_per = 'all' OR o.principal = p_principal)
+                AND (p_per <> 'session' OR o.session = p_session)
+                AND o.budget_spent_at > p_since
+                AND o.state IN ('PENDING', 'RUNNING', 'SUCCEEDED', 'UNKNOWN', 'FAILED_FINAL')
+                AND (o.expires_at IS NULL OR o.expires_at > p_now);
+    $$;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -1163,6 +1199,19 @@ class PostgresLedger:
         if rows[0]["kind"] == "over_budget":
             raise OverBudget(rows[0]["spent"])
         return _decode(rows[0])
+
+    @timed
+    async def attempt_start(self, operation_id: str, fence: int) -> AttemptStart | None:
+        rows = await self._fetch(
+            "SELECT attempt_owner, extract(epoch FROM clock_timestamp()) - attempt_started"
+            " FROM commitgate_operations WHERE operation_id = $1 AND fence = $2 AND attempt_started IS NOT NULL",
+            operation_id,
+            fence,
+        )
+        if not rows:
+            return None
+        # This server's clock stepped back: the attempt counts as just taken (until the clock catches up).
+        return AttemptStart(rows[0][0], max(0.0, float(rows[0][1])))
 
     @timed
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:

@@ -44,4 +44,6 @@ def sqlite_back_to_version_7(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX operations_state ON operations (state, lease_expires_at)")
     conn.execute("DROP INDEX operations_expiry")
     conn.execute("CREATE INDEX operations_expiry ON operations (expires_at) WHERE expires_at IS NOT NULL")
+    for column in ("attempt_owner", "attempt_started"):  # kept from a later version: dropped with it
+        conn.execute(f"ALTER TABLE operations DROP COLUMN {column}")
     conn.execute("DELETE FROM schema_version WHERE version > 7")

@@ -69,6 +69,13 @@ def rate_limited(note: str) -> str:
 
 
 @mcp.tool()
+def spend_then_fail(note: str, amount: int, ctx: Context) -> str:
+    """Record a spend of `amount` (the side effect), then answer an error that echoes `note` back."""
+    _record("spend_then_fail", ctx, note=note, amount=amount)
+    raise ToolError(f"could not confirm {note}")
+
+
+@mcp.tool()
 def refuse(note: str) -> str:
     """Always refused for good."""
     raise ToolError(f"account for {note!r} is closed")

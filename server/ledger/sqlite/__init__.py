@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -40,6 +42,7 @@ import aiosqlite
 from commitgate.server.ledger import evidence
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
+    AttemptStart,
     AuditEntry,
     Claim,
     ClaimKind,
@@ -66,6 +69,7 @@ from commitgate.server.ledger.sqlite._schema import (
     COUNTS_BY_STATE,
     EXPIRES_AT,
     FINGERPRINT,
+    MAGIC,
     MIGRATIONS,
     OPEN,
     SELECT,
@@ -114,6 +118,7 @@ class SQLiteLedger:
         self._where = os.path.abspath(path)  # a later chdir must not move the file we check
         self._identity = _identity(self._where)
         self._lost = False  # the file left its path; said once in the log, until it is back
+        self._file: _FileWatch | None = None  # set once opened for writing (see `_FileWatch`)
         self.timer: StepTimer | None = None  # see `timed`
 
     def check_identity(self) -> None:
@@ -132,6 +137,8 @@ class SQLiteLedger:
             same = _identity(self._where) == self._identity
         except OSError:
             same = False
+        if same and self._file is not None:
+            self._file.check()  # the same file, but is it still our ledger? (raises if not, for good)
         if same:
             if self._lost:
                 self._lost = False
@@ -210,6 +217,7 @@ class SQLiteLedger:
         try:
             await ledger._reader.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             await ledger._write(migrate)
+            ledger._file = _FileWatch(ledger._where)
         except BaseException:  # e.g. a schema newer than this code: never leave threads behind
             await ledger.close()
             raise
@@ -283,6 +291,8 @@ class SQLiteLedger:
     async def update(
         self, operation_id: str, change: Transition, now: float, *, current: Operation | None = None
     ) -> Operation | None:
+        if change.lease is not None:  # a take starts an attempt: as a claim, never into a lost file
+            self.check_identity()
         alone = self._open <= {operation_id}
         write = OutcomeWrite(operation_id, change, now, current)
         # An outcome lost to a power loss leaves its operation RUNNING, so UNKNOWN once its lease is
@@ -297,6 +307,19 @@ class SQLiteLedger:
             else:
                 self._open.discard(operation_id)
         return updated
+
+    @timed
+    async def attempt_start(self, operation_id: str, fence: int) -> AttemptStart | None:
+        rows = await self._read(
+            "SELECT attempt_owner, attempt_started FROM operations WHERE operation_id = ? AND fence = ?",
+            (operation_id, fence),
+        )
+        if not rows or rows[0][1] is None:
+            return None
+        age = time.monotonic() - rows[0][1]
+        # The monotonic clock starts again with the host: a start ahead of it was taken before a
+        # reboot, and no process of then can still be running it.
+        return AttemptStart(rows[0][0], age if age >= 0 else math.inf)
 
     @timed
     async def renew_lease(self, operation_id: str, fence: int, lease: Lease) -> bool:
@@ -432,8 +455,11 @@ class SQLiteLedger:
         await self._write(sqlite_record(upstream, tools, now))
 
     async def check_writable(self) -> None:
+        """A real write, committed and synced like a claim, that leaves nothing behind; and room on
+        the disk for the next commits (a write into WAL space already allocated succeeds on a full disk)."""
         self.check_identity()
-        await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
+        await self._write(_probe_write)
+        _require_room(self._where)
 
     # --- receipts and the outbox (ledger/evidence.py) -------------------------------------------
 
@@ -475,3 +501,71 @@ class SQLiteLedger:
             self._writer_or_none.stop()
             await asyncio.to_thread(self._writer_or_none.join)
         await self._reader.close()
+        if self._file is not None:  # after every connection: closing a descriptor drops the file's locks
+            self._file.close()
+
+
+def _probe_write(conn: sqlite3.Connection) -> None:
+    """A row written and deleted in one transaction: its page goes to the WAL and is synced."""
+    conn.execute("INSERT INTO schema_version (version) VALUES (-1)")
+    conn.execute("DELETE FROM schema_version WHERE version = -1")
+
+
+# Free space below which the ledger's disk counts as full: room for a few group commits' pages.
+MIN_FREE_BYTES = 256 * 1024
+
+
+def _require_room(path: str) -> None:
+    try:
+        stats = os.statvfs(os.path.dirname(path) or ".")
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot tell the free space of the ledger's disk: {exc}") from exc
+    blocks = stats.f_bfree if os.geteuid() == 0 else stats.f_bavail  # root may use the reserved blocks
+    if blocks * stats.f_frsize < MIN_FREE_BYTES:
+        raise LedgerUnavailable(f"the ledger's disk is full ({blocks * stats.f_frsize} bytes free)")
+
+
+class _FileWatch:
+    """Tells whether the ledger file, still at its path, still holds the ledger: not truncated or
+    overwritten in place (by `: > ledger.db`, `cp other.db ledger.db`, a stray `dd`).
+
+    SQLite never shrinks this file (nothing here vacuums it), and its first bytes are SQLite's
+    header, so a file grown smaller or with other first bytes was changed under the server; claims
+    recorded into it would be lost (the next start refuses it). Once seen, it stays refused until a
+    restart. The descriptor stays open for the ledger's life: closing any descriptor of a database
+    file drops the locks SQLite holds on it in this process.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size = os.fstat(self._fd).st_size
+        self._headed = os.pread(self._fd, len(MAGIC), 0) == MAGIC
+        self._damage: str | None = None
+
+    def check(self) -> None:
+        if self._damage is None:
+            self._damage = self._inspect()
+            if self._damage is not None:
+                log.error(
+                    "the ledger file was %s in place while serving; keyed calls are refused (nothing runs)"
+                    " until the server restarts on a sound ledger",
+                    self._damage,
+                )
+        if self._damage is not None:
+            raise LedgerUnavailable(f"the ledger file was {self._damage} in place while serving")
+
+    def _inspect(self) -> str | None:
+        try:
+            size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, len(MAGIC), 0)
+        except OSError as exc:
+            return f"made unreadable ({exc.strerror or exc})"
+        if size < self._size:
+            return "truncated"
+        self._size = size
+        if self._headed and head != MAGIC:
+            return "overwritten"
+        return None
+
+    def close(self) -> None:
+        os.close(self._fd)

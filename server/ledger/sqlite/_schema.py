@@ -137,6 +137,16 @@ MIGRATIONS: list[str] = [
     SQLITE_MIGRATION,
     # 10: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
     tool_definitions.SQLITE_MIGRATION,
+    # 11: when each attempt was taken and by whom, on the host's monotonic clock (every process
+    # sharing the file runs on this host): a status check may conclude "not found" only once the
+    # latest attempt can no longer be running. And a FAILED_FINAL that never ran (a denied or
+    # expired approval, spent when it was created by migration 7) gives its amount back.
+    """
+    ALTER TABLE operations ADD COLUMN attempt_owner TEXT;
+    ALTER TABLE operations ADD COLUMN attempt_started REAL;
+    UPDATE operations SET budget_spent_at = NULL
+        WHERE budget IS NOT NULL AND state = 'FAILED_FINAL' AND attempts = 0;
+    """,
 ]
 
 _COLUMNS = (
@@ -158,8 +168,8 @@ INSERT_AWAITING = (
 INSERT = (
     "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
     " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
-    " budget, budget_units, budget_nanos, budget_spent_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " budget, budget_units, budget_nanos, budget_spent_at, attempt_owner, attempt_started)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # Open records (not completed: no retention clock yet) and completed ones, whose clock runs from
 # their completion (`State.terminal`). Each kind has its own index of states (migration 8).
@@ -218,7 +228,7 @@ def dump_record(record: ErrorRecord | ReconciliationNote | ApprovalRecord | None
     return None if record is None else dump(record.stored())
 
 
-_MAGIC = b"SQLite format 3\x00"
+MAGIC = b"SQLite format 3\x00"
 OUR_TABLES = frozenset({"schema_version", "operations", "audit"})
 
 
@@ -235,14 +245,14 @@ def foreign(path: Path) -> str | None:
     """
     try:
         with path.open("rb") as file:
-            header = file.read(len(_MAGIC))
+            header = file.read(len(MAGIC))
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"cannot read it: {exc.strerror or exc}"
     if not header:
         return None  # an empty file: a new ledger
-    if header != _MAGIC:
+    if header != MAGIC:
         return "it is not a SQLite database"
     try:
         conn = sqlite3.connect(read_only_uri(path), uri=True)

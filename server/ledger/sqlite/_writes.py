@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
@@ -682,6 +683,8 @@ def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.updated_at,
         *_budget_columns(request),
         op.created_at if request.budget is not None else None,  # it runs, so it spends, now
+        op.lease_owner,
+        time.monotonic(),  # the attempt's start (see `attempt_started`)
     )
 
 
@@ -762,6 +765,11 @@ def _apply(
             operation_id,
         ),
     )
+    if change.lease is not None:  # a new attempt: its start, for `SQLiteLedger.attempt_start`
+        conn.execute(
+            "UPDATE operations SET attempt_owner = ?, attempt_started = ? WHERE operation_id = ?",
+            (change.lease.owner, time.monotonic(), operation_id),
+        )
     _audit(
         conn,
         operation_id,
