@@ -53,6 +53,20 @@ def upstream(port: int, effects: Path, gate: Path | None = None) -> Iterator[Non
         process.wait(timeout=15)
 
 
+async def listening(port: int, within: float = 30.0) -> None:
+    """Once the upstream on `port` accepts connections (a loaded machine may take seconds)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on port {port} after {within:.0f}s"
+            await anyio.sleep(0.1)
+        else:
+            await stream.aclose()
+            return
+
+
 @dataclass
 class Served:
     client: Client
@@ -160,6 +174,7 @@ async def test_an_upstream_that_starts_late_is_advertised_from_the_first_listing
 
             await anyio.sleep(max(0.0, started + LATE - time.monotonic()))
             gate.touch()
+            await listening(port)  # the call is about the first listing, not about waiting for a start
             called = await served.client.call_tool("record", {"note": "late", "idempotency_key": "late-1"})
             assert not called.is_error, text(called)
             assert "upstream stub: connected" in served.logged()
