@@ -101,14 +101,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         yield Runs(done["direct"], done["safe"], done["keyed"], targets["keyed"], calls)
 
 
-# Checks that may still fail through commitgate, each with why; any other lost check fails the test.
-# resources/subscribe: commitgate speaks 2026-07-28 to an HTTP upstream, an era without that method
-# (a subscription there is a `subscriptions/listen` stream), and forwards a handshake-era client's
-# subscribe as it is, so the upstream answers "method not found".
-SUBSCRIBE = ("resources-subscribe", "resources-subscribe")
-STILL_LOST = {SUBSCRIBE: "a subscribe is not yet carried over to the upstream's era"}
-
-
 def _failures(run: SuiteRun, checks: set[tuple[str, str]]) -> str:
     return "\n".join(
         f"  {scenario} / {check}: {run.messages.get((scenario, check), 'not run')}"
@@ -125,11 +117,10 @@ def test_every_check_passes_against_the_everything_server(runs: Runs) -> None:
 
 def test_every_check_that_passes_directly_passes_through_commitgate(runs: Runs) -> None:
     lost = runs.direct.passed() - runs.safe.passed()
-    said = f"through commitgate {runs.safe.summary()} (directly {runs.direct.summary()}); lost:\n{_failures(runs.safe, lost)}"
-    assert not lost - STILL_LOST.keys(), said
-    if lost:
-        why = "; ".join(f"{check}: {STILL_LOST[(scenario, check)]}" for scenario, check in sorted(lost))
-        pytest.xfail(f"{why} ({said})")
+    assert not lost, (
+        f"through commitgate {runs.safe.summary()} (directly {runs.direct.summary()}); lost:\n"
+        f"{_failures(runs.safe, lost)}"
+    )
 
 
 def _refused_without_key(result: dict[str, Any]) -> bool:

@@ -51,6 +51,7 @@ PIXEL = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 ERAS = {"legacy": "2025-11-25", "auto": "2026-07-28"}
+UPDATED, LIST_CHANGED = "notifications/resources/updated", "notifications/resources/list_changed"
 
 
 def policy(root: Path, sessions: str = "shared", bare: bool = False) -> Path:
@@ -132,6 +133,9 @@ class Heard:
             "list_roots_callback": on_roots,
             "message_handler": on_message,
         }
+
+    def of(self, method: str) -> list[Any]:
+        return [m for m in self.messages if getattr(m, "method", None) == method]
 
     def methods(self) -> list[str]:
         return [getattr(m, "method", type(m).__name__) for m in self.messages]
@@ -670,9 +674,20 @@ async def test_an_http_upstream_of_the_other_era(tmp_path: Path) -> None:
                 def said_to(method: str) -> bool:
                     return any(getattr(m, "method", None) == method for m in heard.messages)
 
+                # a handshake-era subscribe, held upstream as a listen stream naming the URI
+                def updates() -> list[str]:
+                    return [m.params.uri for m in heard.of(UPDATED)]
+
+                await client.subscribe_resource("test://web/text")
                 await client.call_tool("touch", {"uri": "test://web/text"})
+                await eventually(lambda: updates() == ["test://web/text"])
                 await eventually(lambda: said_to("notifications/resources/list_changed"))
                 await eventually(lambda: said_to("notifications/prompts/list_changed"))
+                await client.unsubscribe_resource("test://web/text")
+                changes = len(heard.of(LIST_CHANGED))
+                await client.call_tool("touch", {"uri": "test://web/text"})
+                await eventually(lambda: len(heard.of(LIST_CHANGED)) > changes)
+                assert updates() == ["test://web/text"], "an update after unsubscribing"
                 await client.call_tool("grow", {"name": "sprout"})
                 await eventually(lambda: said_to("notifications/tools/list_changed"))
                 assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
