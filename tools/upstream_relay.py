@@ -173,6 +173,7 @@ class Relay:
     on_tools_changed: Callable[[], Coroutine[Any, Any, None]] | None = None  # list the tools again
     _inflight: list[Caller] = field(default_factory=list)
     _subscriptions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # URI -> its listen stream
+    _relists: set[asyncio.Task[None]] = field(default_factory=set)
 
     @contextlib.asynccontextmanager
     async def watching(self, client: Client) -> AsyncIterator[None]:
@@ -329,8 +330,12 @@ class Relay:
 
     async def _message(self, message: Any) -> None:
         if isinstance(message, types.ToolListChangedNotification):
-            if self.on_tools_changed is not None:
-                asyncio.get_running_loop().create_task(self.on_tools_changed(), context=outside_any_call())
+            if self.on_tools_changed is not None:  # not in the reader's task: it lists on this session
+                task = asyncio.get_running_loop().create_task(
+                    self.on_tools_changed(), context=outside_any_call()
+                )
+                self._relists.add(task)  # the loop keeps only a weak reference to a task
+                task.add_done_callback(self._relists.discard)
             return
         if isinstance(
             message,
