@@ -161,13 +161,15 @@ async def stdio_served(root: Path, mode: str, heard: Heard, stdio: str = "fast")
 
 
 async def connected(client: Client) -> None:
-    """Both upstreams connected (they start in the background)."""
+    """Both upstreams connected (they start in the background), and alpha's tools served: a
+    `tools = "all"` upstream's tools are served once it has listed them, after its resources."""
 
     async def both() -> bool:
         uris = {r.uri for r in (await client.list_resources()).resources}
         return {"test://alpha/text", "test://beta/text"} <= uris
 
     await eventually(both, within=30)
+    await eventually(lambda: _has(client.list_tools(), "tools", "name", "whoami"), within=30)
 
 
 async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag: str = "") -> None:
