@@ -25,9 +25,9 @@ import anyio
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from support.conformance import SuiteRun, everything_server, run_suite, suite
+from support.conformance import SuiteRun, everything_servers, run_suite, suite
 from support.everything_server import TOOLS
-from support.http_servers import Served, running
+from support.http_servers import Served, running_together
 from support.wrapping import error_code, upstream_listed
 
 # A first run installs Node 22 and the suite from npm (a minute or more) before the suite runs.
@@ -45,10 +45,16 @@ def wrapping_policy(directory: Path, name: str, url: str, cls: str) -> Path:
     return path
 
 
-async def _connected(served: Served) -> None:
-    """Wait until commitgate lists the upstream's own definitions (its upstream connected)."""
-    async with Client(streamable_http_client(served.endpoint), mode="legacy") as client:
-        await upstream_listed(client, "test_sampling")
+async def _connected(started: list[Served]) -> None:
+    """Wait until each commitgate lists the upstream's own definitions (its upstream connected)."""
+
+    async def listed(served: Served) -> None:
+        async with Client(streamable_http_client(served.endpoint), mode="legacy") as client:
+            await upstream_listed(client, "test_sampling")
+
+    async with anyio.create_task_group() as group:
+        for served in started:
+            group.start_soon(listed, served)
 
 
 class Runs:
@@ -68,21 +74,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     root = tmp_path_factory.mktemp("conformance")
     calls = root / "keyed-upstream-calls.txt"
     with ExitStack() as stack:
-        direct_url = stack.enter_context(everything_server())
-        keyed_upstream = stack.enter_context(everything_server(calls))
-        served = {}
-        for cls, url in (("safe-retry", direct_url), ("key-required", keyed_upstream)):
-            policy = wrapping_policy(root, f"{cls}.toml", url, cls)
-            served[cls] = stack.enter_context(
-                running(
-                    root,
-                    policy,
-                    "streamable-http",
-                    ledger=root / f"{cls}.db",
-                    sandbox=root / f"{cls}-sandbox.db",
+        direct_url, keyed_upstream = stack.enter_context(everything_servers(None, calls))
+        classes = {"safe-retry": direct_url, "key-required": keyed_upstream}
+        started = stack.enter_context(
+            running_together(
+                *(
+                    {
+                        "workdir": root,
+                        "policy": wrapping_policy(root, f"{cls}.toml", url, cls),
+                        "transport": "streamable-http",
+                        "ledger": root / f"{cls}.db",
+                        "sandbox": root / f"{cls}-sandbox.db",
+                    }
+                    for cls, url in classes.items()
                 )
             )
-            anyio.run(_connected, served[cls])
+        )
+        served = dict(zip(classes, started, strict=True))
+        anyio.run(_connected, started)
         targets = {
             "direct": direct_url,
             "safe": served["safe-retry"].endpoint,
@@ -101,14 +110,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         yield Runs(done["direct"], done["safe"], done["keyed"], targets["keyed"], calls)
 
 
-# Checks that may still fail through commitgate, each with why; any other lost check fails the test.
-# resources/subscribe: commitgate speaks 2026-07-28 to an HTTP upstream, an era without that method
-# (a subscription there is a `subscriptions/listen` stream), and forwards a handshake-era client's
-# subscribe as it is, so the upstream answers "method not found".
-SUBSCRIBE = ("resources-subscribe", "resources-subscribe")
-STILL_LOST = {SUBSCRIBE: "a subscribe is not yet carried over to the upstream's era"}
-
-
 def _failures(run: SuiteRun, checks: set[tuple[str, str]]) -> str:
     return "\n".join(
         f"  {scenario} / {check}: {run.messages.get((scenario, check), 'not run')}"
@@ -125,11 +126,10 @@ def test_every_check_passes_against_the_everything_server(runs: Runs) -> None:
 
 def test_every_check_that_passes_directly_passes_through_commitgate(runs: Runs) -> None:
     lost = runs.direct.passed() - runs.safe.passed()
-    said = f"through commitgate {runs.safe.summary()} (directly {runs.direct.summary()}); lost:\n{_failures(runs.safe, lost)}"
-    assert not lost - STILL_LOST.keys(), said
-    if lost:
-        why = "; ".join(f"{check}: {STILL_LOST[(scenario, check)]}" for scenario, check in sorted(lost))
-        pytest.xfail(f"{why} ({said})")
+    assert not lost, (
+        f"through commitgate {runs.safe.summary()} (directly {runs.direct.summary()}); lost:\n"
+        f"{_failures(runs.safe, lost)}"
+    )
 
 
 def _refused_without_key(result: dict[str, Any]) -> bool:

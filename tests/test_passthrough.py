@@ -51,6 +51,7 @@ PIXEL = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 ERAS = {"legacy": "2025-11-25", "auto": "2026-07-28"}
+UPDATED, LIST_CHANGED = "notifications/resources/updated", "notifications/resources/list_changed"
 
 
 def policy(root: Path, sessions: str = "shared", bare: bool = False) -> Path:
@@ -133,17 +134,18 @@ class Heard:
             "message_handler": on_message,
         }
 
+    def of(self, method: str) -> list[Any]:
+        return [m for m in self.messages if getattr(m, "method", None) == method]
+
     def methods(self) -> list[str]:
         return [getattr(m, "method", type(m).__name__) for m in self.messages]
 
 
 @contextlib.asynccontextmanager
-async def stdio_served(
-    root: Path, mode: str, heard: Heard, stdio: str = "fast", bare: bool = False
-) -> AsyncIterator[Client]:
+async def stdio_served(root: Path, mode: str, heard: Heard, stdio: str = "fast") -> AsyncIterator[Client]:
     params = StdioServerParameters(
         command=str(CONSOLE_SCRIPT),
-        args=["serve", "--policy", str(policy(root, bare=bare)), "--stdio", stdio],
+        args=["serve", "--policy", str(policy(root)), "--stdio", stdio],
         env=base_env(),
     )
     with (root / "serve.stderr").open("a", encoding="utf-8") as errlog:
@@ -159,13 +161,15 @@ async def stdio_served(
 
 
 async def connected(client: Client) -> None:
-    """Both upstreams connected (they start in the background)."""
+    """Both upstreams connected (they start in the background), and alpha's tools served: a
+    `tools = "all"` upstream's tools are served once it has listed them, after its resources."""
 
     async def both() -> bool:
         uris = {r.uri for r in (await client.list_resources()).resources}
         return {"test://alpha/text", "test://beta/text"} <= uris
 
     await eventually(both, within=30)
+    await eventually(lambda: _has(client.list_tools(), "tools", "name", "whoami"), within=30)
 
 
 async def walk_through(client: Client, root: Path, heard: Heard, mode: str, tag: str = "") -> None:
@@ -270,9 +274,14 @@ async def asked_during_keyed_call(client: Client, root: Path, heard: Heard, tag:
 @pytest.mark.anyio
 @pytest.mark.parametrize(("mode", "stdio"), [("legacy", "fast"), ("auto", "fast"), ("legacy", "sdk")])
 async def test_stdio_passes_everything_through(tmp_path: Path, mode: str, stdio: str) -> None:
+    """Everything, then (on one server per era, so as to start fewer) what changes while serving,
+    each era the way it hears of changes, and cancellation."""
     heard = Heard()
     async with stdio_served(tmp_path, mode, heard, stdio) as client:
         await walk_through(client, tmp_path, heard, mode)
+        if stdio == "fast":
+            hears_changes = changes_on_the_connection if mode == "legacy" else changes_on_a_listen_stream
+            await hears_changes(client, tmp_path, heard)
 
 
 # --- HTTP: one server per transport for the module, two principals ------------------------------------
@@ -388,82 +397,69 @@ async def test_two_clients_never_hear_each_other(http_served: Any, http_root: Pa
         assert len(effects(http_root, tool="ask", topic=f"alone-{tag}")) == 1
 
 
-# --- what changes while serving, and cancellation (stdio, handshake era) ------------------------------
+# --- what changes while serving, and cancellation -----------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_changes(tmp_path: Path) -> None:
-    heard = Heard()
-    async with stdio_served(tmp_path, "legacy", heard, bare=True) as client:
-        await connected(client)
-        # an upstream with no tool entry is connected all the same: its resources and prompts are
-        # served, its tools are not
-        await eventually(
-            lambda: _has(client.list_resources(), "resources", "uri", "test://gamma/text"), within=30
-        )
-        assert {p.name for p in (await client.list_prompts()).prompts} >= {"gamma__greet", "gamma_rich"}
-        assert "gamma__chatter" not in {t.name for t in (await client.list_tools()).tools}
+async def changes_on_the_connection(client: Client, tmp_path: Path, heard: Heard) -> None:
+    """Handshake era: the changes arrive on the client's connection."""
+    # a subscription is forwarded, and the upstream's updates reach the subscriber
+    await client.subscribe_resource("test://alpha/text")
+    assert effects(tmp_path, tool="resources/subscribe") == [
+        {"server": "alpha", "tool": "resources/subscribe", "uri": "test://alpha/text"}
+    ]
+    await client.call_tool("touch", {"uri": "test://alpha/text"})
 
-        # a subscription is forwarded, and the upstream's updates reach the subscriber
-        await client.subscribe_resource("test://alpha/text")
-        assert effects(tmp_path, tool="resources/subscribe") == [
-            {"server": "alpha", "tool": "resources/subscribe", "uri": "test://alpha/text"}
-        ]
-        await client.call_tool("touch", {"uri": "test://alpha/text"})
+    def said(method: str) -> list[Any]:
+        return [m for m in heard.messages if getattr(m, "method", None) == method]
 
-        def said(method: str) -> list[Any]:
-            return [m for m in heard.messages if getattr(m, "method", None) == method]
+    updated = await eventually(lambda: said("notifications/resources/updated"))
+    assert [m.params.uri for m in updated] == ["test://alpha/text"]
+    await eventually(lambda: said("notifications/resources/list_changed"))
+    await eventually(lambda: said("notifications/prompts/list_changed"))
+    await client.unsubscribe_resource("test://alpha/text")
+    await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe"))
 
-        updated = await eventually(lambda: said("notifications/resources/updated"))
-        assert [m.params.uri for m in updated] == ["test://alpha/text"]
-        await eventually(lambda: said("notifications/resources/list_changed"))
-        await eventually(lambda: said("notifications/prompts/list_changed"))
-        await client.unsubscribe_resource("test://alpha/text")
-        await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe"))
-
-        # the upstream's own tools/list_changed: its new tool is served at once (tools = "all")
-        announced = len(said("notifications/tools/list_changed"))
-        await client.call_tool("grow", {"name": "sprout"})
-        await eventually(lambda: _has(client.list_tools(), "tools", "name", "sprout"))
-        await eventually(lambda: len(said("notifications/tools/list_changed")) > announced)
-        tools = {t.name: t for t in (await client.list_tools()).tools}
-        assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
-        assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
-        await cancellations(client, tmp_path)
+    # the upstream's own tools/list_changed: its new tool is served at once (tools = "all")
+    announced = len(said("notifications/tools/list_changed"))
+    await client.call_tool("grow", {"name": "sprout"})
+    await eventually(lambda: _has(client.list_tools(), "tools", "name", "sprout"))
+    await eventually(lambda: len(said("notifications/tools/list_changed")) > announced)
+    tools = {t.name: t for t in (await client.list_tools()).tools}
+    assert tools["sprout"].description and tools["sprout"].description.startswith("The sprout tool.")
+    assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+    await cancellations(client, tmp_path)
 
 
-@pytest.mark.anyio
-async def test_changes_reach_a_listening_client(tmp_path: Path) -> None:
+async def changes_on_a_listen_stream(client: Client, tmp_path: Path, heard: Heard) -> None:
     """2026-07-28: the same changes arrive on the client's `subscriptions/listen` stream, and the
     resources it names there are subscribed upstream while it listens."""
-    heard = Heard()
-    async with stdio_served(tmp_path, "auto", heard) as client:
-        await connected(client)
-        uri = "test://alpha/text"
-        async with client.listen(
-            tools_list_changed=True,
-            prompts_list_changed=True,
-            resources_list_changed=True,
-            resource_subscriptions=[uri],
-        ) as changes:
-            await eventually(lambda: effects(tmp_path, tool="resources/subscribe", uri=uri))
-            await client.call_tool("touch", {"uri": uri})
-            await client.call_tool("grow", {"name": "sprout"})
-            wanted = {
-                ResourceUpdated(uri=uri),
-                ResourcesListChanged(),
-                PromptsListChanged(),
-                ToolsListChanged(),
-            }
-            seen: set[Any] = set()
-            with anyio.fail_after(30):
-                async for event in changes:
+    uri = "test://alpha/text"
+    async with client.listen(
+        tools_list_changed=True,
+        prompts_list_changed=True,
+        resources_list_changed=True,
+        resource_subscriptions=[uri],
+    ) as changes:
+        await eventually(lambda: effects(tmp_path, tool="resources/subscribe", uri=uri))
+        await client.call_tool("touch", {"uri": uri})
+        await client.call_tool("grow", {"name": "sprout"})
+        wanted = {
+            ResourceUpdated(uri=uri),
+            ResourcesListChanged(),
+            PromptsListChanged(),
+            ToolsListChanged(),
+        }
+        seen: set[Any] = set()
+        with anyio.fail_after(30):
+            async for event in changes:
+                # the change that matters is the new tool's: one announced at connect may come first
+                if event != ToolsListChanged() or await _has(client.list_tools(), "tools", "name", "sprout"):
                     seen.add(event)
-                    if wanted <= seen:
-                        break
-        await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe", uri=uri))
-        assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
-        await cancellations(client, tmp_path)
+                if wanted <= seen:
+                    break
+    await eventually(lambda: effects(tmp_path, tool="resources/unsubscribe", uri=uri))
+    assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
+    await cancellations(client, tmp_path)
 
 
 async def cancellations(client: Client, root: Path) -> None:
@@ -499,8 +495,9 @@ async def cancellations(client: Client, root: Path) -> None:
 @pytest.mark.anyio
 async def test_per_client_sessions(tmp_path: Path) -> None:
     """Each client session calls through an upstream session of its own, closed with it: a question
-    asked while another client's call is in flight reaches its own client."""
-    path = policy(tmp_path, sessions="per-client")
+    asked while another client's call is in flight reaches its own client. (Beside them, an upstream
+    the policy gives no tool.)"""
+    path = policy(tmp_path, sessions="per-client", bare=True)
     path.write_text(path.read_text(encoding="utf-8") + http_servers.auth_section(), encoding="utf-8")
     alice, bob = Heard(), Heard()
     release = tmp_path / "release"
@@ -510,6 +507,13 @@ async def test_per_client_sessions(tmp_path: Path) -> None:
         async with http_client(served, "bob", "legacy", bob) as b:
             async with http_client(served, "alice", "legacy", alice) as a:
                 await connected(a)
+                # an upstream with no tool entry (gamma) is connected all the same: its resources
+                # and prompts are served, its tools are not
+                await eventually(
+                    lambda: _has(a.list_resources(), "resources", "uri", "test://gamma/text"), within=30
+                )
+                assert {p.name for p in (await a.list_prompts()).prompts} >= {"gamma__greet", "gamma_rich"}
+                assert "gamma__chatter" not in {t.name for t in (await a.list_tools()).tools}
                 pid_a = (await a.call_tool("whoami", {})).structured_content
                 pid_b = (await b.call_tool("whoami", {})).structured_content
                 assert pid_a and pid_b and pid_a != pid_b
@@ -670,11 +674,25 @@ async def test_an_http_upstream_of_the_other_era(tmp_path: Path) -> None:
                 def said_to(method: str) -> bool:
                     return any(getattr(m, "method", None) == method for m in heard.messages)
 
+                # a handshake-era subscribe, held upstream as a listen stream naming the URI
+                def updates() -> list[str]:
+                    return [m.params.uri for m in heard.of(UPDATED)]
+
+                await client.subscribe_resource("test://web/text")
                 await client.call_tool("touch", {"uri": "test://web/text"})
+                await eventually(lambda: updates() == ["test://web/text"])
                 await eventually(lambda: said_to("notifications/resources/list_changed"))
                 await eventually(lambda: said_to("notifications/prompts/list_changed"))
+                await client.unsubscribe_resource("test://web/text")
+                changes = len(heard.of(LIST_CHANGED))
+                await client.call_tool("touch", {"uri": "test://web/text"})
+                await eventually(lambda: len(heard.of(LIST_CHANGED)) > changes)
+                assert updates() == ["test://web/text"], "an update after unsubscribing"
+                # told of the new tool (not of the tools listed at connect), it can be called at once
+                announced = len(heard.of("notifications/tools/list_changed"))
                 await client.call_tool("grow", {"name": "sprout"})
-                await eventually(lambda: said_to("notifications/tools/list_changed"))
+                await eventually(lambda: _has(client.list_tools(), "tools", "name", "sprout"))
+                await eventually(lambda: len(heard.of("notifications/tools/list_changed")) > announced)
                 assert text(await client.call_tool("sprout", {"text": "hi"})) == "sprout says hi"
     finally:
         upstream.terminate()

@@ -35,6 +35,7 @@ UPSTREAM = TESTS_DIR / "support" / "upstream_server.py"
 DESCRIPTION = "Record a note (the side effect)."
 LATE = 8.0  # seconds the upstream takes to come up
 CHANGED = "notifications/tools/list_changed"
+NOTE_SCHEMA = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
 
 
 @contextlib.contextmanager
@@ -231,3 +232,26 @@ async def test_replicas_on_one_postgres_ledger_share_what_an_upstream_listed(tmp
         assert is_real(await advertised(second.client))
         assert "upstream stub: connected" not in second.logged()
     assert effects(log) == []
+
+
+async def test_an_upstream_added_while_serving_is_advertised_as_kept(tmp_path: Path) -> None:
+    """An upstream the policy gains by an edit, not reachable yet: its tool is advertised from the
+    definitions the ledger keeps, as at a start."""
+    port, ledger_path = free_port(), tmp_path / "ledger.db"
+    ledger = await open_ledger(f"sqlite:///{ledger_path}")
+    record = {"name": "record", "description": DESCRIPTION, "inputSchema": NOTE_SCHEMA}
+    await ledger.record_tool_definitions("stub", {"record": record}, time.time())
+    await ledger.close()
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[ledger]\nurl = "sqlite:///{ledger_path}"\n')
+    async with serving(policy, tmp_path / "serve.log", {}) as served:
+        policy.write_text(  # nothing listens on `port`: the upstream cannot list its tools
+            policy.read_text() + f'\n[upstreams.stub]\nurl = "http://127.0.0.1:{port}/mcp"\n'
+            '\n[tools.record]\nupstream = "stub"\nclass = "key-required"\n'
+        )
+
+        async def added() -> Any:
+            return {t.name: t for t in (await served.client.list_tools()).tools}.get("record")
+
+        tool = await eventually(added, within=30)
+        assert is_real(tool), tool

@@ -215,6 +215,7 @@ class UpstreamConnection:
         self._task: asyncio.Task[None] | None = None
         # What the upstream says to clients (server/serve/passthrough.py); its tools/list_changed lists again.
         self.relay = Relay(name, on_tools_changed=self.relist)
+        self._relisting = asyncio.Lock()
         self.own_sessions: PerClient[UpstreamConnection] = PerClient()  # sessions = "per-client"
 
     @property
@@ -362,20 +363,22 @@ class UpstreamConnection:
 
     async def relist(self) -> None:
         """List the tools again now (the upstream said they changed): new ones and changed
-        definitions are served as at a reconnect."""
-        client = self.client()
-        if client is None:
-            return
-        try:
-            tools = await _list_all(client)
-        except Exception as exc:  # the next connect lists them anyway
-            log.warning("upstream %s: could not list its changed tools: %s", self.name, _reason(exc))
-            return
-        if tools != self.tools:
-            self._say_new_offer(tools)
-            self.tools = tools
-            if self.on_new_tools is not None:
-                self.on_new_tools()
+        definitions are served as at a reconnect. One listing at a time, so an older listing
+        that answers late never replaces a newer one."""
+        async with self._relisting:
+            client = self.client()
+            if client is None:
+                return
+            try:
+                tools = await _list_all(client)
+            except Exception as exc:  # the next connect lists them anyway
+                log.warning("upstream %s: could not list its changed tools: %s", self.name, _reason(exc))
+                return
+            if tools != self.tools:
+                self._say_new_offer(tools)
+                self.tools = tools
+                if self.on_new_tools is not None:
+                    self.on_new_tools()
 
     def _say_new_offer(self, tools: dict[str, types.Tool]) -> None:
         """Log what a reconnected upstream offers now that it did not before, and what it dropped:

@@ -4,10 +4,10 @@ An upstream may take seconds to start (`npx -y` installing it), and an agent tha
 meanwhile keeps what it saw. So the definition each upstream last gave of its tools (title,
 description, schemas, annotations, `_meta`) is kept in the ledger (server/ledger/tool_definitions.py):
 `policy init` records what it listed, and a serving process records what it lists at each connect
-and reconnect when that differs from what is kept. At start, every connection that has not listed
-yet is given the kept definitions (`remembered`), so the first `tools/list` already advertises the
-real tools; when the upstream then lists the same, clients are told nothing. A tool nobody ever
-listed is advertised from the policy alone.
+and reconnect when that differs from what is kept. At start, and when a policy edit adds an
+upstream, every connection that has not listed yet is given the kept definitions (`remembered`),
+so the first `tools/list` already advertises the real tools; when the upstream then lists the
+same, clients are told nothing. A tool nobody ever listed is advertised from the policy alone.
 """
 
 from __future__ import annotations

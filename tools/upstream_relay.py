@@ -31,7 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import mcp.types as types
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.client.session import ClientRequestContext
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
@@ -172,6 +172,8 @@ class Relay:
     hub: Hub = field(default_factory=Hub)
     on_tools_changed: Callable[[], Coroutine[Any, Any, None]] | None = None  # list the tools again
     _inflight: list[Caller] = field(default_factory=list)
+    _subscriptions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # URI -> its listen stream
+    _relists: set[asyncio.Task[None]] = field(default_factory=set)
 
     @contextlib.asynccontextmanager
     async def watching(self, client: Client) -> AsyncIterator[None]:
@@ -186,6 +188,9 @@ class Relay:
                 yield
             finally:
                 group.cancel_scope.cancel()
+                for task in self._subscriptions.values():
+                    task.cancel()
+                self._subscriptions.clear()
 
     async def _listen(self, client: Client) -> None:
         try:
@@ -196,7 +201,55 @@ class Relay:
                 async for _ in events:
                     pass
         except Exception as exc:  # an upstream without listen streams: nothing changes, then
-            log.info("upstream %s: no change notifications (%s)", self.upstream, type(exc).__name__)
+            log.info("upstream %s: no change notifications (%s)", self.upstream, _name(exc))
+
+    async def subscribe(self, client: Client, uri: str) -> None:
+        """Have `uri`'s updates sent, in the era `client` speaks: `resources/subscribe` in the
+        handshake era; in 2026-07-28, which has no such method, a `subscriptions/listen` stream
+        naming the URI, held until `unsubscribe` (its updates reach `_message` as notifications).
+        Returns once the upstream accepted; raises what it answered otherwise."""
+        if client.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            await client.subscribe_resource(uri)
+            return
+        held = self._subscriptions.get(uri)
+        if held is not None and not held.done():
+            return
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        task = loop.create_task(self._hold_subscription(client, uri, accepted), context=outside_any_call())
+        self._subscriptions[uri] = task
+        try:
+            await accepted
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def unsubscribe(self, client: Client, uri: str) -> None:
+        if client.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            await client.unsubscribe_resource(uri)
+            return
+        task = self._subscriptions.pop(uri, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _hold_subscription(self, client: Client, uri: str, accepted: asyncio.Future[None]) -> None:
+        try:
+            async with client.listen(resource_subscriptions=[uri]) as events:
+                accepted.set_result(None)
+                async for _ in events:
+                    pass
+        except Exception as exc:
+            if not accepted.done():
+                accepted.set_exception(exc)
+            else:  # the stream ended (the connection went): the next subscribe opens another
+                log.info("upstream %s: the subscription to %s ended (%s)", self.upstream, uri, _name(exc))
+        finally:
+            if not accepted.done():
+                accepted.set_exception(MCPError(types.INTERNAL_ERROR, f"the subscription to {uri} ended"))
+            if self._subscriptions.get(uri) is asyncio.current_task():
+                del self._subscriptions[uri]
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments for the upstream's `Client`: commitgate declares what a client may
@@ -277,8 +330,12 @@ class Relay:
 
     async def _message(self, message: Any) -> None:
         if isinstance(message, types.ToolListChangedNotification):
-            if self.on_tools_changed is not None:
-                asyncio.get_running_loop().create_task(self.on_tools_changed(), context=outside_any_call())
+            if self.on_tools_changed is not None:  # not in the reader's task: it lists on this session
+                task = asyncio.get_running_loop().create_task(
+                    self.on_tools_changed(), context=outside_any_call()
+                )
+                self._relists.add(task)  # the loop keeps only a weak reference to a task
+                task.add_done_callback(self._relists.discard)
             return
         if isinstance(
             message,
@@ -287,3 +344,7 @@ class Relay:
             | types.PromptListChangedNotification,
         ):
             await self.hub.tell(self.upstream, message)
+
+
+def _name(exc: BaseException) -> str:
+    return type(exc).__name__

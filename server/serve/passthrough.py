@@ -34,6 +34,7 @@ from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.reload import ToolListAnnouncer
 from commitgate.tools.upstream import used_upstreams
 from commitgate.tools.upstream_catalog import Catalog, Upstreams
+from commitgate.tools.upstream_relay import Relay
 
 log = logging.getLogger("commitgate.passthrough")
 
@@ -141,14 +142,14 @@ class Passthrough:
                         await self._release(uri, holder)
 
     async def _hold(self, uri: str, holder: object) -> None:
-        """One upstream subscription per URI serves every client subscribed to it."""
+        """One upstream subscription per URI serves every client subscribed to it; a client is
+        counted only once the upstream accepted."""
         upstreams = self.connected()
         owner = await self.catalog.resource_owner(uri, upstreams)
         client = self._client(owner, upstreams)
-        fresh = not self._subscribers.get(uri)
+        if not self._subscribers.get(uri):
+            await self._relay(owner).subscribe(client, uri)
         self._subscribers.setdefault(uri, weakref.WeakSet()).add(holder)
-        if fresh:
-            await client.subscribe_resource(uri)
 
     async def _release(self, uri: str, holder: object | None) -> None:
         subscribers = self._subscribers.get(uri)
@@ -159,7 +160,14 @@ class Passthrough:
             upstreams = self.connected()
             with contextlib.suppress(MCPError):
                 owner = await self.catalog.resource_owner(uri, upstreams)
-                await self._client(owner, upstreams).unsubscribe_resource(uri)
+                await self._relay(owner).unsubscribe(self._client(owner, upstreams), uri)
+
+    def _relay(self, name: str) -> Relay:
+        """The relay of the upstream's shared session (where its subscriptions are held)."""
+        connection = self.gateway.upstreams.lookup(self.gateway.policy)(name)
+        if connection is None:
+            raise MCPError(types.INTERNAL_ERROR, f"upstream {name!r} is not connected; try again shortly")
+        return connection.relay
 
     async def list_prompts(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams

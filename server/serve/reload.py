@@ -49,7 +49,7 @@ from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError, ToolSource
 from commitgate.tools.upstream import UpstreamConnection, implied_entries
-from commitgate.tools.upstream_definitions import record_listed
+from commitgate.tools.upstream_definitions import record_listed, remembered
 
 log = logging.getLogger("commitgate.reload")
 
@@ -231,6 +231,8 @@ class PolicyReloader:
         policy = self._with_running_ledger(report.policy)
         try:
             await self.gateway.upstreams.update(policy, retire=False)  # the current policy still serves
+            # a new upstream that has not listed yet: its tools as last listed, as at a start
+            await remembered(self.gateway.upstreams, policy, self.gateway.ledger)
             using = self.gateway.collaborators(policy)
             served = build_tools(policy, self.path.parent, using, self._reusable(policy))
         except ToolBuildError as exc:

@@ -89,26 +89,36 @@ def run_suite(command: list[str], url: str, out: Path) -> SuiteRun:
 
 
 @contextmanager
-def everything_server(calls: Path | None = None) -> Iterator[str]:
-    """The project's everything-server over streamable HTTP; yields its URL. With `calls`, it writes
-    one line there per tool call it receives."""
-    env = {"EVERYTHING_CALLS": str(calls)} if calls else {}
-    proc = subprocess.Popen(
-        [sys.executable, str(EVERYTHING_SERVER)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, **env},
-    )
+def everything_servers(*calls: Path | None) -> Iterator[list[str]]:
+    """One everything-server over streamable HTTP per item of `calls`, started at once (their
+    imports overlap); yields their URLs. With a path, that server writes one line there per tool
+    call it receives."""
+    procs = []
     try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://"), f"the everything-server did not start (exit {proc.poll()})"
-        yield url
+        for path in calls:
+            env = {"EVERYTHING_CALLS": str(path)} if path else {}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(EVERYTHING_SERVER)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    env={**os.environ, **env},
+                )
+            )
+        urls = []
+        for proc in procs:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            assert url.startswith("http://"), f"the everything-server did not start (exit {proc.poll()})"
+            urls.append(url)
+        yield urls
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

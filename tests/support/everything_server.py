@@ -29,6 +29,7 @@ import uvicorn
 from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp.shared.message import ServerMessageMetadata
 from mcp.types import JSONRPCMessage
 
@@ -521,6 +522,8 @@ def build_server() -> Server[Any]:
             on_get_prompt=get_prompt,
             on_completion=complete,
             on_set_logging_level=set_level,
+            # 2026-07-28 has no resources/subscribe: a client subscribes on a listen stream
+            on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
         )
 
 
