@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.tools import BaseTool
-from langchain_mcp_adapters.tools import load_mcp_tools
+from langchain_mcp_adapters.tools import load_mcp_tools  # pyright: ignore[reportMissingImports] (needs mcp<2: not in the dev venv)
 
 from commitgate.client.keys import StepFunction, prepare
 

@@ -391,7 +391,7 @@ async def test_stats_adds_what_only_a_running_server_counts(
             self.end_headers()
             self.wfile.write(body if ok else b"")
 
-        def log_message(self, *args: Any) -> None:
+        def log_message(self, format: str, *args: Any) -> None:
             return None
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
