@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 from langchain_core.tools import BaseTool
-from langchain_mcp_adapters.tools import load_mcp_tools
+from langchain_mcp_adapters.tools import load_mcp_tools  # pyright: ignore[reportMissingImports] (needs mcp<2: not in the dev venv)
 
 from commitgate.client.keys import StepFunction, prepare
 

@@ -71,7 +71,8 @@ async def test_a_call_needing_approval_is_recorded_with_no_attempt_and_no_lease(
     )
     stored = await ledger.get("alice", "s1", "k1")
     assert (
-        stored == op
+        stored is not None
+        and stored == op
         and stored.approval is not None
         and stored.approval.stored() == WAIT
         and stored.expires_at is None

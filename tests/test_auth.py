@@ -78,7 +78,7 @@ def test_matching_compares_digests_with_every_entry(monkeypatch: pytest.MonkeyPa
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(tokens.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
     assert principal_of(table, ALICE) == "alice"  # the first entry matches ...
     assert len(compared) == 2  # ... and the second is compared anyway: no early exit
     assert all(len(a) == len(b) == 32 for a, b in compared)  # SHA-256 digests, never raw tokens

@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {
-    "commitgate.server": ROOT / "server",
-    "commitgate.tools": ROOT / "tools",
-    "commitgate.client": ROOT / "client",
-}
+# The folder -> import-name mapping has one home: src/commitgate/, a link per top-level folder.
+PACKAGE = ROOT / "src" / "commitgate"
+FOLDERS = {f"commitgate.{link.name}": link.resolve() for link in sorted(PACKAGE.iterdir())}
 
 # Lowest first. A module belongs to the first layer whose prefix matches its name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -138,6 +136,23 @@ def _reasons(module: str, own: int | None, target: str) -> list[str]:
 
 def test_no_layer_imports_a_higher_one() -> None:
     assert violations(FOLDERS) == []
+
+
+def test_the_mapping_is_links_to_the_top_level_folders() -> None:
+    assert set(FOLDERS) >= {"commitgate.server", "commitgate.tools", "commitgate.client"}
+    for name, folder in FOLDERS.items():
+        link = PACKAGE / name.removeprefix("commitgate.")
+        assert link.is_symlink() and folder.parent == ROOT and (folder / "__init__.py").is_file(), name
+
+
+def test_both_type_checkers_check_every_mapped_folder() -> None:
+    """pyright follows only the links it is told of; mypy walks src/commitgate/ itself."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    for name in FOLDERS:
+        assert f"src/{name.replace('.', '/')}" in tool["pyright"]["include"], name
+    assert "src/commitgate" in tool["mypy"]["files"]
 
 
 def test_every_layer_has_its_folder() -> None:

@@ -8,7 +8,7 @@ import tomllib
 import uuid
 from pathlib import Path
 
-import jsonschema
+import jsonschema.validators
 import pytest
 from support.policy import run
 

@@ -45,7 +45,11 @@ def exported() -> Iterator[InMemorySpanExporter]:
 
 
 def _tree(spans: tuple[ReadableSpan, ...], parent: ReadableSpan) -> list[tuple[str, dict[str, Any]]]:
-    children = [s for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id]
+    children = [
+        s
+        for s in spans
+        if s.parent is not None and parent.context is not None and s.parent.span_id == parent.context.span_id
+    ]
     return [(s.name, dict(s.attributes or {})) for s in sorted(children, key=lambda s: s.start_time or 0)]
 
 

@@ -30,7 +30,8 @@ from support.wrapping import (
     upstream_listed,
 )
 
-from commitgate.server.policy.loading import PolicyError, loads_policy
+from commitgate.server.policy.loading import loads_policy
+from commitgate.server.policy.problems import PolicyError
 
 ROOT = TESTS_DIR.parent
 HINTED = TESTS_DIR / "support" / "hinted_server.py"

@@ -46,7 +46,7 @@ from urllib.parse import quote, urlsplit
 
 import anyio.to_thread
 import httpx2
-import jsonschema
+import jsonschema.validators
 
 from commitgate.server.model import traces
 from commitgate.server.model.context import OperationContext

@@ -594,7 +594,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commitgate sandbox", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="commitgate sandbox", description=(__doc__ or "").split("\n\n")[0])
     add_arguments(parser)
     return cmd_sandbox(parser.parse_args(argv))
 

@@ -81,7 +81,7 @@ async def _round(verifier: OAuthVerifier, tokens: dict[str, str], calls: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true")

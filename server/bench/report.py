@@ -618,10 +618,10 @@ def _rows_tracing(results: dict[str, Any]) -> list[Row]:
 def plot(results: dict[str, Any], raw: dict[str, Any], path: Path) -> str:
     """Draw the figures to `path` if matplotlib is importable; say what happened either way."""
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports] (optional: charts when installed)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
     except ImportError:
         return "--plot skipped: matplotlib is not installed (pip install matplotlib)"
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))

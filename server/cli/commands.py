@@ -30,6 +30,7 @@ class CommandParser(argparse.ArgumentParser):
             getattr(importlib.import_module(module), function)(self)
         return self
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+    # typeshed spells this as two overloads; one signature taking both serves every caller.
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
         self.loaded()
         return super().parse_known_args(args, namespace)

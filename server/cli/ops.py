@@ -711,7 +711,7 @@ def scrape_metrics(url: str, token: str | None) -> dict[str, float]:
         raise CommandError(f"cannot read metrics from {url}: {exc}") from None
     except ValueError:  # the parser's: the answer is not Prometheus text
         raise CommandError(f"{url} did not answer Prometheus metrics: point --metrics at /metrics") from None
-    totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    totals: dict[str, float] = dict.fromkeys(SERVER_COUNTERS, 0.0)
     for family in families:
         name = family.name.removeprefix("commitgate_")
         if name in totals:

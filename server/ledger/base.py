@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from commitgate.server.model.amounts import number
 from commitgate.server.model.audit import Actor, AuditEvent
@@ -424,7 +424,16 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def timed(
+_Step = TypeVar("_Step", bound=Callable[..., Coroutine[Any, Any, Any]])
+
+
+def timed(step: _Step) -> _Step:
+    """`_timed`, giving back the step's own type: mypy names an `async def`'s result `Coroutine` and
+    pyright `CoroutineType`, so a rebuilt signature would match the `Ledger` protocol for one only."""
+    return cast(_Step, _timed(step))
+
+
+def _timed(
     step: Callable[Concatenate[_L, _P], Coroutine[Any, Any, _T]],
 ) -> Callable[Concatenate[_L, _P], Coroutine[Any, Any, _T]]:
     """A backend's ledger step that reports its latency, awaited in full, to the ledger's `timer`.

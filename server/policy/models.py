@@ -430,7 +430,10 @@ class UpstreamPolicy(_Strict):
     @field_validator("default_class")
     @classmethod
     def _class_without_declarations(cls, value: IdempotencyClass | None) -> IdempotencyClass | None:
-        if value in (IdempotencyClass.KEY_AND_STATUS_CHECK, IdempotencyClass.COMPENSABLE):
+        if value is not None and value in (
+            IdempotencyClass.KEY_AND_STATUS_CHECK,
+            IdempotencyClass.COMPENSABLE,
+        ):
             raise ValueError(
                 f"{value.value} needs a status_check or compensate of its own: give such tools a "
                 "[tools.X] entry; default_class is safe-retry or key-required"

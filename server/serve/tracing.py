@@ -114,7 +114,7 @@ def _otlp(environ: Mapping[str, str]) -> Any:
         or "http/protobuf"
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter  # pyright: ignore[reportMissingImports] (optional)
 
         return GrpcExporter()
     if protocol != "http/protobuf":

@@ -17,7 +17,7 @@ from importlib.metadata import version
 from typing import Any
 
 from langchain_core.messages import AIMessage, ToolMessage
-from langchain_mcp_adapters.tools import load_mcp_tools
+from langchain_mcp_adapters.tools import load_mcp_tools  # pyright: ignore[reportMissingImports] (in .venv-sdk1 only)
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from mcp import ClientSession, StdioServerParameters
