@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from langchain_core.messages import AIMessage, ToolMessage
-from langchain_mcp_adapters.client import MultiServerMCPClient
+from langchain_mcp_adapters.client import MultiServerMCPClient  # pyright: ignore[reportMissingImports] (in .venv-sdk1 only)
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
