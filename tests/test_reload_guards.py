@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 from support.http_servers import Served, connect, error_code, running
+from support.postgres import fresh_url
 
 from commitgate.server.policy.guards import weakenings
 from commitgate.server.policy.loading import loads_policy
@@ -186,15 +187,19 @@ def edit_back_soon(
 
 
 @pytest.mark.slow
-def test_weakening_what_a_tools_all_upstream_serves_waits_for_a_quiet_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_weakening_what_a_tools_all_upstream_serves_waits_for_a_quiet_file(
+    tmp_path: Path, backend: str
+) -> None:
     """What is compared is what will be served: the entry of a tool its upstream still offers dropped
     (with its approval), or `default_class` loosened to safe-retry, each waits like any weakening."""
     policy = tmp_path / "policy.toml"
     full = upstream_policy(tmp_path)
     policy.write_text(full, encoding="utf-8")
     note = {"text": "hello", "idempotency_key": "n-1"}
+    ledger = fresh_url() if backend == "postgres" else tmp_path / "ledger.db"
     with running(
-        tmp_path, policy, "streamable-http", ledger=tmp_path / "ledger.db", sandbox=tmp_path / "sandbox.db"
+        tmp_path, policy, "streamable-http", ledger=ledger, sandbox=tmp_path / "sandbox.db"
     ) as served:
         wait_for(lambda: logged(served, "upstream tools refreshed") >= 1, "the upstream's tools")
         assert anyio.run(call_upstream, served, "note", note) == "approval_pending"

@@ -182,7 +182,7 @@ def start_server(
     policy: Path,
     transport: str,
     *,
-    ledger: Path,
+    ledger: Path | str,  # a SQLite file, or a ledger URL (PostgreSQL)
     sandbox: Path,
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
@@ -195,7 +195,7 @@ def start_server(
     argv = server_argv(
         [
             "--transport", transport, "--host", "127.0.0.1", "--port", str(port), "--policy", str(policy),
-            "--ledger", f"sqlite:///{ledger}", "--log-level", log_level, *args,
+            "--ledger", ledger if isinstance(ledger, str) else f"sqlite:///{ledger}", "--log-level", log_level, *args,
         ],
         preamble,
     )  # fmt: skip
