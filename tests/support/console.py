@@ -319,7 +319,8 @@ async def spend_in_every_budget(where: Path | str, at: float) -> None:
         ("alice", "s1", 999, at - 40 * DAY),  # out of the window
     ]
     await spend(where, "payments", payments)
-    await spend(where, "payments", [("alice", "s1", 5000, at - DAY)], State.FAILED_FINAL)
+    # certainly not applied: gives its amount back (a FAILED_FINAL that ran would keep it)
+    await spend(where, "payments", [("alice", "s1", 5000, at - DAY)], State.FAILED_RETRYABLE)
     await spend(where, "payments", [("bob", "s3", 70, at - 3 * HOUR)], State.UNKNOWN)
     travel = [
         ("alice", "s1", 700, at - 3 * HOUR),
