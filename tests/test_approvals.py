@@ -103,7 +103,7 @@ async def test_approve_then_exactly_one_take_of_many(ledger: Ledger) -> None:
     history = await ledger.history(op.operation_id)
     approved_entry = next(e for e in history if e.event == "approved")
     assert (approved_entry.actor, approved_entry.detail) == (
-        "ops-anna",
+        "operator:ops-anna",
         {"via": "operator", "reason": "ok'd"},
     )
 

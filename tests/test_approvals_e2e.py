@@ -93,6 +93,8 @@ async def ops(d: Deployment, *args: str, ledger: str | None = None) -> subproces
     The command's own entry point, run in this process (not the server's): its decision reaches the
     server only through the ledger, as an operator's does, without paying a Python start per command."""
     argv = ["ops", *args, "--ledger", ledger or f"sqlite:///{d.ledger}"]
+    if args[0] in ("approve", "deny", "resolve") and "--by" not in args:
+        argv += ["--by", "ops-on-call"]  # the servers' agent is the OS user: an operator is someone else
     return await anyio.to_thread.run_sync(_command, argv)
 
 

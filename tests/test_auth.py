@@ -176,3 +176,24 @@ def test_tokens_without_a_role_are_agents() -> None:
     table = load_tokens(policy(ALICE_ENV), {"T_ALICE": ALICE})
     holder = table.holder_of(ALICE)
     assert holder is not None and holder.role == "agent" and not table.has("operator")
+
+
+def test_one_digest_in_two_cases_is_one_token_for_policy_check_and_serve(tmp_path: Path) -> None:
+    """Hex digits name the same digest in either case: `policy check` says so, as `serve` does."""
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        f'[[auth.tokens]]\nprincipal = "alice"\ntoken_sha256 = "{sha(ALICE).upper()}"\n\n'
+        f'[[auth.tokens]]\nprincipal = "ops"\nrole = "operator"\ntoken_sha256 = "{sha(ALICE)}"\n'
+    )
+    said = "auth.tokens[1]: the same token is also given to agent 'alice' (line 5)"
+    cli = [sys.executable, "-m", "commitgate.server.cli"]
+    checked = subprocess.run([*cli, "policy", "check", str(path)], capture_output=True, text=True)
+    assert (checked.returncode, said in checked.stdout) == (1, True), checked.stdout
+    served = subprocess.run(
+        [*cli, "serve", "--transport", "streamable-http", "--port", "0", "--policy", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert served.returncode != 0 and said in served.stderr, served.stderr
+    assert "Traceback" not in served.stderr

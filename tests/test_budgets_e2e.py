@@ -171,7 +171,7 @@ async def test_past_the_limit_a_person_decides_approved_charges_once_denied_neve
         denied_call = await server.call("charge_card", charge("c4", 100), session="s")
         assert error_code(denied_call) == "approval_pending"
         denied_id = operation(denied_call)["operation_id"]
-        assert ops(d, "deny", denied_id, "--reason", "over budget").returncode == 0
+        assert ops(d, "deny", denied_id, "--reason", "over budget", "--by", "anna").returncode == 0
         after = await server.call("charge_card", charge("c4", 100), session="s")
         assert error_code(after) == "approval_denied", after.content
     assert d.count("charges") == 3 and d.count("charges", description="c4") == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 import textwrap
 from pathlib import Path
 
@@ -121,3 +122,45 @@ async def test_an_unknown_outcome_is_not_resolved_in_an_agents_name(
         assert replay.error is None and replay.replayed and record.count() == 1
     finally:
         await boundary.ledger.close()
+
+
+@pytest.mark.anyio
+async def test_on_stdio_the_os_user_is_the_agent_and_cannot_approve_its_own_call(tmp_path: Path) -> None:
+    """No [server] principal: the stdio agent is the OS user, who is also `--by`'s default. Real
+    processes: `commitgate serve` over stdio, `commitgate ops approve` with and without a policy."""
+    import subprocess
+
+    from support.wrapping import CONSOLE_SCRIPT, error_code, operation, serve
+
+    ledger, sandbox = tmp_path / "ledger.db", tmp_path / "sandbox.db"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f'[ledger]\nurl = "sqlite:///{ledger}"\n\n[tools.send_email]\nclass = "key-required"\n'
+        'python = "commitgate.tools.demo:send_email"\napproval = { via = ["operator"] }\n'
+    )
+    email = {"to": "a@example.com", "subject": "s", "body": "b", "idempotency_key": "mail-1"}
+
+    def approve(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = [str(CONSOLE_SCRIPT), "ops", "approve", op_id, "--ledger", f"sqlite:///{ledger}", *extra]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    async with serve(policy, tmp_path / "stderr.log", {"COMMITGATE_SANDBOX": str(sandbox)}) as client:
+        pending = await client.call_tool("send_email", email)
+        assert error_code(pending) == "approval_pending"
+        op_id = str(pending.structured_content["error"]["operation"]["operation_id"])
+        me = local_operator()
+        unnamed = await anyio.to_thread.run_sync(approve)
+        assert (
+            unnamed.returncode == 1 and f"the OS user {me!r} is the principal of the agent" in unnamed.stderr
+        )
+        assert "Pass --by YOUR_NAME" in unnamed.stderr and "Traceback" not in unnamed.stderr
+        named = await anyio.to_thread.run_sync(approve, "--by", me, "--policy", str(policy))
+        assert named.returncode == 1 and f"--by {me!r} is the principal" in named.stderr, named.stderr
+        still = await client.call_tool("send_email", email)
+        assert error_code(still) == "approval_pending"
+        person = await anyio.to_thread.run_sync(approve, "--by", f"{me}-in-person")
+        assert person.returncode == 0, person.stderr
+        ran = await client.call_tool("send_email", email)
+        assert error_code(ran) is None and operation(ran)["attempts"] == 1
+    with sqlite3.connect(sandbox) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 1

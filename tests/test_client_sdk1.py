@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,71 @@ def test_gate_on_the_sdk_1_line_replays_a_step_and_names_a_duplicate(runs: dict[
     gate = seen["gate"]
     assert gate["replayed"] == [False, True] and gate["same"] is True
     assert gate["duplicate_of"] == gate["operation_id"]
+
+
+SHORT_SESSION = ROOT / "tests" / "sdk1" / "short_session.py"
+STUB = ROOT / "tests" / "support" / "upstream_server.py"
+NOISE = ("Traceback", "BrokenResourceError", "BrokenPipeError", "EPIPE")
+
+
+def late_upstreams_policy(box: AgentSandbox, count: int = 4) -> Path:
+    """The sandbox's policy plus `count` upstreams (our stub) that come up one after another while a
+    short session runs and ends: each announces `tools/list_changed`, and each is still closing, or
+    still starting, when the session's client has closed stdin."""
+    policy = box.root / "policy.toml"
+    text = policy.read_text(encoding="utf-8")
+    for n in range(count):
+        start = f"sleep {0.4 * n:.1f}; exec {sys.executable} {STUB}"
+        text += (
+            f'\n[upstreams.late{n}]\ncommand = "sh"\nargs = ["-c", "{start}"]\n'
+            f'env = {{ STUB_LOG = "{box.root / f"late{n}.jsonl"}" }}\ntools = "all"\n'
+            'default_class = "key-required"\n'
+        )
+    policy.write_text(text, encoding="utf-8")
+    return policy
+
+
+def test_short_langgraph_sessions_close_cleanly(sdk1: Path, tmp_path: Path) -> None:
+    """Each run exits 0 with nothing but its answer: no BrokenResourceError from the 1.x SDK's reader
+    at the close, no broken-pipe trace of an upstream cut off while the server stopped."""
+    box = AgentSandbox.create(tmp_path / "short")
+    late_upstreams_policy(box)
+    runs = [
+        subprocess.Popen(
+            [str(sdk1), str(SHORT_SESSION), json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for config in (
+            {"server": box.commitgate, "env": box.env, "contained": True, "run_id": f"run-{n}"}
+            for n in range(3)
+        )
+    ]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        noise = [line for line in err.splitlines() if any(word in line for word in NOISE)]
+        assert run.returncode == 0 and not noise, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == ["success"]
+    assert box.charges() == 3  # one per run: each had its own run id
+
+
+FAREWELL = ROOT / "tests" / "sdk1" / "farewell_server.py"
+
+
+@pytest.mark.parametrize("contained", [True, False], ids=["commitgate_session", "client.session"])
+def test_a_message_at_the_close_fails_only_the_bare_session(
+    sdk1: Path, tmp_path: Path, contained: bool
+) -> None:
+    """The 1.x SDK's own race, made certain by a server that logs as it exits: through
+    `client.session` the run exits 1 with BrokenResourceError after its work was done; through
+    `commitgate_session` it exits 0."""
+    config = {"server": [str(sdk1), str(FAREWELL)], "env": {}, "contained": contained, "run_id": "run-1"}
+    done = subprocess.run(
+        [str(sdk1), str(SHORT_SESSION), json.dumps(config)], capture_output=True, text=True, timeout=300
+    )
+    if contained:
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == ["success"]
+    else:  # the SDK's race itself: if this ever passes, the SDK fixed it and the containment can go
+        assert done.returncode == 1 and "BrokenResourceError" in done.stderr, done.stderr[-3000:]

@@ -938,6 +938,18 @@ def test_approving_from_the_list_lets_the_retry_run_exactly_once(policy: Path, l
     assert demo.count("emails") == 1
 
 
+def test_a_console_signed_in_as_the_agents_principal_decides_nothing(policy: Path, ledger_url: str) -> None:
+    """`--as agent` starts (no policy names every principal), but cannot approve the agent's own call."""
+    op_id = awaiting_mail(policy)  # the policy's [server] principal is "agent"
+    with console_client(ledger_url, loopback_access("agent"), policy=policy) as client:
+        refused = decide_form(client, op_id, "approve")
+        assert refused.status_code == 409 and "is the principal of the agent that made" in refused.text
+        assert "--as NAME" in refused.text
+    assert state_of(ledger_url, op_id) is State.AWAITING_APPROVAL
+    assert error_code(asyncio.run(call(policy, "mail_out", "mail-1", **OUTSIDE))) == "approval_pending"
+    assert demo.count("emails") == 0
+
+
 def test_denying_needs_a_reason_and_the_retry_answers_approval_denied(policy: Path, ledger_url: str) -> None:
     op_id = awaiting_mail(policy)
     with console_client(ledger_url, loopback_access("alice"), policy=policy) as client:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import anyio
@@ -144,9 +145,36 @@ def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
-# The server's HEADER_TIMEOUT (10 s), shortened in its process: the test waits it out for a connection
-# that never finishes its headers.
-SHORT_HEADER_TIMEOUT = "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1"
+# The server's HEADER_TIMEOUT (10 s) and BODY_TIMEOUT (30 s), shortened in its process: the test waits
+# them out for a connection that never finishes its headers, and one that trickles its body.
+SHORT_HEADER_TIMEOUT = (
+    "import commitgate.server.serve.http as http\nhttp.HEADER_TIMEOUT = 1\nhttp.BODY_TIMEOUT = 2"
+)
+
+
+def _trickled_body_held_for(port: int, give_up: float) -> float:
+    """Send a POST's headers, then its body one byte every 0.2 s; the seconds until the server closes
+    the connection (or `give_up`, when it never does)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=give_up) as conn:
+        conn.sendall(
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json, text/event-stream\r\nContent-Length: 100000\r\n\r\n{"
+        )
+        conn.settimeout(0.2)
+        while time.monotonic() - started < give_up:
+            try:
+                if conn.recv(1024) == b"":
+                    break
+            except TimeoutError:
+                pass
+            except ConnectionError:
+                break
+            try:
+                conn.sendall(b" ")
+            except OSError:
+                break
+    return time.monotonic() - started
 
 
 def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
@@ -201,6 +229,9 @@ def test_http_host_checks_headers_and_health(tmp_path: Path) -> None:
                 closed = False
             assert closed, "a connection that never finished its headers was kept open"
 
+        held = _trickled_body_held_for(port, give_up=12.0)  # a byte at a time: never idle, never done
+        assert held < 8.0, f"a body trickled a byte at a time held its connection for {held:.1f} s"
+
         for suffix in ("", "-wal", "-shm"):
             Path(f"{ledger}{suffix}").unlink(missing_ok=True)
         assert healthz("127.0.0.1") == 503  # a ledger gone from its path is not healthy
@@ -218,3 +249,43 @@ async def test_a_truncated_shared_memory_file_is_not_a_silent_death(tmp_path: Pa
             await server.call("send_email", {**email, "idempotency_key": new_id("b")})
     (log,) = tmp_path.glob("server-*.stderr")
     assert "Fatal Python error: Bus error" in log.read_text(encoding="utf-8")
+
+
+def test_a_hung_stdio_upstream_and_its_child_end_with_the_server(tmp_path: Path) -> None:
+    """A client closes stdin, then sends SIGTERM while the server still waits for a hung upstream to
+    stop: the upstream and the child it started must not outlive the server."""
+    hung = Path(__file__).resolve().parent / "support" / "hung_server.py"
+    pids_file = tmp_path / "pids"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n\n'
+        f'[upstreams.hung]\ncommand = "{sys.executable}"\nargs = ["{hung}"]\n'
+        f'env = {{ HUNG_PIDS = "{pids_file}" }}\n\n[tools.x]\nupstream = "hung"\nclass = "key-required"\n'
+    )
+    argv = [sys.executable, "-m", "commitgate.server.cli", "serve", "--policy", str(policy)]
+    server = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids_file.exists() and len(pids_file.read_text().split()) == 2):
+            assert time.monotonic() < deadline and server.poll() is None, "the upstream never started"
+            time.sleep(0.05)
+        pids = [int(pid) for pid in pids_file.read_text().split()]
+        time.sleep(0.5)  # it is connecting: the upstream never answers
+        assert server.stdin is not None
+        server.stdin.close()  # the client is done...
+        time.sleep(0.5)
+        server.send_signal(signal.SIGTERM)  # ...and stops the server before the SDK's 2 s grace is over
+        server.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(_exited(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if not _exited(pid)] == [], "the upstream outlived the server"
+    finally:
+        if server.poll() is None:
+            server.kill()
+        if pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pids[0], signal.SIGKILL)  # the group this test's upstream started

@@ -99,6 +99,11 @@ forwards_key = true
 http = {{ method = "POST", url = "{url}/v1/charges", {WRONG_AUTH}, timeout = "3s" }}
 {FAST_RETRY}
 
+[tools.refund_charge]
+class = "key-required"
+input_schema = {{ type = "object", properties = {{ charge = {{ type = "string" }}, amount_cents = {{ type = "integer" }} }}, required = ["charge", "amount_cents"] }}
+http = {{ method = "POST", url = "{url}/v1/charges/{{arguments.charge}}/refunds", {AUTH}, timeout = "3s" }}
+
 [tools.get_charge]
 class = "safe-retry"
 input_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
@@ -206,6 +211,23 @@ async def test_a_status_declared_retryable_is_retried_and_acts_once(
     assert error_code(default) == "operation_outcome_unknown"
     assert api.count("charges", idempotency_key="default-500") == 0
     assert [r["status"] for r in requests_for(api, "default-500")] == [500]
+
+
+@pytest.mark.anyio
+async def test_a_url_placeholder_never_leaves_its_path_segment(gateway: Gateway, api: SandboxProcess) -> None:
+    """`/v1/charges/{arguments.charge}/refunds` with ".." would be POST /v1/refunds, with the key."""
+    for n, dots in enumerate((".", "..")):
+        key = f"dots-{n}"
+        refused = await call(
+            gateway.client, "refund_charge", {"charge": dots, "amount_cents": 1, "idempotency_key": key}
+        )
+        assert error_code(refused) == "invalid_arguments", refused.content
+        assert "cannot be a segment of the URL's path" in refused.content[0].text  # type: ignore[union-attr]
+        assert requests_for(api, key) == []  # nothing reached the API: not /v1/refunds, not anywhere
+    paid = succeeded(await call(gateway.client, "charge_plain", charge(300, "dots-charge")))
+    refund = {"charge": paid["id"], "amount_cents": 100, "idempotency_key": "dots-refund"}
+    assert succeeded(await call(gateway.client, "refund_charge", refund))["charge"] == paid["id"]
+    assert [r["path"] for r in requests_for(api, "dots-refund")] == [f"/v1/charges/{paid['id']}/refunds"]
 
 
 @pytest.mark.anyio

@@ -32,7 +32,7 @@ from commitgate.server.ledger.base import (
 )
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.ledger.sqlite._schema import MIGRATIONS
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
@@ -246,7 +246,7 @@ async def test_update_records_an_outcome(ledger: Ledger) -> None:
         State.SUCCEEDED,
         result=RESULT,
         reconciliation=ReconciliationNote("status_check", verdict="found"),
-        actor="tester",
+        actor=Actor.operator("tester"),
         detail={"why": "because"},
     )
     done = await ledger.update(op.operation_id, change, T0 + 3)
@@ -261,7 +261,7 @@ async def test_update_records_an_outcome(ledger: Ledger) -> None:
         "succeeded",
         "RUNNING",
         "SUCCEEDED",
-        "tester",
+        "operator:tester",
         {"why": "because"},
     )
 

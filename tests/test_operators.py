@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
 OPERATOR_TOKEN = "ops-carol-token-7d1e5b93a0c4"
+EVERY_PRINCIPAL_TOKEN = "ops-dave-token-0b9e4c27f6a1"
 SESSION, KEY, ARGUMENT = "sess-7f3a9c02e1", "key-51d0e2b7aa", "arg-93b1c4d8ee"
 CLONE_NEWNET = 0x40000000
 CONSOLE_PORT = 8766  # a fresh network namespace has every port free
@@ -57,6 +58,11 @@ principal = "ops-carol"
 role = "operator"
 principals = ["alice"]
 token_sha256 = "{hashlib.sha256(OPERATOR_TOKEN.encode()).hexdigest()}"
+
+[[auth.tokens]]
+principal = "ops-dave"
+role = "operator"
+token_sha256 = "{hashlib.sha256(EVERY_PRINCIPAL_TOKEN.encode()).hexdigest()}"
 
 [budgets.spend]
 amount = "arguments.amount_cents"
@@ -297,6 +303,19 @@ def test_metrics_labels_carry_no_session_key_or_argument(deployment: Deployment)
     assert 'commitgate_budget_spent{budget="spend",principal="alice"} 950.0' in text
     assert 'commitgate_budget_sessions_near_limit{budget="per_session"} 1.0' in text
     assert 'commitgate_budget_limit{budget="per_session"} 1000.0' in text
+
+
+def test_metrics_show_an_operator_only_the_spending_of_its_principals(deployment: Deployment) -> None:
+    for who, amount in (("alice", 120), ("bob", 340)):
+        charge = {"card": "4242", "amount_cents": amount, "idempotency_key": f"seen-{who}"}
+        assert not anyio.run(call, deployment.server, who, "charge_card", charge).is_error
+    base = deployment.server.base + "/metrics"
+    carol = httpx2.get(base, headers=OPERATOR).text  # sees alice only, as on the console
+    dave = httpx2.get(base, headers={"Authorization": f"Bearer {EVERY_PRINCIPAL_TOKEN}"}).text
+    assert 'commitgate_budget_spent{budget="spend",principal="alice"}' in carol
+    assert 'principal="bob"' not in carol
+    assert 'commitgate_budget_spent{budget="spend",principal="bob"} 340.0' in dave
+    assert 'principal="alice"' in dave
 
 
 def test_a_console_bound_elsewhere_without_an_operator_token_names_the_key_to_add(

@@ -9,6 +9,7 @@ lost, so commitgate cannot tell and records `UNKNOWN`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -455,3 +456,37 @@ async def test_show_masks_secrets_on_screen_and_keeps_them_in_json(
     assert "•••• 4242" in shown.out and "500" in shown.out
     raw = await cli(capsys, ["ops", "show", op_id, "--ledger", ledger_url, "--json"])
     assert json.loads(raw.out)["arguments"] == arguments
+
+
+SECRET_TOOL = '''
+def issue_key(name: str) -> dict:
+    """Issue an API key (its result carries the credential)."""
+    return {"name": name, "api_key": "sk_live_s3cr3t_f0r_" + name}
+'''
+
+
+async def test_show_masks_a_credential_in_the_text_block_as_in_structured_content(tmp_path: Path) -> None:
+    """A tool's text block repeats its structured result: `ops show` hides the credential in both."""
+    from support.wrapping import CONSOLE_SCRIPT, operation, serve
+
+    (tmp_path / "secret_tools.py").write_text(SECRET_TOOL)
+    policy, ledger = tmp_path / "policy.toml", tmp_path / "ledger.db"
+    policy.write_text(
+        f'[ledger]\nurl = "sqlite:///{ledger}"\n\n'
+        '[tools.issue_key]\nclass = "key-required"\npython = "secret_tools:issue_key"\n'
+    )
+    async with serve(policy, tmp_path / "stderr.log") as client:
+        issued = await client.call_tool("issue_key", {"name": "ann", "idempotency_key": "key-1"})
+    secret = "sk_live_s3cr3t_f0r_ann"
+    assert secret in json.dumps([block.model_dump() for block in issued.content])  # the text block has it
+    op_id = operation(issued)["operation_id"]
+    shown = subprocess.run(
+        [str(CONSOLE_SCRIPT), "ops", "show", op_id, "--ledger", f"sqlite:///{ledger}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert secret not in shown.stdout and "***" in shown.stdout, shown.stdout
+    assert '\\"name\\": \\"ann\\"' in shown.stdout or '"name": "ann"' in shown.stdout  # the rest is shown

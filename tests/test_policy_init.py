@@ -142,16 +142,16 @@ def test_secrets_are_references_never_copied(setup: Setup) -> None:
     upstreams = tomllib.loads(text)["upstreams"]
     assert upstreams["notes"]["env"]["API_TOKEN"] == "${API_TOKEN}"
     assert upstreams["tasks"]["env"]["API_TOKEN"] == "${TASKS_API_TOKEN}"  # same name, another value
-    assert upstreams["notes"]["env"]["EFFECTS"] == str(setup.effects)  # not a secret: as it was
+    assert upstreams["notes"]["env"]["EFFECTS"] == "${EFFECTS}"  # every env value: the entry holds it
     assert upstreams["web"]["headers"] == {"Authorization": "${WEB_AUTHORIZATION}"}
     out = setup.result.stdout
     assert "s3cret" not in out + setup.result.stderr
-    assert "${API_TOKEN}, ${TASKS_API_TOKEN}, ${WEB_AUTHORIZATION}" in out
+    assert "${API_TOKEN}, ${EFFECTS}, ${TASKS_API_TOKEN}, ${WEB_AUTHORIZATION}" in out
     # `policy show` fails on an unset variable: the line that suggests it says to set them first
     check = next(line for line in out.splitlines() if line.startswith("Check the classes"))
-    assert "with API_TOKEN, TASKS_API_TOKEN, WEB_AUTHORIZATION set in this shell" in check
+    assert "with API_TOKEN, EFFECTS, TASKS_API_TOKEN, WEB_AUTHORIZATION set in this shell" in check
     entry = printed_entry(out)
-    assert entry["env"] == {name: f"<{name}>" for name in SECRETS}
+    assert entry["env"] == {name: f"<{name}>" for name in [*SECRETS, "EFFECTS"]}
 
 
 def test_an_unreachable_server_is_written_with_why_and_init_exits_1(setup: Setup) -> None:
@@ -173,18 +173,18 @@ def test_the_printed_entry_starts_this_commitgate_on_the_policy_by_absolute_path
     assert entry["command"] == str(CONSOLE_SCRIPT.absolute())
     assert entry["args"] == ["serve", "--policy", str(setup.policy.resolve())]
     assert setup.config.read_text() == setup.original  # only --write-config changes it
-    # The policy exists now: rerunning with --write-config alone would be refused.
-    assert "(or rerun with --write-config --force:" in out
+    # Rerunning with --write-config keeps the policy as it is and puts the entry in the config.
+    assert "(or rerun with --write-config: init keeps the policy as it is and puts the entry there):" in out
 
 
 def test_the_written_policy_passes_check_once_its_variables_are_set(
     setup: Setup, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in SECRETS:
+    for name in [*SECRETS, "EFFECTS"]:
         monkeypatch.delenv(name, raising=False)
     assert main(["policy", "check", str(setup.policy)]) == 1
     assert "environment variable TASKS_API_TOKEN is not set" in capsys.readouterr().out
-    for name, value in SECRETS.items():
+    for name, value in {**SECRETS, "EFFECTS": str(setup.effects)}.items():
         monkeypatch.setenv(name, value)
     assert main(["policy", "check", str(setup.policy)]) == 0, capsys.readouterr().out
 
@@ -193,7 +193,8 @@ def test_the_written_policy_passes_check_once_its_variables_are_set(
 async def test_serving_it_a_retried_write_runs_once_and_each_call_reaches_its_own_server(
     setup: Setup,
 ) -> None:
-    async with serve(setup.policy, setup.root / "serve.log", env=SECRETS, log_level="warning") as client:
+    env = {**SECRETS, "EFFECTS": str(setup.effects)}
+    async with serve(setup.policy, setup.root / "serve.log", env=env, log_level="warning") as client:
         listed = {tool.name for tool in (await client.list_tools()).tools}
         assert {"notes__write", "tasks__write", "web__write", "read_notes"} <= listed
         for tool in ("notes__write", "tasks__write", "web__write"):
@@ -211,18 +212,27 @@ async def test_serving_it_a_retried_write_runs_once_and_each_call_reaches_its_ow
         assert effects == [{"server": server, "note": f"via {server}__write", "saw_secret": True}]
 
 
-def test_an_existing_policy_is_kept_unless_forced(
-    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_an_existing_policy_is_kept_and_added_to_unless_forced(setup: Setup, tmp_path: Path) -> None:
     out = tmp_path / "mine.toml"
-    out.write_text("# hand-written\n", encoding="utf-8")
-    assert main(["policy", "init", "--from-config", str(setup.config), "-o", str(out)]) == 1
-    refused = capsys.readouterr()
-    assert refused.out == ""
-    assert refused.err.strip().splitlines() == [
-        f"commitgate: {out} exists; give --force to overwrite it, or -o for another file"
+    out.write_text(
+        "# hand-written", encoding="utf-8"
+    )  # no line end: the additions start on a line of their own
+    result = init("--from-config", setup.config, "--server", "notes", "-o", out)
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert text.startswith("# hand-written\n\n# Set API_TOKEN, EFFECTS where commitgate runs")
+    assert set(tomllib.loads(text)["tools"]) == {"read_notes", "write", "plain_notes"}
+    added = [line for line in result.stdout.splitlines() if line.startswith("added ")]
+    assert added == [
+        "added [upstreams.notes]",
+        "added [tools.read_notes]: 'read_notes' of notes, safe-retry",
+        "added [tools.write]: 'write' of notes, key-required",
+        "added [tools.plain_notes]: 'plain_notes' of notes, key-required",
     ]
-    assert out.read_text() == "# hand-written\n"
+    forced = init("--from-config", setup.config, "--server", "tasks", "-o", out, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert set(tomllib.loads(out.read_text())["tools"]) == {"read_tasks", "write", "plain_tasks"}
+    assert "# hand-written" not in out.read_text()  # --force: written anew
 
 
 def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Setup, tmp_path: Path) -> None:
@@ -240,7 +250,7 @@ def test_write_config_replaces_the_wrapped_servers_and_keeps_a_backup(setup: Set
     entry = servers["commitgate"]
     assert entry["args"] == ["serve", "--policy", str(out.resolve())]
     # The secrets stay where they already were, in the client's config, now for commitgate to pass on.
-    assert entry["env"] == {"API_TOKEN": "s3cret-notes"}
+    assert entry["env"] == {"EFFECTS": str(setup.effects), "API_TOKEN": "s3cret-notes"}
     assert "comments" not in result.stdout  # there were none to lose
 
 
@@ -279,7 +289,7 @@ def test_vs_code_jsonc_with_comments_and_trailing_commas_is_read(tmp_path: Path)
     gh, gone = config.servers["gh"], config.servers["gone"]
     assert gh.url == "https://api.example.com//mcp/*v1*/"
     assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Note": "${GH_X_NOTE}"}
-    assert gh.secrets["X-Note"].value == 'say "hi" // twice'
+    assert gh.secrets["header X-Note"].value == 'say "hi" // twice'
     assert (gone.command, gone.args) == ("/no-such-dir/server", ["--path", "C:\\tmp\\"])
     assert config.document["inputs"] == [{"id": "gh", "type": "promptString", "password": True}]
     assert config.had_comments
@@ -298,9 +308,9 @@ def test_write_config_on_jsonc_replaces_the_servers_table_and_keeps_the_rest_com
     assert "\n" not in raw.replace("\r\n", "")  # its line ends as they were, the new lines' too
     text = raw.replace("\r\n", "\n")
     before_the_table = VSCODE_JSONC.lstrip("\ufeff").split('"servers": ')[0]
-    assert text.startswith(before_the_table)  # comments, trailing commas and layout as they were
+    assert text.startswith("\ufeff" + before_the_table)  # BOM, comments, trailing commas, layout as they were
     assert text.endswith("  },\n}\n")
-    written = jsonc.loads(text).value
+    written = jsonc.loads(text.lstrip("\ufeff")).value
     assert list(written["servers"]) == ["commitgate", "gh", "commitgate-2"]
     assert written["servers"]["commitgate-2"]["type"] == "stdio"
     # VS Code hands commitgate the variable it handed the server; `policy show` needs it set too.
@@ -374,9 +384,10 @@ def test_vs_code_servers_with_http_entries_and_its_references(tmp_path: Path) ->
     gh, fs = config.servers["gh"], config.servers["fs"]
     assert (gh.url, gh.transport) == ("http://127.0.0.1:1/sse", "sse")
     assert gh.headers == {"Authorization": "${GH_AUTHORIZATION}", "X-Org": "${ORG}"}
-    assert not gh.secrets["Authorization"].known  # VS Code asks for it: the variable is set by hand
+    assert not gh.secrets["header Authorization"].known  # VS Code asks for it: the variable is set by hand
     assert (gh.environment, fs.environment) == ({"ORG"}, set())
-    assert (fs.command, fs.args, fs.env, fs.secrets) == ("npx", ["-y", "fs"], {"HOME_DIR": "/h"}, {})
+    assert (fs.command, fs.args, fs.env) == ("npx", ["-y", "fs"], {"HOME_DIR": "${HOME_DIR}"})
+    assert fs.secrets["env HOME_DIR"].value == "/h"  # every env value: the policy refers to it
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -132,3 +134,90 @@ def test_a_half_written_policy_never_serves_without_the_approval_its_full_text_k
         wait_for(lambda: logged(served, "applied") == 2, "the tightening edit")
         assert logged(served, "weakens a guard") == 2
         assert anyio.run(send, served, "e-4") == "approval_pending" and count(tmp_path, "emails") == 1
+
+
+HINTED = Path(__file__).resolve().parent / "support" / "hinted_server.py"
+
+
+def upstream_policy(root: Path, default_class: str = "key-required", entry: bool = True) -> str:
+    """A `tools = "all"` upstream (tests/support/hinted_server.py), and an entry that holds its
+    `note` for an operator's approval (last, so that the file without it is a prefix of the file)."""
+    text = (
+        '[server]\nname = "commitgate-reload-upstream"\n\n[ledger]\nsynchronous = "NORMAL"\n\n'
+        f'[upstreams.h]\ncommand = "{sys.executable}"\nargs = ["{HINTED}"]\n'
+        f'env = {{ HINTED_EFFECTS = "{root / "effects.jsonl"}" }}\n'
+        f'tools = "all"\ndefault_class = "{default_class}"\n'
+    )
+    held = '\n[tools.note]\nupstream = "h"\nclass = "key-required"\napproval = { via = ["operator"] }\n'
+    return text + (held if entry else "")
+
+
+def upstream_effects(root: Path) -> list[str]:
+    path = root / "effects.jsonl"
+    return [json.loads(line)["tool"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def call_upstream(served: Served, tool: str, arguments: Mapping[str, object]) -> str | None:
+    async with connect(served, None, "legacy") as client:
+        return error_code(await client.call_tool(tool, dict(arguments)))
+
+
+def edit_back_soon(
+    served: Served,
+    policy: Path,
+    weaker: str,
+    full: str,
+    tool: str,
+    arguments: Callable[[int], dict[str, object]],
+) -> list[str | None]:
+    """Write `weaker` in place and call `tool` again and again (each call with `arguments(n)`) until
+    1 s after the server saw the edit, then write `full` back: before the 2 s of quiet the weaker
+    text needs to apply. The answer codes."""
+    seen = logged(served, "weakens a guard") + logged(served, "applied")
+    policy.write_text(weaker, encoding="utf-8")
+    written, noticed, answers = time.monotonic(), None, list[str | None]()
+    while noticed is None or time.monotonic() - noticed < 1.0:
+        answers.append(anyio.run(call_upstream, served, tool, arguments(len(answers))))
+        if noticed is None and logged(served, "weakens a guard") + logged(served, "applied") > seen:
+            noticed = time.monotonic()
+        assert time.monotonic() - written < DEADLINE, "the server never saw the edit"
+    policy.write_text(full, encoding="utf-8")
+    return answers
+
+
+@pytest.mark.slow
+def test_weakening_what_a_tools_all_upstream_serves_waits_for_a_quiet_file(tmp_path: Path) -> None:
+    """What is compared is what will be served: the entry of a tool its upstream still offers dropped
+    (with its approval), or `default_class` loosened to safe-retry, each waits like any weakening."""
+    policy = tmp_path / "policy.toml"
+    full = upstream_policy(tmp_path)
+    policy.write_text(full, encoding="utf-8")
+    note = {"text": "hello", "idempotency_key": "n-1"}
+    with running(
+        tmp_path, policy, "streamable-http", ledger=tmp_path / "ledger.db", sandbox=tmp_path / "sandbox.db"
+    ) as served:
+        wait_for(lambda: logged(served, "upstream tools refreshed") >= 1, "the upstream's tools")
+        assert anyio.run(call_upstream, served, "note", note) == "approval_pending"
+
+        # The entry dropped (the file's prefix): `note` would come back from the upstream unapproved.
+        dropped = upstream_policy(tmp_path, entry=False)
+        assert full.startswith(dropped)
+        notes = edit_back_soon(
+            served, policy, dropped, full, "note", lambda n: {"text": f"t{n}", "idempotency_key": f"a-{n}"}
+        )
+        assert set(notes) == {"approval_pending"}
+        # default_class loosened: `tally` (it declares only idempotentHint) would run without a key.
+        loosened = upstream_policy(tmp_path, "safe-retry")
+        tallies = edit_back_soon(served, policy, loosened, full, "tally", lambda n: {"n": n})  # no key
+        assert set(tallies) == {"idempotency_key_required"}
+        time.sleep(2.5)  # past the moment either edit alone would have applied
+        assert anyio.run(call_upstream, served, "note", note) == "approval_pending"
+        assert upstream_effects(tmp_path) == [] and logged(served, "applied") == 0
+        assert logged(served, "weakens a guard") == 2
+
+        # Meant: the entry removed for good applies once the file is quiet; `note` then runs keyed.
+        policy.write_text(dropped, encoding="utf-8")
+        took = wait_for(lambda: logged(served, "applied") == 1, "the quiet edit to apply")
+        assert took >= 2.0
+        assert anyio.run(call_upstream, served, "note", {"text": "meant", "idempotency_key": "n-2"}) is None
+        assert upstream_effects(tmp_path) == ["note"]

@@ -185,20 +185,39 @@ class Request:
             if m.group(1).startswith("arguments.")
         }
 
-    def build(
-        self, arguments: Mapping[str, Any], ctx: OperationContext, client: httpx2.AsyncClient
-    ) -> httpx2.Request:
+    def filled_url(self, arguments: Mapping[str, Any], key: str | None, session: str) -> str:
+        """The URL with each placeholder's value encoded in its place. A value can never leave its
+        path segment: "/" is encoded, and a segment a value makes "." or ".." (which clients and
+        servers resolve as "here" and "one level up") is refused with InvalidArguments."""
+
         def fill(match: re.Match[str]) -> str:
             name = match.group(1)
             if name == "idempotency_key":
-                value: Any = ctx.idempotency_key or ""
+                value: Any = key or ""
             elif name == "session":
-                value = ctx.session
+                value = session
             else:
                 value = _dig(arguments, name.split(".")[1:])
             return quote(_encode(value), safe="")
 
-        url = _PLACEHOLDER.sub(fill, self.url)
+        cut = min((i for i in (self.url.find("?"), self.url.find("#")) if i >= 0), default=len(self.url))
+        path, tail = self.url[:cut], self.url[cut:]  # the path, then its query and fragment
+        segments = []
+        for segment in path.split("/"):
+            filled = _PLACEHOLDER.sub(fill, segment)
+            if filled in (".", "..") and filled != segment:
+                names = ", ".join(f"{{{m.group(1)}}}" for m in _PLACEHOLDER.finditer(segment))
+                raise InvalidArguments(
+                    f"{names}: {filled!r} cannot be a segment of the URL's path (it would name another"
+                    " resource); pass the identifier itself"
+                )
+            segments.append(filled)
+        return "/".join(segments) + _PLACEHOLDER.sub(fill, tail)
+
+    def build(
+        self, arguments: Mapping[str, Any], ctx: OperationContext, client: httpx2.AsyncClient
+    ) -> httpx2.Request:
+        url = self.filled_url(arguments, ctx.idempotency_key, ctx.session)
         rest = {k: v for k, v in arguments.items() if k not in self.url_arguments()}
         headers = dict(self.headers)
         if self.key_header and ctx.idempotency_key:
@@ -218,7 +237,9 @@ class Request:
         client = _client(using, f"{self.method} {self.target}")
         try:
             request = self.build(arguments, ctx, client)
-        except (httpx2.InvalidURL, ValueError, InvalidArguments) as exc:  # the message may hold the URL
+        except InvalidArguments as exc:  # names the placeholder, never the URL's values
+            raise PermanentError(f"{self.method} {self.target}: {exc}; nothing was sent") from exc
+        except (httpx2.InvalidURL, ValueError) as exc:  # the message may hold the URL
             raise PermanentError(f"{self.method} {self.target}: the request could not be built") from exc
         started = time.monotonic()
         try:
@@ -503,7 +524,9 @@ class HttpTool:
         self.has_status_check = self._status is not None
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        return self._validator.validate(arguments)
+        valid = self._validator.validate(arguments)
+        self.request.filled_url(valid, "key", "session")  # a value that would leave its URL segment
+        return valid
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
         response = await self.request.send(arguments, ctx, self.name, self._using)

@@ -29,6 +29,10 @@ Outcomes of a proxied call:
 * an `isError` result: `PermanentError` with its text, unless the text says it is transient
   (rate limited: `RetryableError`; timed out / temporarily unavailable: `AmbiguousError`).
 
+What an upstream says to the client while serving a call (questions, progress, log messages) is relayed
+to that client only, and its change notifications passed on (tools/upstream_relay.py); with
+`sessions = "per-client"` each client session's calls go through an upstream session of its own.
+
 Each call carries `_meta = {"commitgate/session": ..., "commitgate/step": <key>}`, and the key as the
 `idempotency_key` argument when the upstream tool takes one, so a chain of commitgate servers dedups
 end to end. `status_check = {python = ...}` (or `{http = ...}`) works as for other schema tools.
@@ -39,13 +43,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import time
 import typing
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -62,9 +67,12 @@ from commitgate.server.model.facts import SESSION_META, STEP_META
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
 from commitgate.server.model.records import ToolResult
 from commitgate.server.policy.models import Policy, ToolPolicy, UpstreamPolicy
+from commitgate.server.policy.rules import prefixed_tool_name, usable_tool_name
+from commitgate.tools import processes
 from commitgate.tools.base import Collaborators, DeclarationError
 from commitgate.tools.hints import class_warnings, proposed_class
 from commitgate.tools.http import SchemaValidator, StatusCheck, status_check_for
+from commitgate.tools.upstream_relay import CALLER, Hub, PerClient, Relay, outside_any_call
 
 log = logging.getLogger("commitgate.tools.upstream")
 
@@ -126,14 +134,26 @@ class _WatchedStream:
         await self._inner.aclose()
 
 
+def inherited_env(spec: UpstreamPolicy) -> dict[str, str] | None:
+    """What a stdio upstream gets beside the MCP SDK's safe defaults: the variables of serve's own
+    environment that `inherit_env` names (all of them for "*"), then its own `env`."""
+    wanted = spec.inherit_env
+    inherited = dict(os.environ) if wanted == "*" else {n: os.environ[n] for n in wanted if n in os.environ}
+    merged = {**inherited, **spec.env}
+    return merged or None
+
+
 @contextlib.asynccontextmanager
 async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator[tuple[Any, Any]]:
     async with AsyncExitStack() as stack:
         if spec.command is not None:
             params = StdioServerParameters(
-                command=spec.command, args=spec.args, env=spec.env or None, cwd=spec.cwd
+                command=spec.command, args=spec.args, env=inherited_env(spec), cwd=spec.cwd
             )
-            read, write = await stack.enter_async_context(stdio_client(params))
+            groups: list[int] = []
+            stack.callback(processes.end, groups)  # runs last: what outlived the SDK's own stop
+            with processes.recording(groups):
+                read, write = await stack.enter_async_context(stdio_client(params))
         elif spec.transport == "sse":
             assert spec.url is not None
             read, write = await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None))
@@ -190,6 +210,9 @@ class UpstreamConnection:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()  # ends a backoff early: a call wants the next attempt now, or a stop
         self._task: asyncio.Task[None] | None = None
+        # What the upstream says to clients (server/serve/passthrough.py); its tools/list_changed lists again.
+        self.relay = Relay(name, on_tools_changed=self.relist)
+        self.own_sessions: PerClient[UpstreamConnection] = PerClient()  # sessions = "per-client"
 
     @property
     def connected(self) -> bool:
@@ -203,7 +226,32 @@ class UpstreamConnection:
         if client is self._client:
             self._lost.set()
 
+    def for_caller(self) -> UpstreamConnection:
+        """The session a call goes through: this one, or with `sessions = "per-client"` the calling
+        client's own (it inherits what this one listed; the tools it serves stay this one's)."""
+        caller = CALLER.get()
+        if self.spec.sessions != "per-client" or caller is None:
+            return self
+        return self.own_sessions.get(caller, self._client_session)
+
+    def _client_session(self) -> UpstreamConnection:
+        session = UpstreamConnection(self.name, self.spec, self.connect_timeout)
+        session.relay.hub = self.relay.hub
+        # Started inside a call: its reader must not take that call's client for the caller of
+        # everything it reads later.
+        outside_any_call().run(session.start)
+        return session
+
     def start(self) -> None:
+        if self.spec.unset_reason is not None:  # it cannot start: its calls answer at once, saying why
+            self.error = self.spec.unset_reason
+            log.warning(
+                "upstream %s cannot start: %s; its tools answer retryable errors (set it and restart)",
+                self.name,
+                self.error,
+            )
+            self._settle()
+            return
         self._task = asyncio.create_task(self._supervise(), name=f"commitgate-upstream:{self.name}")
 
     async def first_attempt(self, timeout: float) -> None:
@@ -226,6 +274,7 @@ class UpstreamConnection:
         self._settled.set()
 
     async def aclose(self) -> None:
+        await self.own_sessions.aclose()
         self._stop.set()
         self._wake.set()
         self._lost.set()  # a held session ends gracefully: its process is stopped by the SDK
@@ -247,8 +296,14 @@ class UpstreamConnection:
             try:
                 await self._hold()
             except Exception as exc:  # a failing upstream must never take the server down
-                self.error = _reason(exc)
-                log.warning("upstream %s: %s", self.name, self.error)
+                said, self.error = self.error, self._why(exc)
+                # a crash loop says why once, not at every attempt
+                log.log(
+                    logging.DEBUG if self.error == said else logging.WARNING,
+                    "upstream %s: %s",
+                    self.name,
+                    self.error,
+                )
             finally:
                 self._client = None
                 self._settle()
@@ -259,14 +314,33 @@ class UpstreamConnection:
             self._wake.clear()
             delay = min(delay * 2, BACKOFF_MAX)
 
+    def _why(self, exc: BaseException) -> str:
+        """A failed attempt's reason, in the user's words where the usual ones are known."""
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        command = self.spec.command
+        if command is not None and isinstance(exc, FileNotFoundError):
+            return f"cannot start {command!r}: no such command; is it installed, and on PATH?"
+        if command is not None and isinstance(exc, PermissionError):
+            return f"cannot start {command!r}: not executable"
+        if command is not None and isinstance(exc, MCPError) and exc.code == types.CONNECTION_CLOSED:
+            return "its process exited before answering; what it printed is in serve's log"
+        return _reason(exc)
+
     async def _hold(self) -> None:
         lost = self._lost = asyncio.Event()
         async with AsyncExitStack() as stack:
             async with asyncio.timeout(self.connect_timeout):
                 client = await stack.enter_async_context(
-                    Client(_transport(self.spec, lost), cache=None, mode=handshake(self.spec.command))
+                    Client(
+                        _transport(self.spec, lost),
+                        cache=None,
+                        mode=handshake(self.spec.command),
+                        **self.relay.client_options(),
+                    )
                 )
                 tools = await _list_all(client)
+                await stack.enter_async_context(self.relay.watching(client))
             if tools != self.tools or not self.listed:
                 if self.listed:
                     self._say_new_offer(tools)
@@ -282,6 +356,23 @@ class UpstreamConnection:
             if not self._stop.is_set():
                 self.error = "the connection was lost"
                 log.warning("upstream %s: connection lost; reconnecting", self.name)
+
+    async def relist(self) -> None:
+        """List the tools again now (the upstream said they changed): new ones and changed
+        definitions are served as at a reconnect."""
+        client = self.client()
+        if client is None:
+            return
+        try:
+            tools = await _list_all(client)
+        except Exception as exc:  # the next connect lists them anyway
+            log.warning("upstream %s: could not list its changed tools: %s", self.name, _reason(exc))
+            return
+        if tools != self.tools:
+            self._say_new_offer(tools)
+            self.tools = tools
+            if self.on_new_tools is not None:
+                self.on_new_tools()
 
     def _say_new_offer(self, tools: dict[str, types.Tool]) -> None:
         """Log what a reconnected upstream offers now that it did not before, and what it dropped:
@@ -313,6 +404,15 @@ def _without_key(schema: dict[str, Any]) -> dict[str, Any]:
         schema["properties"] = {k: v for k, v in schema["properties"].items() if k != KEY_ARGUMENT}
         schema["required"] = [r for r in schema.get("required", []) if r != KEY_ARGUMENT]
     return schema
+
+
+RESERVED_META = "io.modelcontextprotocol/"  # the protocol's own keys (the upstream's server info)
+
+
+def _own_meta(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A result's `_meta` as the upstream's tool gave it: every key but the protocol's own."""
+    kept = {k: v for k, v in (meta or {}).items() if not k.startswith(RESERVED_META)}
+    return kept or None
 
 
 def _text_of(result: types.CallToolResult) -> str:
@@ -378,12 +478,12 @@ class UpstreamTool:
         return self._validator.validate(arguments)
 
     async def call(self, arguments: dict[str, Any], ctx: OperationContext) -> ToolResult:
-        connection = self.connection
+        connection = self.connection.for_caller() if self.connection is not None else None
         # Waiting for a connection under way is part of the attempt: leave a little of its timeout
         # to say that nothing was sent rather than time out the attempt (an ambiguous failure).
         client = await connection.ready(self.timeout * 0.9) if connection is not None else None
         if connection is None or client is None:
-            why = f" ({connection.error})" if connection is not None and connection.error else ""
+            why = f": {connection.error}" if connection is not None and connection.error else ""
             raise RetryableError(f"upstream {self.upstream!r} is not connected{why}; the call was not sent")
         args = dict(arguments)
         meta: dict[str, Any] = {SESSION_META: ctx.session}
@@ -393,8 +493,15 @@ class UpstreamTool:
                 args[KEY_ARGUMENT] = ctx.idempotency_key
         # The upstream's tools/call span joins this trace (the SDK's client refines it to its own span).
         traces.inject(meta)
+        relay = connection.relay
         try:
-            result = await client.call_tool(self.upstream_tool, args, meta=typing.cast(Any, meta))
+            with relay.serving() as caller:  # the client's progress, logs and questions reach it
+                result = await client.call_tool(
+                    self.upstream_tool,
+                    args,
+                    progress_callback=relay.progress_callback(caller),
+                    meta=typing.cast(Any, {**(caller.meta if caller else {}), **meta}),
+                )
         except MCPError as exc:
             raise self._protocol_outcome(exc, connection, client) from exc
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
@@ -405,7 +512,7 @@ class UpstreamTool:
         content = [
             block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in result.content
         ]
-        return ToolResult(content=content, structured=result.structured_content)
+        return ToolResult(content=content, structured=result.structured_content, meta=_own_meta(result.meta))
 
     def _protocol_outcome(self, exc: MCPError, connection: UpstreamConnection, client: Client) -> Exception:
         if exc.code == types.CONNECTION_CLOSED:
@@ -427,11 +534,9 @@ class UpstreamTool:
 
 
 def used_upstreams(policy: Policy) -> set[str]:
-    listed = {tool.upstream for tool in policy.tools.values() if tool.upstream is not None}
-    return listed | {name for name, spec in policy.upstreams.items() if spec.tools == "all"}
-
-
-SHARED_NAME = "{upstream}__{tool}"
+    """The upstreams to connect: every one declared. One without a tool entry still offers its
+    resources, prompts and completions (server/serve/passthrough.py); its tools stay unserved."""
+    return set(policy.upstreams)
 
 
 def implied_entries(
@@ -439,7 +544,9 @@ def implied_entries(
 ) -> dict[str, ToolPolicy]:
     """The entries `tools = "all"` upstreams add: each offered tool without a [tools.X] entry of its
     own, with the class its annotations give (or the upstream's `default_class`). A name offered
-    twice, or already a policy tool, becomes `UPSTREAM__TOOL` (docs/policy.md)."""
+    twice, already a policy tool, a meta tool's, or one no tool name can be (spaces, control or bidi
+    characters, over 128 characters) becomes `UPSTREAM__TOOL` (docs/policy.md); an empty one is left
+    out."""
     entered = {(t.upstream, t.upstream_tool or n) for n, t in policy.tools.items() if t.upstream}
     offered: list[tuple[str, types.Tool]] = []
     for name, spec in sorted(policy.upstreams.items()):
@@ -452,10 +559,13 @@ def implied_entries(
     implied: dict[str, ToolPolicy] = {}
     for upstream, tool in offered:
         served = tool.name
-        if counts[served] > 1 or served in policy.tools:
-            served = SHARED_NAME.format(upstream=upstream, tool=tool.name)
+        if not served:  # nothing to call it by: an entry's `upstream_tool` cannot name it either
+            log.warning("upstream %s: a tool with an empty name is not served", upstream)
+            continue
+        if counts[served] > 1 or served in policy.tools or not usable_tool_name(served):
+            served = prefixed_tool_name(upstream, tool.name)
         if served in policy.tools or served in implied:
-            log.warning("upstream %s: tool %s is not served: its name is taken", upstream, tool.name)
+            log.warning("upstream %s: tool %r is not served: its name is taken", upstream, tool.name)
             continue
         cls = policy.upstreams[upstream].default_class or proposed_class(tool.annotations)
         implied[served] = ToolPolicy.model_validate(
@@ -483,6 +593,7 @@ class UpstreamManager:
         # Set when a connection lists other tools than before (e.g. it was down at start): the
         # sources built from the old list are stale (server/reload.py rebuilds them).
         self.tools_changed = asyncio.Event()
+        self.hub = Hub()  # where the upstreams' change notifications go (server/serve/passthrough.py)
 
     def connection(self, name: str, spec: UpstreamPolicy) -> UpstreamConnection | None:
         return self._pool.get(_key(name, spec))
@@ -497,6 +608,7 @@ class UpstreamManager:
             if key not in self._pool:
                 connection = UpstreamConnection(name, upstreams[name], self.connect_timeout)
                 connection.on_new_tools = self.tools_changed.set
+                connection.relay.hub = self.hub
                 connection.start()
                 self._pool[key] = connection
                 fresh.append(connection)
@@ -504,7 +616,7 @@ class UpstreamManager:
             return
         await asyncio.gather(*(c.first_attempt(c.connect_timeout) for c in fresh))
         for connection in fresh:
-            if not connection.connected:
+            if not connection.connected and not connection.spec.unset_env:  # that one said so
                 log.warning(
                     "upstream %s is not reachable (%s); its tools answer retryable errors until it is",
                     connection.name,
@@ -530,7 +642,8 @@ class UpstreamManager:
 
     async def aclose(self) -> None:
         connections, self._pool = list(self._pool.values()), {}
-        await asyncio.gather(*(c.aclose() for c in connections))
+        with processes.ended_on_sigterm():  # a client's SIGTERM now must not orphan a hung server
+            await asyncio.gather(*(c.aclose() for c in connections))
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,10 +678,12 @@ class UpstreamInventory:
     not_exposed: list[str]  # offered by the upstream, not served ("available, not exposed")
     missing: list[str]  # declared in the policy, not offered by the upstream
     tools: list[OfferedTool]
+    warnings: list[str] = field(default_factory=list)  # about the upstream itself (resources it shares)
 
     def as_json(self) -> dict[str, Any]:
         shown = {
-            k: getattr(self, k) for k in ("name", "connected", "error", "exposed", "not_exposed", "missing")
+            k: getattr(self, k)
+            for k in ("name", "connected", "error", "exposed", "not_exposed", "missing", "warnings")
         }
         return {**shown, "tools": [tool.as_json() for tool in self.tools]}
 
@@ -584,13 +699,37 @@ async def inventory(policy: Policy, connect_timeout: float | None = None) -> lis
             key = (t.upstream or "", t.upstream_tool or n)
             if t.upstream and (key not in served or not served[key][1].expose):
                 served[key] = (n, t)  # a tool served under two names is shown under the first
-        return [
+        found = [
             _inventory_of(name, connection, policy, served)
             for name in sorted(policy.upstreams)
             if (connection := lookup(name)) is not None
         ]
+        await _warn_of_shared_uris(policy, lookup, found)
+        return found
     finally:
         await manager.aclose()
+
+
+async def _warn_of_shared_uris(
+    policy: Policy, lookup: Callable[[str], UpstreamConnection | None], found: list[UpstreamInventory]
+) -> None:
+    """A resource URI two upstreams list is served by the first in policy order: warn of the others."""
+    from commitgate.tools.upstream_catalog import duplicate_uris, listed_uris  # built on this module
+
+    listings = []
+    for name in policy.upstreams:
+        connection = lookup(name)
+        client = connection.client() if connection is not None else None
+        if client is not None:
+            with contextlib.suppress(Exception):  # no resources to say anything about
+                listings.append((name, await listed_uris(client)))
+    by_name = {item.name: item for item in found}
+    for uri, owners in duplicate_uris(listings).items():
+        for other in owners[1:]:
+            by_name[other].warnings.append(
+                f"resource {uri} is also listed by upstream {owners[0]}, which serves it (the first in"
+                " policy order): this upstream's is never read"
+            )
 
 
 def _inventory_of(

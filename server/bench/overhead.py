@@ -60,6 +60,19 @@ python = "commitgate.tools.benchtools:noop"
 retry = { attempts = 1 }
 duplicates = false
 """
+# The guarded server as a team runs it with evidence: receipts (on by default) and a webhook; and the
+# same without either, to measure what they add. (The no-op raises no event, so the outbox costs its
+# check per change; the webhook is never called.)
+EVIDENCE_POLICY = (
+    OVERHEAD_POLICY
+    + """
+[[notify]]
+url = "http://127.0.0.1:9/never-called"
+events = ["approval_waiting", "approval_expired", "unknown", "reconciled"]
+secret = "${COMMITGATE_BENCH_HOOK_SECRET}"
+"""
+)
+NO_EVIDENCE_POLICY = OVERHEAD_POLICY + "\n[receipts]\nenabled = false\n"
 # The same servers with no fsync per commit: what the guard costs in software alone.
 NO_FSYNC_POLICY = OVERHEAD_POLICY.replace('synchronous = "FULL"', 'synchronous = "NORMAL"')
 
@@ -253,12 +266,17 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         bench.policy("overhead-claim", claim_only),
     )
     no_fsync_policy = bench.policy("overhead-normal", NO_FSYNC_POLICY)
+    evidence_policy = bench.policy("overhead-evidence", EVIDENCE_POLICY)
+    hook = {"COMMITGATE_BENCH_HOOK_SECRET": uuid.uuid4().hex}
     # A server of its own for each variant: every process then waits as long between its calls (its
     # caches as cold) as every other. A server answering four variants was called four times as often
     # as one answering one, and measured several hundred µs faster per call for that alone.
     servers = {
         "unguarded": bench.serve(policy, bench.ledger("overhead-unguarded")),
-        "guarded": bench.serve(policy, ledger),
+        "guarded": bench.serve(evidence_policy, ledger, env=hook),
+        "guarded_no_evidence": bench.serve(
+            bench.policy("overhead-no-evidence", NO_EVIDENCE_POLICY), bench.ledger("overhead-no-evidence")
+        ),
         "guarded_no_detection": bench.serve(policy, bench.ledger("overhead-no-detection")),
         "replay": bench.serve(policy, bench.ledger("overhead-replay")),
         "plain_sdk": bench.plain(),
@@ -310,6 +328,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
             "sdk_stdio_unguarded_over_unguarded": ratio("unguarded_sdk_stdio", "unguarded"),
             "guarded_no_fsync_over_unguarded": ratio("guarded_no_fsync", "unguarded"),
             "guarded_over_guarded_no_detection": ratio("guarded", "guarded_no_detection"),
+            "guarded_over_guarded_no_evidence": ratio("guarded", "guarded_no_evidence"),
             "claim_durability_over_unguarded": ratio("guarded_claim_durability", "unguarded"),
             "claim_durability_over_plain_sdk": ratio("guarded_claim_durability", "plain_sdk"),
         },
@@ -324,6 +343,8 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         },
         "variants": {
             "unguarded, guarded, replay": "commitgate serve as users get it (the lean stdio transport)",
+            "guarded": "with receipts and a [[notify]] webhook; guarded_no_evidence: [receipts] enabled = false,"
+            " no webhook",
             "guarded_no_fsync": "the guarded call on a ledger with synchronous=NORMAL (no fsync per commit)",
             "guarded_claim_durability": 'the guarded call with [ledger] durability = "claim" (one sync per call)',
             "disk_floor": "overwrite a 4 KiB frame of a preallocated file + fdatasync, in the ledgers' directory, "
@@ -339,6 +360,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "guarded_over_unguarded_floor": round(1 + 2 * sync_us / unguarded, 3),
         "syncs_in_server": _syncs_in_server(by_name),
         "duplicate_lookup": _duplicate_lookup(by_name),
+        "receipts_and_outbox": _added_to_guarded(by_name, without="guarded_no_evidence"),
         "ledger_bytes_per_operation": _bytes_per_operation(ledger),
     }
 
@@ -354,7 +376,7 @@ def keyed_arguments(prefix: str) -> Callable[[int, int], dict[str, Any]]:
 
 
 def _overhead_variants(clients: dict[str, Client], replay_keys: int) -> list[_Variant]:
-    """The same no-op nine ways; only the guarded ones carry a key (a new one, or one of the first
+    """The same no-op ten ways; only the guarded ones carry a key (a new one, or one of the first
     `replay_keys` already seen)."""
     run = uuid.uuid4().hex[:8]
     new_key = keyed_arguments(run)
@@ -378,6 +400,7 @@ def _overhead_variants(clients: dict[str, Client], replay_keys: int) -> list[_Va
             other_new_key,
             False,
         ),
+        _Variant("guarded_no_evidence", clients["guarded_no_evidence"], "noop_keyed", new_key, False),
         _Variant("replay", clients["replay"], "noop_keyed", seen_key, True),
         _Variant("plain_sdk", clients["plain_sdk"], "noop", bare, None),
         _Variant("guarded_no_fsync", clients["guarded_no_fsync"], "noop_keyed", new_key, False),

@@ -209,6 +209,7 @@ VARIANT_NAMES = {
     "plain_sdk": "plain SDK server",
     "guarded_no_fsync": "guarded without disk syncs",
     "guarded_claim_durability": 'guarded with durability = "claim"',
+    "guarded_no_evidence": "guarded without receipts and outbox",
     "unguarded_sdk_stdio": "unguarded on the SDK's stdio",
     "guarded_sdk_stdio": "guarded on the SDK's stdio",
 }
@@ -382,6 +383,23 @@ def _rows_fresh_keys(results: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _rows_evidence(figures: dict[str, Any]) -> list[Row]:
+    """What receipts and the outbox add to a guarded call, against its goal."""
+    evidence = figures["ratios"].get("guarded_over_guarded_no_evidence")
+    if not evidence:
+        return []
+    added = figures["receipts_and_outbox"]
+    return [
+        (
+            "cost",
+            "what receipts and the outbox add to a guarded call (guarded ÷ the same without them)",
+            f"{_ratio_text(evidence)}; {added['us_per_call']['median']:.0f} µs per call",
+            "≤ 1.10",
+            _verdict(evidence["median"] <= 1.10),
+        )
+    ]
+
+
 def _rows_overhead(results: dict[str, Any]) -> list[Row]:
     figures, goal = results["overhead"], results["goals"]
     calls = figures["per_call_us"]
@@ -495,6 +513,7 @@ def _rows_overhead(results: dict[str, Any]) -> list[Row]:
                 "—",
             )
         )
+    rows += _rows_evidence(figures)
     no_fsync = figures["ratios"].get("guarded_no_fsync_over_unguarded")
     if no_fsync:
         rows.append(

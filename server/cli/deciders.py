@@ -46,9 +46,14 @@ class Operators:
 
     def name_for(self, by: str | None, principal: str) -> str:
         """The name to record for a decision on an operation of `principal`; NotAnOperator if none."""
-        if self.sees:
-            return self._operator(*_named(by, "--by"), principal)
-        return self.person(by, "--by")
+        name = self._operator(*_named(by, "--by"), principal) if self.sees else self.person(by, "--by")
+        if name == principal:  # e.g. on stdio, where the agent's principal is the OS user too
+            who = f"--by {name!r}" if by is not None else f"the OS user {name!r}"
+            raise NotAnOperator(
+                f"{who} is the principal of the agent whose operation this is: a decision is recorded"
+                " as the person who takes it, never as that agent. Pass --by YOUR_NAME"
+            )
+        return name
 
     def person(self, given: str | None, flag: str) -> str:
         """A person's name, given with `flag` or else the OS user's: never a principal the policy

@@ -23,8 +23,11 @@ import anyio.to_thread
 from rich.table import Table
 from rich.text import Text
 
+from commitgate.server.cli import evidence
 from commitgate.server.cli.deciders import NotAnOperator, Operators
+from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.cli.served import policy_path
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.core import approvals
 from commitgate.server.core.budgets import budget_report
@@ -44,16 +47,18 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.base import Counts, lease_over, owner_known_dead
+from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.amounts import decimal_of, with_unit
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, ActorRole, AuditEvent
 from commitgate.server.model.durations import format_duration, parse_duration
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.loading import default_policy, load_policy
-from commitgate.server.policy.masking import mask_values
+from commitgate.server.policy.masking import mask_values, secret_values
 from commitgate.server.policy.models import Policy
 from commitgate.server.policy.problems import PolicyError
+from commitgate.server.serve.evidence import attach
 
 EXIT_STALE = 2
 STALE_LIST_LIMIT = 1000
@@ -88,7 +93,11 @@ _BY = "(default: the OS user); an operator of the policy's [[auth.tokens]] when 
 
 def add_where_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Which ledger a command works on, and how it answers."""
-    parser.add_argument("--policy", help="read the ledger URL from this policy (default: $COMMITGATE_POLICY)")
+    parser.add_argument(
+        "--policy",
+        help="read the ledger URL from this policy (default: $COMMITGATE_POLICY, else the one Claude"
+        " Desktop's commitgate entry serves)",
+    )
     parser.add_argument("--ledger", help="ledger URL, e.g. sqlite:////var/lib/commitgate/ledger.db")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -162,6 +171,11 @@ def add_ops_arguments(ops: argparse.ArgumentParser) -> None:
     )
     migrate.set_defaults(func=cmd_migrate)
 
+    reads = add_evidence_arguments(actions, where)
+    reads["verify"].set_defaults(func=cmd_verify)
+    reads["export"].set_defaults(func=cmd_export)
+    reads["notifications"].set_defaults(func=cmd_notifications)
+
 
 def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
     add_where_arguments(stats)
@@ -188,35 +202,44 @@ def add_stats_arguments(stats: argparse.ArgumentParser) -> None:
 # --- plumbing ------------------------------------------------------------------------------
 
 
+WHICH_LEDGER = "pass --policy FILE, the policy your server serves (or --ledger URL)"
+
+
 def ledger_url(args: argparse.Namespace) -> str:
     """The ledger this command works on, said in one line on stderr."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
-    policy = default_policy() if args.ledger or not path else load_policy(path)
+    path, served = (None, None) if args.ledger else policy_path(args)
+    policy = load_policy(path) if path else default_policy()
     url, why = ledger_choice(args.ledger, policy, path)
-    say_ledger(url, why)
+    say_ledger(url, f"{why}, {served}" if served else why)
     return url
 
 
 def policy_of(args: argparse.Namespace) -> Policy:
-    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, or the bundled one."""
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    """The policy a command needs beside the ledger: --policy, $COMMITGATE_POLICY, Claude Desktop's
+    commitgate entry, or the bundled one."""
+    path, _ = policy_path(args)
     return load_policy(path) if path else default_policy()
 
 
 @asynccontextmanager
-async def opened(url: str, *, must_exist: bool = True) -> AsyncIterator[Ledger | None]:
+async def opened(
+    url: str, *, must_exist: bool = True, evidence: Evidence | None = None
+) -> AsyncIterator[Ledger | None]:
     """The ledger at `url`, to change it; None when it is a SQLite file that does not exist yet
-    and `must_exist` is false (a file is never created, and another application's never migrated)."""
+    and `must_exist` is false (a file is never created, and another application's never migrated).
+    `evidence`: the receipts and notifications its changes write, as a server's would."""
     try:
         where = parse_ledger_url(url)
     except ValueError as exc:
         raise CommandError(f"unsupported ledger URL {url!r}: {exc}") from None
     if where.backend is Backend.SQLITE and not where.sqlite_path.expanduser().exists():
         if must_exist:
-            raise CommandError(f"no ledger at {url} (nothing has been recorded there)")
+            raise CommandError(f"no ledger at {url} (nothing has been recorded there); {WHICH_LEDGER}")
         yield None
         return
     ledger = await open_ledger(url)
+    if evidence is not None:
+        attach(ledger, evidence)
     try:
         yield ledger
     finally:
@@ -243,7 +266,15 @@ def _run(args: argparse.Namespace, body: Callable[[], Coroutine[Any, Any, int]])
     except PolicyError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    except (LedgerUnavailable, ValueError) as exc:
+    except LedgerUnavailable as exc:
+        told = (
+            getattr(args, "ledger", None)
+            or getattr(args, "policy", None)
+            or os.environ.get("COMMITGATE_POLICY")
+        )
+        print(f"ledger: {exc}" + ("" if told else f"; {WHICH_LEDGER}"), file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"ledger: {exc}", file=sys.stderr)
         return 1
 
@@ -335,7 +366,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "from_state": entry.from_state,
                 "to_state": entry.to_state,
                 "attempt_fence": entry.fence,
-                "actor": entry.actor,
+                **_actor_fields(Actor.of_record(entry.actor, entry.event, op.principal)),
                 "detail": entry.detail,
             }
             for entry in history
@@ -347,29 +378,40 @@ def cmd_show(args: argparse.Namespace) -> int:
         # digits. --json keeps every value as recorded, for scripts.
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
+        secrets = secret_values(view)  # a credential in the arguments is hidden in the result's text too
         for key in (
             "idempotency_class", "arguments", "approval", "result", "error", "reconciliation", "expires_at",
         ):  # fmt: skip
             if view.get(key) is not None:
-                out.print(Text.assemble((key, "bold"), ": ", json_text(mask_values(view[key]), indent=None)))
+                shown = json_text(mask_values(view[key], secrets=secrets), indent=None)
+                out.print(Text.assemble((key, "bold"), ": ", shown))
         table = Table(title="history", title_justify="left")
         for column in ("at", "event", "from", "to", "fence", "actor", "detail"):
             table.add_column(column, overflow="fold")
         for entry in view["history"]:
-            detail = json_text(mask_values(entry["detail"]), indent=None) if entry["detail"] else ""
+            detail = (
+                json_text(mask_values(entry["detail"], secrets=secrets), indent=None)
+                if entry["detail"]
+                else ""
+            )
             table.add_row(
                 entry["at"],
                 cell(entry["event"]),
                 entry["from_state"] or "",
                 entry["to_state"] or "",
                 str(entry["attempt_fence"]),
-                cell(entry["actor"]),
+                cell(Actor(ActorRole(entry["actor_role"]), entry["actor"]).shown),
                 Text(detail),
             )
         out.print(table)
         return 0
 
     return _run(args, body)
+
+
+def _actor_fields(actor: Actor) -> dict[str, str]:
+    """Who made a transition, in `ops show --json`: the name and its role (principal, commitgate, operator)."""
+    return {"actor": actor.name, "actor_role": actor.role.value}
 
 
 # --- ops resolve ----------------------------------------------------------------------------------
@@ -391,7 +433,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     async def body() -> int:
         operators = Operators.of(policy_of(args))
         now = time.time()
-        async with opened(ledger_url(args)) as ledger:
+        async with opened(ledger_url(args), evidence=evidence_of(args)) as ledger:
             assert ledger is not None
             try:
                 op = await current(ledger, args.operation_id, now)
@@ -429,7 +471,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     async def body() -> int:
         operators = Operators.of(policy_of(args))
         now = time.time()
-        async with opened(ledger_url(args)) as ledger:
+        async with opened(ledger_url(args), evidence=evidence_of(args)) as ledger:
             assert ledger is not None
             by = _decider(operators, args.by, await _get(ledger, args.operation_id))
             try:
@@ -456,6 +498,21 @@ def cmd_decide(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+# --- ops verify, export and notifications: the evidence (cli/evidence.py) ------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.verify(args, None if args.source else ledger_url(args)))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.export(args, ledger_url(args)))
+
+
+def cmd_notifications(args: argparse.Namespace) -> int:
+    return _run(args, lambda: evidence.notifications(args, ledger_url(args)))
 
 
 # --- ops purge ------------------------------------------------------------------------------------

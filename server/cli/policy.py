@@ -59,6 +59,11 @@ def add_arguments(policy: argparse.ArgumentParser) -> None:
         help="write a policy that wraps the servers of an MCP client config (Claude Desktop, Cursor, VS Code)",
         arguments="commitgate.server.cli.policy_init:add_arguments",
     )
+    actions.add_parser(
+        "unwrap",
+        help="put the servers a client config's commitgate entry serves back into the config, as they were",
+        arguments="commitgate.server.cli.unwrap:add_arguments",
+    )
 
 
 # --- check ----------------------------------------------------------------------------
@@ -166,9 +171,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if inventory is not None:
         out.print(inventory_table(inventory))
         for item in inventory:
-            for tool in item.tools:
-                for warning in tool.warnings:
-                    out.print(f"[yellow]warning[/yellow]: upstream {escape(item.name)}: {escape(warning)}")
+            for warning in [*item.warnings, *(w for tool in item.tools for w in tool.warnings)]:
+                out.print(f"[yellow]warning[/yellow]: upstream {escape(item.name)}: {escape(warning)}")
     return 0
 
 

@@ -21,7 +21,9 @@ from commitgate.server.console.rendering import STATIC, render
 from commitgate.server.console.security import Access, Denied, with_headers
 from commitgate.server.console.signin import LOGIN_PATH, OPEN_PATHS, SIGN_IN_ROUTES, signs_in
 from commitgate.server.ledger import Ledger, LedgerUnavailable, open_ledger
+from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.policy.models import Policy
+from commitgate.server.serve.evidence import attach
 
 OpenLedger = Callable[[], Awaitable[Ledger]]
 
@@ -133,8 +135,11 @@ def create_app(
     return app
 
 
-def ledger_opener(url: str) -> OpenLedger:
+def ledger_opener(url: str, evidence: Evidence | None = None) -> OpenLedger:
     async def opener() -> Ledger:
-        return await open_ledger(url, auto_migrate=False)  # the console never creates tables
+        ledger = await open_ledger(url, auto_migrate=False)  # the console never creates tables
+        if evidence is not None:
+            attach(ledger, evidence)
+        return ledger
 
     return opener

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commitgate.server.ledger.base import Ledger, LedgerUnavailable, Transition
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -89,7 +89,7 @@ async def note(ledger: Ledger, op: Operation, checked: Checked, by: str, at: flo
         frozenset({State.UNKNOWN}),
         AuditEvent.RECONCILE_UNDECIDED,
         reconciliation=reconciliation,
-        actor=by,
+        actor=Actor.operator(by),
     )
     try:
         await ledger.update(op.operation_id, change, at)

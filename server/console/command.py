@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import socket
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING
 from commitgate.server.cli.arguments import host_address, port_number
 from commitgate.server.cli.deciders import NotAnOperator, Operators
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
+from commitgate.server.cli.served import policy_path
 from commitgate.server.ledger.urls import Backend, parse_ledger_url
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.policy.loading import default_policy, load_policy
@@ -36,7 +36,7 @@ def add_arguments(console: argparse.ArgumentParser) -> None:
     console.add_argument(
         "--policy",
         help="policy whose ledger, [[auth.tokens]], approval prompts and budgets to use"
-        " (default: $COMMITGATE_POLICY)",
+        " (default: $COMMITGATE_POLICY, else the one Claude Desktop's commitgate entry serves)",
     )
     console.add_argument(
         "--ledger", help="ledger URL, overriding the policy's, e.g. sqlite:////var/lib/commitgate/ledger.db"
@@ -108,11 +108,12 @@ def cmd_console(args: argparse.Namespace) -> int:
 
     from commitgate.server.console.app import create_app, ledger_opener
     from commitgate.server.console.security import Access, check_bind
+    from commitgate.server.serve.evidence import evidence_for
 
-    path = args.policy or os.environ.get("COMMITGATE_POLICY")
+    path, served = policy_path(args)
     policy = load_policy(path) if path else default_policy()
     url, why = ledger_choice(args.ledger, policy, path)
-    say_ledger(url, why)
+    say_ledger(url, f"{why}, {served}" if served and not args.ledger else why)
     try:
         tokens = load_tokens(policy.auth)
     except AuthConfigError as exc:
@@ -125,8 +126,10 @@ def cmd_console(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     access = Access.for_bind(args.host, sock.getsockname()[1], tokens, operator, oauth)
     _print_sign_in(sock, access)
+    # Its decisions and resolutions write receipts and notifications as a server's changes do.
+    evidence = evidence_for(policy, Path(path).resolve() if path else None)
     app = create_app(
-        ledger_opener(url),
+        ledger_opener(url, evidence),
         access,
         policy=prompt_policy(policy, path, args.ledger),
         policy_dir=Path(path).expanduser().resolve().parent if path else None,

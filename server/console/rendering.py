@@ -9,7 +9,6 @@ their last four digits).
 from __future__ import annotations
 
 import json
-import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from starlette.responses import HTMLResponse
 
 from commitgate.server.cli.shown import visible
 from commitgate.server.ledger.base import AuditEntry
+from commitgate.server.model.audit import Actor
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ReconciliationNote
 from commitgate.server.model.outcomes import Verdict
@@ -118,16 +118,10 @@ def dated(value: Any) -> Any:
     return value
 
 
-# A lease owner, "host:pid:nonce": the server process that acted, not anyone a person knows.
-_OWNER_ID = re.compile(r".+:\d+:[0-9a-f]+")
-
-
 def actor_of(entry: AuditEntry, principal: str) -> str:
-    """Who acted: the person (an operator, a reviewer) or, for the server's own steps, the principal
-    it acted for; never the internal owner id of a server process."""
-    if not entry.actor or _OWNER_ID.fullmatch(entry.actor):
-        return principal
-    return entry.actor
+    """Who acted: the principal (its call), `commitgate` (on its own) or an operator (a decision);
+    never the internal owner id of a server process."""
+    return Actor.of_record(entry.actor, entry.event, principal).shown
 
 
 def history_rows(entries: list[AuditEntry], principal: str) -> list[dict[str, Any]]:

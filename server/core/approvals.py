@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from commitgate.server.core.resolutions import names_its_agent
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
 from commitgate.server.model.amounts import decimal_of, left, with_unit
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
 from commitgate.server.model.records import Operation, iso
@@ -132,7 +133,7 @@ def approve_change(op: Operation, by: str, via: str, reason: str | None, now: fl
         AuditEvent.APPROVED,
         expect_fence=op.fence,
         approval=_decided(op, ApprovalState.APPROVED, by, via, reason, now),
-        actor=by,
+        actor=Actor.operator(by),
         detail={"via": via, "reason": reason},
     )
 
@@ -146,7 +147,7 @@ def deny_change(op: Operation, by: str, via: str, reason: str | None, now: float
         expect_fence=op.fence,
         error=ErrorRecord(code=ErrorCode.APPROVAL_DENIED.value, message=f"denied by {by} ({via}){why}"),
         approval=_decided(op, ApprovalState.DENIED, by, via, reason, now),
-        actor=by,
+        actor=Actor.operator(by),
         detail={"via": via, "reason": reason},
     )
 
@@ -163,6 +164,7 @@ def expire_change(op: Operation, now: float) -> Transition:
             code=ErrorCode.APPROVAL_EXPIRED.value, message=f"nobody approved it before {before}"
         ),
         approval=_decided(op, ApprovalState.EXPIRED, None, "timeout", None, now),
+        actor=COMMITGATE,
     )
 
 
@@ -175,6 +177,7 @@ def take_change(op: Operation, lease: Lease, budget: BudgetCheck | None = None) 
         AuditEvent.APPROVED_CLAIMED,
         expect_fence=op.fence,
         lease=lease,
+        actor=Actor.principal(op.principal),
         budget=budget,
     )
 
@@ -233,7 +236,7 @@ async def decide(
     if op is None:
         raise ApprovalRefused(f"no operation {operation_id!r}" + (" visible to you" if principal else ""))
     op, _ = await touch(ledger, op, now)
-    refusal = _refusal(op, via)
+    refusal = _refusal(op, via) or (names_its_agent(by, op) if via == "operator" else None)
     if refusal is not None:
         raise ApprovalRefused(refusal)
     change = (approve_change if decision == "approve" else deny_change)(op, by, via, reason, now)

@@ -53,7 +53,7 @@ from commitgate.server.ledger.base import (
     lease_over,
     this_owner,
 )
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event, Observer
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
@@ -389,6 +389,7 @@ class CommitBoundary:
             AuditEvent.BUDGET_EXCEEDED,
             expect_fence=op.fence,
             error=error,
+            actor=Actor.principal(request.principal),
         )
         try:
             failed = await self.ledger.update(op.operation_id, change, self.clock())
@@ -440,6 +441,7 @@ class CommitBoundary:
             AuditEvent.LEASE_EXPIRED,
             expect_fence=op.fence,
             error=LEASE_LOST,
+            actor=COMMITGATE,
         )
         expired = await self.ledger.update(op.operation_id, change, self.clock())
         if expired is None:
@@ -457,6 +459,7 @@ class CommitBoundary:
             AuditEvent.RERUN_CLAIMED,
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
+            actor=Actor.principal(request.principal),
         )
         taken = await self.ledger.update(op.operation_id, change, self.clock())
         if taken is None:  # someone else moved it first: answer from what they did
@@ -569,6 +572,7 @@ class CommitBoundary:
         deadline = self.clock() + policy.retry.deadline
         last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
         self.leases[op.operation_id] = op.fence
+        actor = Actor.principal(request.principal)  # the call's own attempt; commitgate's after a retry
         try:
             while True:
                 ctx = OperationContext(
@@ -590,7 +594,7 @@ class CommitBoundary:
                     verdict, found, note = await self._status_check(tool, op, op.attempts)
                     if verdict is Verdict.FOUND:
                         return await self._finish(
-                            op, State.SUCCEEDED, AuditEvent.RECONCILED_FOUND, found, None, note
+                            op, State.SUCCEEDED, AuditEvent.RECONCILED_FOUND, found, None, COMMITGATE, note
                         )
                     if verdict is Verdict.NOT_FOUND:  # certainly not applied: run again at once
                         next_move, attempt = (
@@ -602,21 +606,27 @@ class CommitBoundary:
                         next_move, maybe_applied = Next.RETRY, True
                     else:
                         return await self._finish(
-                            op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, note
+                            op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, COMMITGATE, note
                         )
                 if next_move is Next.RECORD_SUCCESS:
-                    return await self._finish(op, State.SUCCEEDED, AuditEvent.SUCCEEDED, attempt.result, None)
+                    return await self._finish(
+                        op, State.SUCCEEDED, AuditEvent.SUCCEEDED, attempt.result, None, actor
+                    )
                 if next_move is Next.RECORD_FAILED_FINAL:
                     return await self._finish(
-                        op, State.FAILED_FINAL, AuditEvent.FAILED_FINAL, None, attempt.error
+                        op, State.FAILED_FINAL, AuditEvent.FAILED_FINAL, None, attempt.error, actor
                     )
                 if next_move is Next.RECORD_UNKNOWN:
-                    return await self._finish(op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error)
+                    return await self._finish(
+                        op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, actor
+                    )
                 retried = await self._next_attempt(op, attempt, backoff, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
-                    return await self._finish(op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error)
-                op = retried
+                    return await self._finish(
+                        op, state, AuditEvent.RETRIES_EXHAUSTED, None, attempt.error, actor
+                    )
+                op, actor = retried, COMMITGATE
         finally:
             self.leases.pop(op.operation_id, None)
 
@@ -645,6 +655,7 @@ class CommitBoundary:
             expect_fence=op.fence,
             lease=Lease(self.owner, self.clock() + self.settings.lease),
             error=error,
+            actor=COMMITGATE,
         )
         retried = await self.ledger.update(op.operation_id, change, self.clock())
         if retried is None:
@@ -660,6 +671,7 @@ class CommitBoundary:
         event: AuditEvent,
         result: ToolResult | None,
         error: BaseException | None,
+        actor: Actor,
         reconciliation: ReconciliationNote | None = None,
     ) -> Answer:
         error_json = error_record(error, classify(error)) if error is not None else None
@@ -673,6 +685,7 @@ class CommitBoundary:
             result=result,
             error=error_json,
             reconciliation=reconciliation,
+            actor=actor,
         )
         recorded = await tracing.recorded(self._record(op, change), op, change.to_state)
         if recorded is None:
@@ -742,6 +755,7 @@ class CommitBoundary:
             change,
             expect_states=frozenset({State.UNKNOWN, State.FAILED_RETRYABLE}),
             event=AuditEvent.LATE_OUTCOME,
+            actor=COMMITGATE,
             reconciliation=ReconciliationNote("owner", self.clock(), change.to_state.value.lower()),
         )
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from commitgate.server.core.requests import GuardedTool
 from commitgate.server.ledger.base import Transition
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, AuditEvent
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import State
@@ -61,6 +61,7 @@ def found(result: ToolResult | None, note: ReconciliationNote) -> Transition:
         AuditEvent.RECONCILED_FOUND,
         result=result,
         reconciliation=note,
+        actor=COMMITGATE,  # a status check of its own
     )
 
 
@@ -73,11 +74,16 @@ def not_found(op: Operation, note: ReconciliationNote) -> Transition:
         expect_fence=op.fence,  # the check covered attempts up to this one only
         reconciliation=note,
         error=ErrorRecord(outcome=Outcome.RETRYABLE.value, message="the status check found no trace of it"),
+        actor=COMMITGATE,  # a status check of its own
     )
 
 
 def undecided(note: ReconciliationNote) -> Transition:
     """The check could not tell: still UNKNOWN, with the note of this try."""
     return Transition(
-        State.UNKNOWN, frozenset({State.UNKNOWN}), AuditEvent.RECONCILE_UNDECIDED, reconciliation=note
+        State.UNKNOWN,
+        frozenset({State.UNKNOWN}),
+        AuditEvent.RECONCILE_UNDECIDED,
+        reconciliation=note,
+        actor=COMMITGATE,  # a status check of its own
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from commitgate.server.ledger.base import Ledger, Transition, lease_over
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.errors import UserFacingError
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote
@@ -53,6 +53,19 @@ def local_operator() -> str:
         return "local"
 
 
+def names_its_agent(by: str, op: Operation) -> str | None:
+    """Why `by` may not be recorded as the operator deciding `op`, or None. A decision taken as an
+    operator names a person, never the agent it is about: on stdio the agent's principal is the OS
+    user, which is also who decides when no name is given."""
+    if by != op.principal:
+        return None
+    return (
+        f"{by!r} is the principal of the agent that made {op.operation_id}: a decision is recorded as"
+        " the person who takes it, never as that agent; decide under your own name"
+        " (`commitgate ops ... --by NAME`, `commitgate console --as NAME`)"
+    )
+
+
 def note_for(op: Operation, resolution: Resolution) -> str | None:
     """A warning worth showing before recording, or None."""
     if (
@@ -77,7 +90,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
             AuditEvent.RESOLVED,
             result=_result(resolution.result_json, by, reason),
             reconciliation=note,
-            actor=by,
+            actor=Actor.operator(by),
             detail={"resolution": "succeeded", "reason": reason},
         )
     if reason is None:
@@ -100,7 +113,7 @@ def transition(resolution: Resolution, now: float) -> Transition:
         AuditEvent.RESOLVED,
         error=error,
         reconciliation=note,
-        actor=by,
+        actor=Actor.operator(by),
         detail={"resolution": state.value, "reason": reason},
     )
 
@@ -130,6 +143,7 @@ async def current(ledger: Ledger, operation_id: str, now: float, principal: str 
         error=ErrorRecord(
             code="lease_expired", message="the process running this operation stopped answering"
         ),
+        actor=COMMITGATE,
     )
     return await ledger.update(op.operation_id, change, now) or await _reread(ledger, op, principal)
 
@@ -148,6 +162,9 @@ async def resolve(
     Bad inputs are refused before the ledger is touched."""
     change = transition(resolution, now)
     op = await current(ledger, operation_id, now, principal)
+    refusal = names_its_agent(resolution.by, op)
+    if refusal is not None:
+        raise ResolutionError(refusal)
     if op.state is not State.UNKNOWN:
         raise ResolutionError(
             f"{op.operation_id} is {op.state.value}: only UNKNOWN operations are resolved by hand"

@@ -19,7 +19,7 @@ from commitgate.server.core import errors
 from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.requests import Answer, CallRequest, GuardedTool
 from commitgate.server.ledger.base import Ledger, OperationFilter, Transition
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import CompensateSpec
@@ -151,7 +151,7 @@ class Saga:
             State.COMPENSATED,
             frozenset({State.SUCCEEDED}),
             AuditEvent.COMPENSATED,
-            actor=forward.principal,
+            actor=Actor.principal(forward.principal),
             detail=detail,
         )
         marked = await self.ledger.update(forward.operation_id, change, self.boundary.clock())

@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from commitgate.server.model.amounts import number
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
@@ -224,7 +224,7 @@ class Transition:
     error: ErrorRecord | None = None
     reconciliation: ReconciliationNote | None = None
     lease: Lease | None = None  # set => a new attempt: fence + 1, attempts + 1
-    actor: str | None = None
+    actor: Actor | None = None  # who made it; None: the ledger tells by its event (Actor.of_record)
     detail: dict[str, Any] | None = None
     approval: ApprovalRecord | None = None  # replaces the operation's approval record (a decision)
     # The take of an approved (PENDING) operation of a budgeted tool: the ledger checks the budget
@@ -331,6 +331,16 @@ class Ledger(Protocol):
         """What `budget` spent since `since` per span of `span_seconds`, oldest first (spans with nothing
         spent left out), counting what `budget_spent` counts: only `principal`'s operations when given,
         and only `session`'s when given too. Read-only."""
+        ...
+
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """The latest definition each of `upstreams` gave of each of its tools (tool_definitions.py)."""
+        ...
+
+    async def record_tool_definitions(
+        self, upstream: str, tools: dict[str, dict[str, Any]], now: float
+    ) -> None:
+        """Replace what is kept of `upstream`'s tools with `tools` (name -> definition, wire JSON)."""
         ...
 
     async def check_writable(self) -> None: ...

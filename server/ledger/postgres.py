@@ -29,11 +29,12 @@ import json
 import socket
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
 
+from commitgate.server.ledger import evidence, tool_definitions
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     LEASE_LOST,
@@ -55,9 +56,13 @@ from commitgate.server.ledger.base import (
     owner_known_dead,
     timed,
 )
+from commitgate.server.ledger.evidence import POSTGRES_MIGRATION, Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
+from commitgate.server.ledger.tool_definitions import Definitions, grouped, postgres_record, select_sql
+from commitgate.server.model.audit import recorded_actor
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
+from commitgate.server.model.receipts import at_text, digest
 from commitgate.server.model.records import Operation, ToolResult
 
 T = TypeVar("T")
@@ -718,6 +723,10 @@ MIGRATIONS: list[str] = [
         RETURN QUERY SELECT 'taken'::text, r, v_spent;
     END $$;
     """,
+    # 7: receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
+    POSTGRES_MIGRATION,
+    # 8: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
+    tool_definitions.POSTGRES_MIGRATION,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -929,6 +938,7 @@ class PostgresLedger:
         self._host_prefix = socket.gethostname() + ":"
         self.lazy_outcomes = False  # durability "claim": outcomes commit without waiting for the WAL flush
         self.timer: StepTimer | None = None  # see `timed`
+        self._evidence: Evidence | None = None  # receipts and events added to every write
 
     @classmethod
     async def open(
@@ -990,6 +1000,24 @@ class PostgresLedger:
         rows: list[asyncpg.Record] = await self._run(lambda conn: conn.fetch(sql, *args))
         return rows
 
+    async def _change(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        """A write step: with receipts or notifications, in a transaction that also writes them."""
+        if self._evidence is None:
+            return await self._fetch(sql, *args)
+        return await self._run(lambda conn: self._sealed(conn, lambda: conn.fetch(sql, *args)))
+
+    async def _sealed(
+        self, conn: asyncpg.Connection, step: Callable[[], Awaitable[list[asyncpg.Record]]]
+    ) -> list[asyncpg.Record]:
+        sealer = self._evidence
+        assert sealer is not None
+        lane = sealer.take_lane()
+        async with conn.transaction():
+            rows = await step()
+            await evidence.seal_postgres(conn, sealer, lane, [row["operation_id"] for row in rows])
+        sealer.give_back(lane)  # not reached when the transaction failed: that lane's chain ends
+        return rows
+
     # --- the hot path ---------------------------------------------------------------------
 
     @timed
@@ -1002,7 +1030,7 @@ class PostgresLedger:
         duplicates = (
             () if check is None else (check.window_seconds, check.any_session, check.reject, check.confirmed)
         )
-        rows = await self._fetch(
+        rows = await self._change(
             _CLAIM if check is None else _CLAIM_CHECKED, *_claim_arguments(request, now), *duplicates
         )
         return await self._answer(rows, now)
@@ -1015,7 +1043,7 @@ class PostgresLedger:
             if check is None
             else (check.window_seconds, check.any_session, check.reject, check.confirmed)
         )
-        rows = await self._fetch(
+        rows = await self._change(
             _CLAIM_AWAITING,
             *_claim_arguments(request, now),
             _dump_record(approval),
@@ -1039,7 +1067,7 @@ class PostgresLedger:
             if check is None
             else (True, check.window_seconds, check.any_session, check.reject, check.confirmed)
         )
-        rows = await self._fetch(
+        rows = await self._change(
             _CLAIM_BUDGETED,
             *_claim_arguments(request, now),
             *duplicates,
@@ -1067,7 +1095,7 @@ class PostgresLedger:
         return Claim(kind, op, row.get("duplicate_of"))
 
     async def _expire_dead_owner(self, op: Operation, now: float) -> Operation:
-        rows = await self._fetch(
+        rows = await self._change(
             _EXPIRE_DEAD_OWNER, now, _dump_record(LEASE_LOST), op.operation_id, op.fence, op.lease_owner
         )
         if rows:
@@ -1085,7 +1113,7 @@ class PostgresLedger:
             )
         lease = change.lease  # one statement checks and writes: `current` would save nothing
         lazy = self.lazy_outcomes and is_outcome(change)
-        rows = await self._fetch(
+        rows = await self._change(
             _UPDATE_LAZY if lazy else _UPDATE,
             operation_id,
             change.to_state.value,
@@ -1099,7 +1127,7 @@ class PostgresLedger:
             lease.owner if lease is not None else None,
             lease.expires_at if lease is not None else None,
             change.to_state.terminal,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             _dump_record(change.approval),
@@ -1112,7 +1140,7 @@ class PostgresLedger:
         """The take of an approved operation with its budget checked in the same transaction."""
         lease = change.lease
         assert lease is not None and change.expect_fence is not None
-        rows = await self._fetch(
+        rows = await self._change(
             _TAKE_BUDGETED,
             operation_id,
             change.expect_fence,
@@ -1121,7 +1149,7 @@ class PostgresLedger:
             change.event,
             lease.owner,
             lease.expires_at,
-            change.actor,
+            recorded_actor(change.actor),
             _dump(change.detail),
             now,
             budget.name,
@@ -1208,6 +1236,10 @@ class PostgresLedger:
                 self._host_prefix,
             )
             dead = [row[0] for row in owners if owner_known_dead(row[0])]
+            if self._evidence is not None:
+                return await self._sealed(
+                    conn, lambda: conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead)
+                )
             return list(await conn.fetch(_EXPIRE_LEASES, now, _dump_record(LEASE_LOST), dead))
 
         return [_decode(row) for row in await self._run(step)]
@@ -1275,11 +1307,45 @@ class PostgresLedger:
         return [SpentIn(r[0] * span_seconds, r[1], int(r[2])) for r in rows]
 
     @timed
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, Definitions]:
+        """The latest definitions of `upstreams`' tools (server/ledger/tool_definitions.py)."""
+        sql = select_sql("commitgate_tool_definitions", len(upstreams), numbered=True)
+        return grouped(await self._fetch(sql, *upstreams)) if upstreams else {}
+
+    async def record_tool_definitions(self, upstream: str, tools: Definitions, now: float) -> None:
+        await self._run(lambda conn: postgres_record(conn, upstream, tools, now))
+
     async def check_writable(self) -> None:
         # Rejected on a standby or in a read-only transaction, yet writes nothing.
         await self._run(
             lambda conn: conn.execute("UPDATE commitgate_schema_version SET version = version WHERE false")
         )
+
+    # --- receipts and the outbox (ledger/evidence.py) -------------------------------------------
+
+    def attach(self, sealer: Evidence) -> None:
+        self._evidence = sealer if sealer.active else None
+
+    async def outbox_take(self, owner: str, now: float, lease: float, limit: int) -> list[OutboxItem]:
+        return await self._run(lambda conn: evidence.postgres_take(conn, owner, now, lease, limit))
+
+    async def outbox_settle(self, item: OutboxItem, owner: str, settled: Settled) -> bool:
+        return await self._run(lambda conn: evidence.postgres_settle(conn, item, owner, settled))
+
+    async def undelivered(self) -> list[OutboxItem]:
+        return [
+            evidence.outbox_item(tuple(r))
+            for r in await self._fetch(evidence.undelivered_sql("commitgate_outbox"))
+        ]
+
+    async def receipts(self, since: float | None = None) -> list[dict[str, Any]]:
+        sql = evidence.receipts_sql("commitgate_receipts", since is not None, "$1")
+        rows = await self._fetch(sql, *((at_text(since),) if since is not None else ()))
+        return [evidence.receipt_of(tuple(row)) for row in rows]
+
+    async def stored_digests(self) -> dict[str, tuple[str | None, str | None]]:
+        rows = await self._fetch("SELECT operation_id, arguments, result FROM commitgate_operations")
+        return {row[0]: (digest(row[1]), digest(row[2])) for row in rows}
 
     async def schema_version(self) -> int:
         return await self._run(_schema_version)

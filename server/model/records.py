@@ -18,14 +18,16 @@ class ToolResult:
 
     content: list[dict[str, Any]]
     structured: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None  # the tool's own result `_meta` (an upstream's, kept as sent)
     # The encoded form, made once: the size limit, the ledger and the replay cache all read it.
     _json: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> str:
         if self._json is None:
-            encoded = json.dumps(
-                {"content": self.content, "structuredContent": self.structured}, separators=(",", ":")
-            )
+            document: dict[str, Any] = {"content": self.content, "structuredContent": self.structured}
+            if self.meta:
+                document["_meta"] = self.meta
+            encoded = json.dumps(document, separators=(",", ":"))
             object.__setattr__(self, "_json", encoded)  # a cache, not a change: the value stays equal
             return encoded
         return self._json
@@ -33,7 +35,9 @@ class ToolResult:
     @classmethod
     def from_json(cls, text: str) -> ToolResult:
         data = json.loads(text)
-        result = cls(content=data["content"], structured=data.get("structuredContent"))
+        result = cls(
+            content=data["content"], structured=data.get("structuredContent"), meta=data.get("_meta")
+        )
         object.__setattr__(result, "_json", text)  # the stored text is this result's encoding
         return result
 

@@ -17,8 +17,9 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy
-from commitgate.server.policy.models import AuthToken, Policy, ToolPolicy
+from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.server.policy.problems import toml_key
+from commitgate.server.policy.tokens import token_key
 
 # Loosest last: a move to the right is weaker.
 _PER = ("all", "principal", "session")
@@ -112,15 +113,11 @@ def _budget_weakenings(running: dict[str, BudgetPolicy], edited: dict[str, Budge
             yield f"{where}.amount: changed (what a call spends cannot be compared)"
 
 
-def _token_key(token: AuthToken) -> str:
-    return f"sha256:{token.token_sha256.lower()}" if token.token_sha256 else f"env:{token.token_env}"
-
-
 def _token_weakenings(running: Policy, edited: Policy) -> Iterator[str]:
-    before = {_token_key(t): t for t in (running.auth.tokens if running.auth else [])}
+    before = {token_key(t): t for t in (running.auth.tokens if running.auth else [])}
     for i, token in enumerate(edited.auth.tokens if edited.auth else []):
         where = f"auth.tokens[{i}]"
-        old = before.get(_token_key(token))
+        old = before.get(token_key(token))
         if old is None:
             yield f"{where}: a token added"
         elif old.principal != token.principal:

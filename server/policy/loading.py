@@ -19,23 +19,28 @@ from typing import Any
 from pydantic import ValidationError
 
 from commitgate.server.model.facts import IdempotencyClass
+from commitgate.server.policy.evidence import literal_secrets
 from commitgate.server.policy.models import FROM_FILE, Policy, ToolPolicy
 from commitgate.server.policy.problems import PolicyError, Problem, pydantic_problems, toml_key, with_lines
 from commitgate.server.policy.rules import cross_field_problems, raw_tables
+from commitgate.server.policy.tokens import shared_token_problems
 
 # `${NAME}` or `${NAME:-default}` in any string of the file, resolved at load time.
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def _substitute_env(value: Any, location: str, problems: list[Problem]) -> Any:
-    """Resolve `${NAME}` and `${NAME:-default}` in every string at load time."""
+def _substitute_env(
+    value: Any, location: str, problems: list[Problem], unset: list[str] | None = None
+) -> Any:
+    """Resolve `${NAME}` and `${NAME:-default}` in every string at load time. With `unset`, a
+    variable that is not set is noted there rather than as a problem."""
     if isinstance(value, dict):
         return {
-            k: _substitute_env(v, f"{location}.{toml_key(k)}" if location else toml_key(k), problems)
+            k: _substitute_env(v, f"{location}.{toml_key(k)}" if location else toml_key(k), problems, unset)
             for k, v in value.items()
         }
     if isinstance(value, list):
-        return [_substitute_env(v, f"{location}[{i}]", problems) for i, v in enumerate(value)]
+        return [_substitute_env(v, f"{location}[{i}]", problems, unset) for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
 
         def resolve(match: re.Match[str]) -> str:
@@ -44,6 +49,9 @@ def _substitute_env(value: Any, location: str, problems: list[Problem]) -> Any:
                 return os.environ[name]
             if default is not None:
                 return default
+            if unset is not None:
+                unset.append(name)
+                return ""
             problems.append(
                 Problem(location, f"environment variable {name} is not set (or write ${{{name}:-default}})")
             )
@@ -96,18 +104,53 @@ def _buildable(raw: dict[str, Any]) -> ToolPolicy | None:
         return None
 
 
+# An upstream's own secrets: unset, they keep that upstream from starting, not the whole policy.
+_UPSTREAM_SECRETS = ("env", "headers")
+
+
+def _resolve_upstreams(upstreams: Any, problems: list[Problem]) -> tuple[Any, dict[str, list[str]]]:
+    """`[upstreams]` resolved, and per upstream the variables its `env` and `headers` name that are
+    not set: that upstream cannot start, and only it (`UpstreamPolicy.unset_env`)."""
+    if not isinstance(upstreams, dict):
+        return _substitute_env(upstreams, "upstreams", problems), {}
+    resolved: dict[str, Any] = {}
+    unset: dict[str, list[str]] = {}
+    for name, table in upstreams.items():
+        where = f"upstreams.{toml_key(name)}"
+        if not isinstance(table, dict):
+            resolved[name] = _substitute_env(table, where, problems)
+            continue
+        names: list[str] = []
+        resolved[name] = {
+            key: _substitute_env(
+                value, f"{where}.{toml_key(key)}", problems, names if key in _UPSTREAM_SECRETS else None
+            )
+            for key, value in table.items()
+        }
+        if names:
+            unset[name] = list(dict.fromkeys(names))
+    return resolved, unset
+
+
 def _dedupe(problems: list[Problem]) -> list[Problem]:
     return list(dict.fromkeys(problems))
 
 
 def analyse_data(data: dict[str, Any], source: str = "<policy>", text: str | None = None) -> PolicyReport:
-    problems: list[Problem] = []
-    data = _substitute_env(data, "", problems)
+    problems = [Problem(where, why) for where, why in literal_secrets(data)]
+    others = _substitute_env({k: v for k, v in data.items() if k != "upstreams"}, "", problems)
+    upstreams, unset = _resolve_upstreams(data.get("upstreams", {}), problems)
+    data = {k: upstreams if k == "upstreams" else others[k] for k in data}
     policy: Policy | None = None
     try:
         policy = Policy.model_validate(data, context=FROM_FILE)
     except ValidationError as exc:
         problems += pydantic_problems(exc)
+    else:
+        problems += shared_token_problems(policy.auth)
+    for name, names in unset.items():
+        if policy is not None and name in policy.upstreams:
+            policy.upstreams[name].mark_unset(names)
     problems = _dedupe(problems + cross_field_problems(data))
     if text is not None:
         problems = sorted(with_lines(problems, text), key=lambda p: (p.line is None, p.line or 0))

@@ -7,8 +7,10 @@ place, so the reader still sees that something is set there.
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.parse
+from collections.abc import Iterable
 from typing import Any
 
 MASK = "***"
@@ -26,7 +28,7 @@ def secret_name(name: str) -> bool:
 
 def mask_url(url: str) -> str:
     """The URL with its password and its credential-like query values replaced by ***."""
-    if "${" in url or "://" not in url:
+    if "://" not in url:  # a URL with `${ENV}` references is masked too: a literal secret may sit beside one
         return url
     try:
         parts = urllib.parse.urlsplit(url)
@@ -34,14 +36,21 @@ def mask_url(url: str) -> str:
     except ValueError:  # not a URL after all (e.g. a bad port): show it only if nothing looks secret
         return url if "@" not in url else MASK
     masked = url
-    if password is not None:  # edited in place: unsplit would also rewrite e.g. sqlite:/// as sqlite://
+    if password is not None and not _reference(password):  # edited in place: unsplit would rewrite sqlite:///
         userinfo, _, host = parts.netloc.rpartition("@")
         masked = masked.replace(parts.netloc, f"{userinfo.partition(':')[0]}:{MASK}@{host}", 1)
     pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     if any(secret_name(name) for name, _ in pairs):
-        query = "&".join(f"{name}={MASK if secret_name(name) else value}" for name, value in pairs)
+        query = "&".join(
+            f"{name}={MASK if secret_name(name) and not _reference(value) else value}"
+            for name, value in pairs
+        )
         masked = masked.replace("?" + parts.query, "?" + query, 1)
     return masked
+
+
+def _reference(value: str) -> bool:
+    return value.startswith("${") and value.endswith("}")
 
 
 def _mask_named(values: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +107,9 @@ _SECRET_FIELD = re.compile(
     r"|authori[sz]ation|^auth$|signature|^cvv|^cvc|security[-_]?code|(^|[-_])pin$|ssn|iban|account[-_]?number",
     re.IGNORECASE,
 )
+# A credential shorter than this is hidden under its own field name only: searched for in every text,
+# "12" would hide every 12.
+MIN_REPEATED_SECRET = 4
 # Field names whose value is a payment card number: only its last four digits are shown.
 _CARD_FIELD = re.compile(r"card|^pan$|ccn|credit", re.IGNORECASE)
 # A card number written anywhere: 13 to 19 digits, possibly grouped by spaces or dashes.
@@ -127,17 +139,55 @@ def _mask_card_numbers(text: str) -> str:
     return _CARD_NUMBER.sub(masked, text)
 
 
-def mask_values(value: Any, name: str = "") -> Any:
+def mask_values(value: Any, name: str = "", secrets: Iterable[str] = ()) -> Any:
     """A copy of `value` (JSON-like) safe to show a person: credential fields hidden, card numbers cut to
-    their last four digits, whether named as such or found in any text (Luhn-valid digit runs)."""
+    their last four digits, whether named as such or found in any text (Luhn-valid digit runs). A
+    credential's value is hidden wherever else it appears too (a text block repeating a result, JSON
+    written as text), and so is each of `secrets` (found elsewhere in the same record)."""
+    known = sorted(secret_values(value, name) | set(secrets), key=len, reverse=True)
+    return _masked(value, name, [s for s in known if len(s) >= MIN_REPEATED_SECRET])
+
+
+def secret_values(value: Any, name: str = "") -> set[str]:
+    """The values held under credential fields anywhere in `value`, JSON written as text included."""
     if isinstance(value, dict):
-        return {key: mask_values(item, str(key)) for key, item in value.items()}
+        return set().union(*(secret_values(item, str(key)) for key, item in value.items()))
     if isinstance(value, list):
-        return [mask_values(item, name) for item in value]
+        return set().union(*(secret_values(item, name) for item in value))
+    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+        return set()
+    if name and _SECRET_FIELD.search(name):
+        return {str(value)}
+    inside = _json_in(value)
+    return secret_values(inside) if inside is not None else set()
+
+
+def _json_in(value: Any) -> Any:
+    """The object or list a text holds as JSON, or None."""
+    if not isinstance(value, str) or not value.lstrip().startswith(("{", "[")):
+        return None
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _masked(value: Any, name: str, secrets: list[str]) -> Any:
+    if isinstance(value, dict):
+        return {key: _masked(item, str(key), secrets) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_masked(item, name, secrets) for item in value]
     if value is None or isinstance(value, bool):
         return value
     if name and _SECRET_FIELD.search(name):
         return MASK
     if name and _CARD_FIELD.search(name) and isinstance(value, str | int):
         return _last_four(value)
-    return _mask_card_numbers(value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    inside = _json_in(value)
+    if inside is not None and (shown := _masked(inside, "", secrets)) != inside:
+        value = json.dumps(shown, ensure_ascii=False)  # JSON as text: its credential fields hidden too
+    for secret in secrets:
+        value = value.replace(secret, MASK)
+    return _mask_card_numbers(value)

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     StrictBool,
     ValidationInfo,
     WithJsonSchema,
@@ -34,6 +35,7 @@ from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.approvals import ApprovalPolicy
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.duplicates import DuplicatesPolicy, duplicates_shorthand
+from commitgate.server.policy.evidence import ConsolePolicy, NotifyPolicy, ReceiptsPolicy
 from commitgate.server.policy.oauth import OAuthPolicy
 
 # Set in the validation context when a document is read from a file: durations must carry their unit.
@@ -361,6 +363,11 @@ class UpstreamPolicy(_Strict):
     command: str | None = Field(None, min_length=1, description="stdio: the command to start.")
     args: list[str] = Field(default_factory=list, description="stdio: its arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment.")
+    inherit_env: list[str] | Literal["*"] = Field(
+        default_factory=list,
+        description="stdio: variables of serve's own environment it also gets, beside the MCP SDK's "
+        'safe defaults (PATH, HOME...) and `env`; "*" for all of them.',
+    )
     cwd: str | None = Field(None, description="stdio: working directory.")
     url: str | None = Field(None, min_length=1, description="HTTP: the server's URL.")
     transport: Literal["streamable-http", "sse"] = Field(
@@ -381,6 +388,32 @@ class UpstreamPolicy(_Strict):
     connect_timeout: PositiveDuration = Field(
         60.0, description="Bound of one connection attempt (first start of `npx -y`/`uvx` may be slow)."
     )
+    sessions: Literal["shared", "per-client"] = Field(
+        "shared",
+        description="shared: one upstream session for every client. per-client: the tool calls of each "
+        "client session go through an upstream session of its own, opened at its first call and closed "
+        "with it (stateful servers, several principals).",
+    )
+
+    # Variables its `env` or `headers` name that are not set: this upstream cannot start (set by loading).
+    _unset_env: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def unset_env(self) -> tuple[str, ...]:
+        return self._unset_env
+
+    @property
+    def unset_reason(self) -> str | None:
+        """Why it cannot start, when its `env` or `headers` name variables that are not set."""
+        names = self._unset_env
+        if not names:
+            return None
+        if len(names) == 1:
+            return f"environment variable {names[0]} is not set"
+        return f"environment variables {', '.join(names)} are not set"
+
+    def mark_unset(self, names: list[str]) -> None:
+        self._unset_env = tuple(names)
 
     @model_validator(mode="after")
     def _one_target(self) -> UpstreamPolicy:
@@ -388,6 +421,10 @@ class UpstreamPolicy(_Strict):
             raise ValueError("an upstream has exactly one of `command` or `url`")
         if self.default_class is not None and self.tools != "all":
             raise ValueError('`default_class` is only used with `tools = "all"`')
+        if self.url is not None and self.inherit_env:
+            raise ValueError(
+                "`inherit_env` is for a `command` (stdio) upstream: commitgate starts no process for a `url`"
+            )
         return self
 
     @field_validator("default_class")
@@ -412,6 +449,9 @@ class Policy(_Strict):
         default_factory=dict, description="[budgets.NAME]: caps on what tools may spend."
     )
     tools: dict[str, ToolPolicy] = Field(default_factory=dict, description="[tools.NAME]")
+    receipts: ReceiptsPolicy = Field(default_factory=lambda: ReceiptsPolicy(), description="[receipts]")
+    notify: list[NotifyPolicy] = Field(default_factory=list, description="[[notify]] webhooks.")
+    console: ConsolePolicy = Field(default_factory=lambda: ConsolePolicy(), description="[console]")
 
     def retention_for(self, tool: str) -> float:
         """How long the tool's completed records are kept: at least its budget's window, so that

@@ -22,6 +22,21 @@ _BRACED = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)((?:\.[A-Za-z0-9_\-]*)*)\}")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 BUDGET_NAME = TOOL_NAME
 RESERVED_TOOL_NAMES = frozenset({"get_operation_status", "list_operations", "compensate_session"})
+_NOT_IN_A_TOOL_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def usable_tool_name(name: str) -> bool:
+    """Whether a tool may be served under `name` as it is: allowed characters, no meta tool's name."""
+    return name not in RESERVED_TOOL_NAMES and TOOL_NAME.fullmatch(name) is not None
+
+
+SHARED_NAME = "{upstream}__{name}"  # a tool or prompt name two upstreams share, served under each's name
+
+
+def prefixed_tool_name(prefix: str, name: str) -> str:
+    """`PREFIX__NAME` as a tool name: what a name cannot hold becomes `_`, cut to the longest allowed."""
+    return _NOT_IN_A_TOOL_NAME.sub("_", SHARED_NAME.format(upstream=prefix, name=name))[:128]
+
 
 CALL_OUTCOMES = tuple(Outcome)  # what an HTTP status may mean for a call
 CHECK_VERDICTS = tuple(Verdict)  # ... and for a status check

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from commitgate.server.policy.models import AuthPolicy
+from commitgate.server.policy.models import AuthPolicy, AuthToken
+from commitgate.server.policy.problems import Problem
 
 Role = Literal["agent", "operator"]
 
@@ -52,6 +53,32 @@ class _Entry:
 
 def digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def token_key(token: AuthToken) -> str:
+    """Which token an entry names, as far as the policy alone tells: its digest (hex digits in either
+    case are the same digest) or the variable that holds it."""
+    return f"sha256:{token.token_sha256.lower()}" if token.token_sha256 else f"env:{token.token_env}"
+
+
+def holder_of_entry(token: AuthToken) -> Holder:
+    return Holder(token.principal, token.role, token.sees)
+
+
+def _given_twice(other: Holder) -> str:
+    return f"the same token is also given to {other.role} {other.principal!r}"
+
+
+def shared_token_problems(auth: AuthPolicy | None) -> list[Problem]:
+    """Entries naming one token for two holders (`policy check` finds them, as `serve` would)."""
+    owners: dict[str, Holder] = {}
+    problems = []
+    for i, item in enumerate(auth.tokens if auth else []):
+        holder = holder_of_entry(item)
+        other = owners.setdefault(token_key(item), holder)
+        if other != holder:
+            problems.append(Problem(f"auth.tokens[{i}]", _given_twice(other)))
+    return problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +130,10 @@ def load_tokens(auth: AuthPolicy | None, environ: Mapping[str, str] | None = Non
                 )
                 continue
             value = digest(secret)
-        holder = Holder(item.principal, item.role, item.sees)
+        holder = holder_of_entry(item)
         other = owners.get(value)
         if other is not None and other != holder:
-            problems.append(f"{where}: the same token is also given to {other.role} {other.principal!r}")
+            problems.append(f"{where}: {_given_twice(other)}")
             continue
         owners[value] = holder
         entries.append(_Entry(value, holder))

@@ -135,6 +135,8 @@ class BearerBackend(AuthenticationBackend):
         )
         if caller is None:
             return None
+        # `request.state.sees`: the principals an operator's token may see (what /metrics shows it)
+        conn.scope.setdefault("state", {})["sees"] = caller.sees
         issued = access_token(token.strip(), caller)
         return AuthCredentials(issued.scopes), AuthenticatedUser(issued)
 

@@ -73,7 +73,12 @@ def policy_warnings(path: Path) -> list[str]:
     policy = analyse_file(path).policy
     if policy is None:
         return []
-    warnings = []
+    warnings = [
+        f"upstreams.{toml_key(name)}: {spec.unset_reason}: this upstream cannot start and "
+        "its tools answer retryable errors; the other upstreams are served"
+        for name, spec in policy.upstreams.items()
+        if spec.unset_reason is not None
+    ]
     for name, tool in policy.tools.items():
         if tool.idempotency_class.keyed:
             warning = window_warning(f"tools.{toml_key(name)}", tool.duplicates, policy.retention_for(name))

@@ -45,6 +45,7 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.base import lease_over
+from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import (
     OPERATION_META,
@@ -59,6 +60,7 @@ from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
+from commitgate.server.serve.evidence import attach, evidence_for, follow
 from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
 from commitgate.server.serve.metrics import UNKNOWN_TOOL
 from commitgate.server.serve.registry import ServedTool, build_tools
@@ -222,6 +224,7 @@ class Gateway:
     # Held while a new set of tools is built and applied (a policy reload, an upstream's new tools).
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
     faults: FaultPlan | None = None  # only under `commitgate verify` and the pytest plugin
+    evidence: Evidence | None = None  # what the ledger writes with each change (serve/evidence.py)
 
     @classmethod
     async def open(
@@ -234,15 +237,16 @@ class Gateway:
     ) -> Gateway:
         from commitgate.tools.http import pooled_client
         from commitgate.tools.upstream import UpstreamManager
+        from commitgate.tools.upstream_definitions import remembered
 
         faults = FaultPlan.from_env()  # read (and removed) before any child process starts
+        evidence = evidence_for(policy, policy_path)  # an unusable receipts key stops the start here
         upstreams, http = UpstreamManager(), pooled_client()
+        given = ledger
         try:
             # Connects the upstream MCP servers the policy uses in the background: clients are answered
             # at once, and a call waits for its upstream (docs/policy.md#upstreams).
             await upstreams.update(policy, wait=False)
-            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
-            served = build_tools(policy, policy_path.parent if policy_path else None, using)
             ledger = ledger or await open_ledger(
                 policy.ledger.url or default_ledger_url(policy_path),
                 synchronous=policy.ledger.synchronous,
@@ -250,16 +254,24 @@ class Gateway:
                 durability=policy.ledger.durability,
                 outcome_sync_within=policy.ledger.outcome_sync_within,
             )
+            attach(ledger, evidence)
+            await remembered(upstreams, policy, ledger)  # their tools as last listed, until they list
+            using = Collaborators(http=http, upstream=upstreams.lookup(policy))
+            served = build_tools(policy, policy_path.parent if policy_path else None, using)
         except BaseException:
             await upstreams.aclose()
             await http.aclose()
+            if ledger is not None and given is None:
+                await ledger.close()
             raise
         served = faults.wrap(served) if faults is not None else served
         tools = {name: s.guard for name, s in served.items()}
         boundary = CommitBoundary(ledger, policy.server, tools, observers=list(observers))
         principal = policy.server.principal or local_principal()
         generation = Generation.of(policy, served)
-        return cls(generation, boundary, http, upstreams, policy_path, principal, faults=faults)
+        return cls(
+            generation, boundary, http, upstreams, policy_path, principal, faults=faults, evidence=evidence
+        )
 
     @property
     def ledger(self) -> Ledger:
@@ -288,6 +300,8 @@ class Gateway:
             served = self.faults.wrap(served)
         self.generation = Generation.of(policy, served)
         self.boundary.settings = policy.server
+        if self.evidence is not None:  # new [[notify]] entries hear the changes from now on
+            follow(self.evidence, policy)
         self.boundary.tools = {name: s.guard for name, s in served.items()}
 
     # --- MCP requests -------------------------------------------------------------------------
@@ -588,7 +602,9 @@ def render(answer: Answer) -> types.CallToolResult:
     if answer.result is None:  # a success always carries a result; never pretend otherwise
         assert answer.operation is not None
         return render_error(error_for_state(answer.operation), answer.replayed)
-    meta = {OPERATION_META: operation_meta(answer.operation, answer.replayed)} if answer.operation else None
+    meta = dict(answer.result.meta or {})  # the tool's own keys, then commitgate's
+    if answer.operation:
+        meta[OPERATION_META] = operation_meta(answer.operation, answer.replayed)
     content = list(answer.result.content)
     if answer.replayed and answer.operation is not None:
         # Clients such as Claude Desktop show the model the content, not `_meta`: say it in words too.
@@ -596,7 +612,7 @@ def render(answer: Answer) -> types.CallToolResult:
     return types.CallToolResult(
         content=content,  # validated into content blocks by pydantic
         structured_content=answer.result.structured,
-        _meta=meta,
+        _meta=meta or None,
     )
 
 

@@ -71,6 +71,7 @@ HEALTH_TIMEOUT = 5.0
 # With a port, and without one (a client on port 80 sends `Host: 127.0.0.1`).
 LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", "[::1]")
 HEADER_TIMEOUT = 10  # seconds a connection may take to send a request's headers
+BODY_TIMEOUT = 30  # seconds a request's body may take once its headers are in (1 MiB at 35 KiB/s)
 # Seconds an idle connection is kept open: longer than clients keep theirs (httpx 5 s, Node 4 s) and
 # than load balancers' idle timeouts (60 s), so the client closes it first. A server closing at the
 # same moment as the client reuses the connection fails that call with a transport error, and the
@@ -188,10 +189,12 @@ class _HostCase:
 
 class _HeaderTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a request's headers within
-    HEADER_TIMEOUT seconds. Without it a client sending half a header held the connection (and
-    its memory) for ever: uvicorn's keep-alive timer runs only between requests."""
+    HEADER_TIMEOUT seconds, or its body within BODY_TIMEOUT seconds after them. Without it a client
+    sending half a header, or a body a byte at a time, held the connection (and its memory) for
+    ever: uvicorn's keep-alive timer runs only between requests."""
 
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -203,10 +206,29 @@ class _HeaderTimeoutH11(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the headers are complete
             self._disarm()
+        self._watch_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._body_done()
         super().connection_lost(exc)
+
+    def _watch_body(self) -> None:
+        """A total bound, not an idle one: a byte now and then must not keep a body coming for ever."""
+        if self.conn.their_state is not h11.SEND_BODY:
+            self._body_done()
+        elif self._body_timer is None:
+            self._body_timer = self.loop.call_later(BODY_TIMEOUT, self._body_overdue)
+
+    def _body_done(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_overdue(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -264,8 +286,9 @@ def ops_routes(
         refusal = await guard.validate_request(request)
         if refusal is not None:
             return refusal
+        sees = getattr(request.state, "sees", None)  # set by the bearer backend for a known token
         return Response(
-            await metrics.exposition(gateway.ledger, gateway.policy.budgets), media_type=CONTENT_TYPE
+            await metrics.exposition(gateway.ledger, gateway.policy.budgets, sees), media_type=CONTENT_TYPE
         )
 
     metrics_app = protect(request_response(metrics_text), authenticated)

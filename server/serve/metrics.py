@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from decimal import Decimal
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,6 +36,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from commitgate.server.ledger.base import (
     Ledger,
@@ -55,6 +57,7 @@ CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TC = ("tool", "idempotency_class")
 MAX_BUDGET_PRINCIPALS = 100  # spent series per budget: the principals who spent most
+SPENT_METRIC = "commitgate_budget_spent"
 NEAR_LIMIT = Decimal("0.9")  # a session "near" its budget's limit has spent this share of it (the alert's)
 
 # `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
@@ -139,7 +142,7 @@ class Metrics:
             "commitgate_ledger_up", "1 when the last scrape could read the ledger", registry=r
         )
         self.budget_spent = Gauge(
-            "commitgate_budget_spent",
+            SPENT_METRIC,
             "What a budget spent within the window, read from the ledger at scrape time: per principal"
             ' for per = "principal" budgets, principal="" for per = "all" ones',
             ["budget", "principal"],
@@ -198,8 +201,15 @@ class Metrics:
 
     # --- exposition --------------------------------------------------------------------------
 
-    async def exposition(self, ledger: Ledger, budgets: Mapping[str, BudgetPolicy] | None = None) -> bytes:
-        """The Prometheus text format, with operations by state and what budgets spent read from the ledger now."""
+    async def exposition(
+        self,
+        ledger: Ledger,
+        budgets: Mapping[str, BudgetPolicy] | None = None,
+        sees: frozenset[str] | None = None,
+    ) -> bytes:
+        """The Prometheus text format, with operations by state and what budgets spent read from the ledger now.
+        `sees`: the principals an operator's token sees (None: every one); what other principals spent is
+        left out, as the console leaves it out."""
         try:
             counts = await ledger.counts()
             await self._refresh_budgets(ledger, budgets or {})
@@ -212,7 +222,7 @@ class Metrics:
                 self._child(self.operations, state).set(value)
             for event, value in counts.events.items():
                 self._child(self.ledger_events, event).set(value)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry if sees is None else _SeenBy(self.registry, sees))
 
     async def _refresh_budgets(self, ledger: Ledger, budgets: Mapping[str, BudgetPolicy]) -> None:
         """Each declared budget's limit and what it spent: per principal, in total, or (per session)
@@ -256,3 +266,22 @@ class Metrics:
             gateway.boundary.observers.append(self)
         if gateway.boundary.ledger.timer is None:
             gateway.boundary.ledger.timer = self.ledger_step
+
+
+class _SeenBy(Collector):
+    """The registry as an operator of some principals sees it: the spending of a `per = "principal"`
+    budget only for its own principals; a budget shared by all (principal "") shows its total, as
+    its agents are told in `budget_exceeded` anyway."""
+
+    def __init__(self, registry: CollectorRegistry, sees: frozenset[str]) -> None:
+        self.registry, self.sees = registry, sees
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            if metric.name == SPENT_METRIC:
+                seen = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                seen.samples = [
+                    s for s in metric.samples if s.labels.get("principal", "") in self.sees | {""}
+                ]
+                metric = seen
+            yield metric

@@ -95,12 +95,13 @@ def annotations_for(policy: ToolPolicy, declared: types.Tool | None = None) -> t
 
 
 def _upstream_annotations(policy: ToolPolicy, theirs: types.ToolAnnotations | None) -> types.ToolAnnotations:
-    """Read-only only when its server says so (a safe-retry entry never makes a write look harmless);
+    """Read-only only when its server says so and it is served unkeyed (a safe-retry entry never makes
+    a write look harmless; a keyed class is recorded as an action, so never advertised read-only);
     destructive and open-world as its server says unless the entry sets `destructive`; idempotent for
     keyed tools, since a retry with the same key has no further effect."""
     theirs = theirs or types.ToolAnnotations()
     keyed = policy.idempotency_class.keyed
-    read_only = theirs.read_only_hint if theirs.read_only_hint is not None else (False if keyed else None)
+    read_only = False if keyed else theirs.read_only_hint
     destructive = policy.destructive if "destructive" in policy.model_fields_set else theirs.destructive_hint
     return types.ToolAnnotations(
         title=policy.title or theirs.title,
@@ -134,6 +135,8 @@ def definition_for(name: str, policy: ToolPolicy, source: ToolSource) -> types.T
         ),
         output_schema=source.output_schema,
         annotations=annotations_for(policy, declared),
+        icons=declared.icons if declared else None,
+        _meta=declared.meta if declared else None,  # an upstream's own keys (MCP Apps' `ui`) as sent
     )
 
 

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -36,7 +36,7 @@ import anyio.abc
 import mcp.types as types
 from mcp.server import Server, ServerRequestContext
 from mcp.server.context import CallNext, HandlerResult
-from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ServerEvent, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from watchfiles import Change, awatch
 
@@ -48,6 +48,8 @@ from commitgate.server.serve.checking import check_report, format_report, served
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import ToolBuildError, ToolSource
+from commitgate.tools.upstream import UpstreamConnection, implied_entries
+from commitgate.tools.upstream_definitions import record_listed
 
 log = logging.getLogger("commitgate.reload")
 
@@ -87,10 +89,19 @@ class ToolListAnnouncer:
                 self._connections.add(connection)
         return await call_next(ctx)
 
-    async def announce(self) -> None:
-        await self.bus.publish(ToolsListChanged())
+    async def announce(
+        self, event: ServerEvent | None = None, send: Callable[[Any], Awaitable[None]] | None = None
+    ) -> None:
+        """Tell every client: the tool list changed, or `event` (sent to handshake-era ones by `send`)."""
+        await self.bus.publish(event or ToolsListChanged())
         for connection in list(self._connections):
-            await connection.send_tool_list_changed()  # best effort: never raises
+            if send is None:
+                await connection.send_tool_list_changed()  # best effort: never raises
+                continue
+            try:
+                await send(connection)
+            except Exception:  # a client that went away
+                log.debug("could not tell a client of %s", type(event).__name__)
 
     def close(self) -> None:
         self.listen.close()
@@ -179,7 +190,11 @@ class PolicyReloader:
                     format_report(str(self.path), problems),
                 )
                 return ReloadResult(ReloadStatus.REJECTED, problems)
-            reread_in = self._still_to_wait(text, weakenings(self.gateway.policy, policy))
+            served_now = as_served(self.gateway.policy, self.gateway.served)
+            weaker = weakenings(served_now, self._to_be_served(policy))
+            reread_in = self._still_to_wait(text, weaker)
+            if reread_in is None and weaker and self.changed_on_disk():
+                reread_in = 0.0  # edited again while this text was checked: it is not what the file says
             if reread_in is not None:
                 await self._retire_upstreams(self.gateway.policy)  # built again once it may apply
                 return ReloadResult(ReloadStatus.WAITING, reread_in=reread_in)
@@ -222,6 +237,20 @@ class PolicyReloader:
             return None, None, self._all_problems(report, exc.problems)
         problems = source_problems(policy.tools, served_schemas(served))
         return (None, None, self._all_problems(report, problems)) if problems else (policy, served, [])
+
+    def _to_be_served(self, policy: Policy) -> Policy:
+        """`policy` with the tools it will serve as its entries: its own, and those its `tools = "all"`
+        upstreams add. An upstream whose connection under the edited declaration has not listed its
+        tools (yet) is taken at what it offers now: its tools are served once it does."""
+        upstreams, running = self.gateway.upstreams, self.gateway.policy
+
+        def offer(name: str) -> UpstreamConnection | None:
+            edited = upstreams.connection(name, policy.upstreams[name]) if name in policy.upstreams else None
+            if (edited is None or not edited.listed) and name in running.upstreams:
+                return upstreams.connection(name, running.upstreams[name]) or edited
+            return edited
+
+        return policy.model_copy(update={"tools": {**policy.tools, **implied_entries(policy, offer)}})
 
     def _all_problems(self, report: PolicyReport, found: list[Problem]) -> list[Problem]:
         """What `check` reports, plus what only live upstream connections could reveal."""
@@ -268,6 +297,13 @@ class PolicyReloader:
             "; tool list changed" if changed else "; tool list unchanged",
         )
         return changed
+
+
+def as_served(policy: Policy, served: Mapping[str, ServedTool]) -> Policy:
+    """`policy` with the tools it serves as its entries: its own, and those `tools = "all"` upstreams
+    add. Guards are compared on these: dropping the entry of a tool its upstream still offers, or a
+    looser `default_class`, changes what is served without an entry changing the same way."""
+    return policy.model_copy(update={"tools": {name: s.guard.policy for name, s in served.items()}})
 
 
 # --- watching ----------------------------------------------------------------------------------
@@ -394,6 +430,8 @@ async def upstream_refresher(gateway: Gateway, on_applied: OnApplied) -> AsyncIt
             upstreams.tools_changed.clear()
             try:
                 await refresh_upstream_tools(gateway, on_applied)
+                # What they list now is what the next start advertises before they connect.
+                await record_listed(upstreams, gateway.policy, gateway.ledger)
             except Exception:  # refreshing must never take the server down
                 log.exception("refreshing upstream tools failed; the current tools keep serving")
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import threading
+import typing
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,10 +22,11 @@ from mcp import MCPError
 from mcp.server import Server, ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions
 
-from commitgate.server.serve import asking, calls, tracing
+from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.gateway import Call, Gateway, Generation
 from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.notify import delivering
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
 log = logging.getLogger("commitgate.surface")
@@ -50,6 +52,7 @@ def build_server(
 
     handler = gateway.handler()
     served = calls.recorded(calls.limited(answer), metrics)
+    rounds = callers.Rounds() if passthrough.has_upstreams(gateway) else None
 
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
@@ -61,7 +64,12 @@ def build_server(
     ) -> types.CallToolResult | types.InputRequiredResult:
         principal = principal_of_request()
         channel = asking.channel_of(ctx, params)  # how to ask for an approval
-        return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
+
+        async def run() -> types.CallToolResult | types.InputRequiredResult:
+            return await served(gateway.envelope(params.name, params.arguments, ctx.meta, principal, channel))
+
+        # An upstream's questions, progress and logs while serving the call reach this client only.
+        return typing.cast(Any, await callers.relayed_call(ctx, params, run, rounds))
 
     server = _AnnouncingServer(
         gateway.policy.server.name,
@@ -73,6 +81,8 @@ def build_server(
     )
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
+    if passthrough.has_upstreams(gateway):  # resources, prompts, completions, logging of the upstreams
+        passthrough.Passthrough(gateway, announcer).install(server)
     # Seals the state of a call that asks the client's user for an approval (2026-07-28).
     server.middleware.append(
         asking.request_state_boundary(gateway.policy.server.name, lambda: principal_of_request())
@@ -110,21 +120,29 @@ INSTRUCTIONS = (
 
 
 class _AnnouncingServer(Server[Any]):
-    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport.
+    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport, and
+    `listChanged` of resources and prompts when it passes an upstream's on.
 
     The streamable-HTTP session manager asks the server for its default initialization options
     and takes no options of its own, so the default has to say it.
     """
 
+    passes_through = False  # serves the upstreams' resources and prompts (passthrough.py)
+
     def create_initialization_options(
         self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        options = notification_options or NotificationOptions(tools_changed=True)
+        options = notification_options or _notification_options(self)
         return super().create_initialization_options(options, *args, **kwargs)
 
 
+def _notification_options(server: Server[Any]) -> NotificationOptions:
+    relayed = getattr(server, "passes_through", False)
+    return NotificationOptions(tools_changed=True, prompts_changed=relayed, resources_changed=relayed)
+
+
 def initialization_options(server: Server[Any]) -> Any:
-    return server.create_initialization_options(NotificationOptions(tools_changed=True))
+    return server.create_initialization_options(_notification_options(server))
 
 
 @contextlib.asynccontextmanager
@@ -136,6 +154,7 @@ async def serving(gateway: Gateway, announcer: ToolListAnnouncer) -> AsyncIterat
             gateway.boundary.running(),
             policy_watcher(gateway, announcer.announce),
             upstream_refresher(gateway, announcer.announce),
+            delivering(gateway.ledger, lambda: gateway.policy),
         ):
             yield
     finally:
@@ -173,4 +192,7 @@ def _stop_on_sigterm() -> Iterator[None]:
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        # Stopping already (end of input, or this very signal): a SIGTERM now, such as a client's
+        # after its grace period, must not cut short the drain and the upstreams' close, or they
+        # are left writing into a closed pipe. The handler goes with the event loop.
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)

@@ -37,6 +37,7 @@ from typing import Any, TypeVar, cast
 
 import aiosqlite
 
+from commitgate.server.ledger import evidence
 from commitgate.server.ledger.base import (
     BUDGET_STATES,
     AuditEntry,
@@ -58,6 +59,7 @@ from commitgate.server.ledger.base import (
     sql_states,
     timed,
 )
+from commitgate.server.ledger.evidence import Evidence, OutboxItem, Settled
 from commitgate.server.ledger.filters import filter_terms
 from commitgate.server.ledger.sqlite._schema import (
     COMPLETED,
@@ -76,8 +78,10 @@ from commitgate.server.ledger.sqlite._schema import (
 )
 from commitgate.server.ledger.sqlite._writer import Writer
 from commitgate.server.ledger.sqlite._writes import SETTLED, ClaimWrite, OutcomeWrite, to_unknown
+from commitgate.server.ledger.tool_definitions import Definitions, grouped, select_sql, sqlite_record
 from commitgate.server.model.amounts import joined
 from commitgate.server.model.facts import State
+from commitgate.server.model.receipts import at_text, digest
 from commitgate.server.model.records import Operation
 
 T = TypeVar("T")
@@ -419,9 +423,42 @@ class SQLiteLedger:
         return [SpentIn(r[0] * span_seconds, joined(r[1], r[2]), int(r[3])) for r in rows]
 
     @timed
+    async def tool_definitions(self, upstreams: Sequence[str]) -> dict[str, Definitions]:
+        """The latest definitions of `upstreams`' tools (server/ledger/tool_definitions.py)."""
+        sql = select_sql("tool_definitions", len(upstreams), numbered=False)
+        return grouped(await self._read(sql, list(upstreams))) if upstreams else {}
+
+    async def record_tool_definitions(self, upstream: str, tools: Definitions, now: float) -> None:
+        await self._write(sqlite_record(upstream, tools, now))
+
     async def check_writable(self) -> None:
         self.check_identity()
         await self._write(lambda conn: conn.execute("CREATE TEMP TABLE IF NOT EXISTS _probe (x)"))
+
+    # --- receipts and the outbox (ledger/evidence.py) -------------------------------------------
+
+    def attach(self, evidence: Evidence) -> None:
+        self._writer.attach(evidence)
+
+    async def outbox_take(self, owner: str, now: float, lease: float, limit: int) -> list[OutboxItem]:
+        if not await self._read(evidence.ANY_DUE, (now, now)):  # a read: no write lock while idle
+            return []
+        return await self._write(lambda conn: evidence.sqlite_take(conn, owner, now, lease, limit))
+
+    async def outbox_settle(self, item: OutboxItem, owner: str, settled: Settled) -> bool:
+        return await self._write(lambda conn: evidence.sqlite_settle(conn, item, owner, settled))
+
+    async def undelivered(self) -> list[OutboxItem]:
+        return [evidence.outbox_item(row) for row in await self._read(evidence.undelivered_sql("outbox"), ())]
+
+    async def receipts(self, since: float | None = None) -> list[dict[str, Any]]:
+        sql = evidence.SQLITE_RECEIPTS.format(where=" WHERE at >= ?" if since is not None else "")
+        rows = await self._read(sql, (at_text(since),) if since is not None else ())
+        return [evidence.sqlite_receipt(row) for row in rows]
+
+    async def stored_digests(self) -> dict[str, tuple[str | None, str | None]]:
+        rows = await self._read("SELECT operation_id, arguments, result FROM operations", ())
+        return {row[0]: (digest(row[1]), digest(row[2])) for row in rows}
 
     @property
     def unsynced_outcomes(self) -> int:

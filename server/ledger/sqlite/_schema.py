@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commitgate.server.ledger import tool_definitions
 from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.ledger.evidence import SQLITE_MIGRATION
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
@@ -131,6 +133,10 @@ MIGRATIONS: list[str] = [
     DROP INDEX operations_expiry;
     CREATE INDEX operations_expiry ON operations (expires_at, state) WHERE expires_at IS NOT NULL;
     """,
+    # 9: receipts (signed, chained per writer) and the outbox of notifications (ledger/evidence.py)
+    SQLITE_MIGRATION,
+    # 10: the latest definition each upstream gave of its tools (server/ledger/tool_definitions.py)
+    tool_definitions.SQLITE_MIGRATION,
 ]
 
 _COLUMNS = (

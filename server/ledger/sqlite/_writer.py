@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from commitgate.server.ledger.base import LedgerUnavailable
+from commitgate.server.ledger.evidence import Evidence, seal_sqlite, watch_sqlite
 from commitgate.server.ledger.sqlite._writes import run_writes
 
 T = TypeVar("T")
@@ -87,6 +88,20 @@ class Writer(threading.Thread):
         # Run before a batch holding writes marked `needs_precheck`; raising LedgerUnavailable fails
         # exactly those writes. (The ledger's check that its file is still the one at its path.)
         self.precheck: Callable[[], None] | None = None
+        self._evidence: Evidence | None = None  # receipts and events added to every transaction
+        self._due: dict[sqlite3.Connection, list[tuple[str, int]]] = {}
+
+    def attach(self, evidence: Evidence) -> None:
+        """From now on every transaction writes the receipts and events of its audit entries."""
+        with self._lock:
+            for conn in (self._conn, self._inline):
+                self._due[conn] = []
+                watch_sqlite(conn, self._due[conn])
+            self._evidence = evidence
+
+    def _seal(self, conn: sqlite3.Connection) -> None:
+        if self._evidence is not None:
+            seal_sqlite(conn, self._evidence, self._due[conn])
 
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -116,6 +131,7 @@ class Writer(threading.Thread):
                 return False, None  # locked by another process: let the writer wait for it
             try:
                 value = write(conn)
+                self._seal(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -242,6 +258,7 @@ class Writer(threading.Thread):
         conn.execute("BEGIN IMMEDIATE")
         try:
             outcomes = [(True, value) for value in run_writes(conn, writes)]
+            self._seal(conn)
         except Exception:
             conn.execute("ROLLBACK")
             return None
@@ -263,6 +280,7 @@ class Writer(threading.Thread):
                 conn.execute("ROLLBACK TO step")
                 outcomes.append((False, _as_ledger_failure(exc)))
             conn.execute("RELEASE step")
+        self._seal(conn)
         conn.execute("COMMIT")
         self._committed(lazy, changes, conn)
         return outcomes

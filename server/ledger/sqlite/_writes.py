@@ -46,7 +46,7 @@ from commitgate.server.ledger.sqlite._schema import (
     dump_record,
 )
 from commitgate.server.model.amounts import joined, split
-from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.audit import AuditEvent, recorded_actor
 from commitgate.server.model.facts import State
 from commitgate.server.model.records import Operation
 
@@ -202,7 +202,7 @@ class OutcomeWrite:
     def _audit_row(self) -> tuple[Any, ...]:
         change = self.change
         return (self.operation_id, self.now, change.event, "RUNNING", change.to_state.value,
-                change.expect_fence, change.actor, dump(change.detail))  # fmt: skip
+                change.expect_fence, recorded_actor(change.actor), dump(change.detail))  # fmt: skip
 
     @property
     def plain_outcome(self) -> bool:
@@ -770,7 +770,7 @@ def _apply(
         from_state.value,
         op.state.value,
         op.fence,
-        change.actor,
+        recorded_actor(change.actor),
         change.detail,
     )
     return op
