@@ -57,8 +57,8 @@ class Scale:
     memory_rows: int = 1_000_000
     startups: int = 7
     load_sessions: tuple[int, ...] = (8, 32, 64)  # concurrent MCP sessions per server, over HTTP
-    load_rounds: int = 6
-    load_calls_per_round: int = 1024  # per server and round, shared among its sessions
+    load_rounds: int = 5
+    load_calls_per_round: int = 640  # per server and round, shared among its sessions
 
 
 FULL = Scale()
