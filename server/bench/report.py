@@ -729,16 +729,23 @@ def _rows_load(results: dict[str, Any]) -> list[Row]:
 
 
 def _load_bounds(load: dict[str, Any]) -> str:
-    """What bounds the guarded server's throughput, from the CPU the processes used."""
+    """What bounds the guarded server's throughput where it fell shortest, from the CPU the processes used."""
     worst = min(load.get("levels", []), key=lambda level: level["guarded_over_plain"]["median"], default=None)
     if worst is None:
         return ""
     plain, guarded = worst["per_server"]["plain_sdk"], worst["per_server"]["guarded"]
+    bound = (
+        "the client process was the busier one, so the client bounds this figure as much as the server does"
+        if guarded["client_cpu_cores"] >= guarded["server_cpu_cores"]
+        else "the server was the busier process: it is bound by its own Python (one event loop; the "
+        "ledger's writer thread takes turns with it under the interpreter lock)"
+    )
     return (
         f"at {worst['sessions']} sessions the guarded server spent {guarded['server_cpu_us_per_call']:.0f} µs of "
-        f"CPU per call against the plain server's {plain['server_cpu_us_per_call']:.0f} µs, and kept "
-        f"{guarded['server_cpu_cores']:.2f} cores busy (the client process {guarded['client_cpu_cores']:.2f}); "
-        "a server near one core is bound by its own Python (one event loop, and the ledger's writer thread "
-        "under the same interpreter lock), the rest of the machine by the client. To see where its time "
-        "goes: `py-spy record --pid PID` on the server during `commitgate bench --only load`."
+        f"CPU per call against the plain server's {plain['server_cpu_us_per_call']:.0f} µs, with "
+        f"{guarded['server_cpu_cores']:.2f} cores busy in the server and {guarded['client_cpu_cores']:.2f} in the "
+        f"client; {bound}. Both servers spend most of a call in the MCP SDK's streamable HTTP machinery "
+        "(request parsing, dispatch, serialising the answer), the guarded one its claim, outcome and larger "
+        "answer besides. To see where its time goes: `py-spy record --pid PID` on the server during "
+        "`commitgate bench --only load`."
     )
