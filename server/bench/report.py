@@ -735,7 +735,10 @@ def _load_bounds(load: dict[str, Any]) -> str:
         return ""
     plain, guarded = worst["per_server"]["plain_sdk"], worst["per_server"]["guarded"]
     bound = (
-        "the client process was the busier one, so the client bounds this figure as much as the server does"
+        "neither process kept even half a core busy, so the calls mostly waited: for the ledger's disk syncs, "
+        "or for a machine busy with other work"
+        if max(guarded["client_cpu_cores"], guarded["server_cpu_cores"]) < 0.5
+        else "the client process was the busier one, so the client bounds this figure as much as the server does"
         if guarded["client_cpu_cores"] >= guarded["server_cpu_cores"]
         else "the server was the busier process: it is bound by its own Python (one event loop; the "
         "ledger's writer thread takes turns with it under the interpreter lock)"
