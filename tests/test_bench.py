@@ -548,3 +548,19 @@ def test_the_call_count_profile_counts_each_stage_inside_the_stages_that_hold_it
     assert counts["arguments: key, validation, encoding"] < whole
     work = counts["the operation's work task"]
     assert counts["running the tool"] + counts["ledger outcome"] < work
+
+
+def test_load_is_met_only_with_the_throughput_and_the_tail_at_every_concurrency() -> None:
+    def level(sessions: int, ratio: float, p99_plain: float, p99_guarded: float) -> dict[str, Any]:
+        return {
+            "sessions": sessions,
+            "guarded_over_plain": {"median": ratio},
+            "per_server": {"plain_sdk": {"p99_ms": p99_plain}, "guarded": {"p99_ms": p99_guarded}},
+        }
+
+    met = report.load_goal({"levels": [level(8, 1.1, 50.0, 40.0), level(64, 1.0, 300.0, 300.0)]})
+    assert met["met"] is True and [lv["met"] for lv in met["levels"]] == [True, True]
+    slower_tail = report.load_goal({"levels": [level(8, 1.2, 50.0, 40.0), level(64, 1.3, 300.0, 301.0)]})
+    assert slower_tail["met"] is False and [lv["met"] for lv in slower_tail["levels"]] == [True, False]
+    fewer_calls = report.load_goal({"levels": [level(8, 0.99, 50.0, 10.0)]})
+    assert fewer_calls["met"] is False
