@@ -39,7 +39,7 @@ from commitgate.server.bench.overhead import (
 from commitgate.server.bench.report import goals, missed_notes
 from commitgate.server.bench.run import cpu_jiffies, stolen_share
 from commitgate.server.bench.stats import quantile, spread
-from commitgate.server.bench.workspace import FULL
+from commitgate.server.bench.workspace import FULL, QUICK
 from commitgate.server.ledger.base import OperationFilter
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State
@@ -73,6 +73,7 @@ def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]
         "ledger",
         "memory",
         "tracing",
+        "load",
     ):
         assert section in quick_run, section
     assert quick_run["tracing"]["exported"]["requests"] > 0  # the traced server did export its spans
@@ -83,6 +84,7 @@ def test_quick_bench_reports_every_experiment_and_goal(quick_run: dict[str, Any]
         "replay_cost",
         "ledger_throughput",
         "cost_against_plain_sdk",
+        "cost_under_load",
     }
     assert quick_run["checks"] and all(quick_run["checks"].values()), quick_run["checks"]
 
@@ -165,6 +167,48 @@ def test_quantile_and_spread() -> None:
     assert quantile([1.0, 2.0, 3.0], 0.0) == 1.0 and quantile([1.0, 2.0, 3.0], 1.0) == 3.0
     figure = spread([1.0, 2.0, 3.0, 4.0, 100.0])
     assert figure == {"median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 100.0}
+
+
+@pytest.mark.timeout(240)
+def test_load_section_reports_both_servers_at_each_concurrency(tmp_path: Path) -> None:
+    """`--only load` at the quick scale: both servers answered every call at every concurrency, and
+    the table has one row per concurrency with both servers' figures (timings are not judged)."""
+    out = tmp_path / "load.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
+    env.pop("COMMITGATE_SANDBOX", None)
+    command = [
+        sys.executable,
+        "-m",
+        "commitgate.server.cli",
+        "bench",
+        "--quick",
+        "--only",
+        "load",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=220, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    levels = figures["load"]["levels"]
+    assert [level["sessions"] for level in levels] == list(QUICK.load_sessions)
+    for level in levels:
+        for server in ("plain_sdk", "guarded"):
+            per = level["per_server"][server]
+            calls_each = level["calls_per_session_per_round"]
+            assert per["calls"] == level["sessions"] * calls_each * QUICK.load_rounds  # every call answered
+            assert per["calls_per_s"] > 0 and 0 < per["p50_ms"] <= per["p99_ms"]
+            assert per["server_cpu_us_per_call"] > 0
+        assert level["guarded_over_plain"]["median"] > 0
+    judged = figures["goals"]["cost_under_load"]
+    assert [level["sessions"] for level in judged["levels"]] == list(QUICK.load_sessions)
+    assert judged["met"] == all(level["met"] for level in judged["levels"])
+    table_rows = [line for line in proc.stdout.splitlines() if "sessions at once" in line]
+    assert len(table_rows) == len(QUICK.load_sessions), proc.stdout
+    # every guarded call is one operation its server recorded (the warm-up made one per session)
+    warm_up = sum(level["sessions"] for level in levels)
+    guarded_calls = sum(level["per_server"]["guarded"]["calls"] for level in levels)
+    assert figures["load"]["guarded_operations_succeeded"] == guarded_calls + warm_up
 
 
 def test_goals_are_judged_on_the_median_ratio() -> None:
@@ -504,3 +548,19 @@ def test_the_call_count_profile_counts_each_stage_inside_the_stages_that_hold_it
     assert counts["arguments: key, validation, encoding"] < whole
     work = counts["the operation's work task"]
     assert counts["running the tool"] + counts["ledger outcome"] < work
+
+
+def test_load_is_met_only_with_the_throughput_and_the_tail_at_every_concurrency() -> None:
+    def level(sessions: int, ratio: float, p99_plain: float, p99_guarded: float) -> dict[str, Any]:
+        return {
+            "sessions": sessions,
+            "guarded_over_plain": {"median": ratio},
+            "per_server": {"plain_sdk": {"p99_ms": p99_plain}, "guarded": {"p99_ms": p99_guarded}},
+        }
+
+    met = report.load_goal({"levels": [level(8, 1.1, 50.0, 40.0), level(64, 1.0, 300.0, 300.0)]})
+    assert met["met"] is True and [lv["met"] for lv in met["levels"]] == [True, True]
+    slower_tail = report.load_goal({"levels": [level(8, 1.2, 50.0, 40.0), level(64, 1.3, 300.0, 301.0)]})
+    assert slower_tail["met"] is False and [lv["met"] for lv in slower_tail["levels"]] == [True, False]
+    fewer_calls = report.load_goal({"levels": [level(8, 0.99, 50.0, 10.0)]})
+    assert fewer_calls["met"] is False

@@ -1,16 +1,20 @@
-"""A plain MCP SDK server with one no-op tool over stdio: what `commitgate bench` compares a guarded call with.
+"""A plain MCP SDK server with one no-op tool: what `commitgate bench` compares a guarded call with.
 
-    python -m commitgate.tools.plain_server
+    python -m commitgate.tools.plain_server                 # stdio
+    python -m commitgate.tools.plain_server --http PORT     # streamable HTTP on 127.0.0.1:PORT/mcp
 
-No commitgate anywhere: the SDK's `MCPServer` and its own stdio transport, so
-the benchmark can put a guarded commitgate call beside what any MCP server costs.
+No commitgate anywhere: the SDK's `MCPServer` and its own transports, so the
+benchmark can put a guarded commitgate call beside what any MCP server costs.
+Its log level is WARNING, as commitgate's default: no access log line per request.
 """
 
 from __future__ import annotations
 
+import argparse
+
 from mcp.server.mcpserver import MCPServer
 
-server = MCPServer("plain-noop", version="1.0.0")
+server = MCPServer("plain-noop", version="1.0.0", log_level="WARNING")
 
 
 @server.tool()
@@ -19,8 +23,14 @@ async def noop(n: int) -> dict[str, int]:
     return {"n": n}
 
 
-def main() -> None:
-    server.run("stdio")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m commitgate.tools.plain_server")
+    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    args = parser.parse_args(argv)
+    if args.http is None:
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=args.http)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The sections live beside it:
     the demo sandbox store, never in commitgate's own answers);
   * overhead.py: the time of a guarded, replayed and unguarded call beside a plain SDK server
     and the disk's floor, in paired rounds;
+  * load.py: many sessions at once over streamable HTTP, guarded beside a plain SDK server;
   * ledger.py: the ledger alone (its throughput); memory.py: memory with a million ledger rows,
     ledger bytes per operation and start-up time; tracing.py: what tracing costs;
   * report.py: targets, safety checks, the table, the notes below it and the plot.
@@ -35,6 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from commitgate.server.bench.experiments import backoff, concurrency, double_charge, fresh_keys, saga
+from commitgate.server.bench.load import load
 from commitgate.server.bench.memory import memory
 from commitgate.server.bench.overhead import overhead
 from commitgate.server.bench.report import checks, goals, missed_notes, plot, results_table
@@ -51,6 +53,7 @@ SECTIONS = (
     "ledger",
     "memory",
     "tracing",
+    "load",
 )
 
 
@@ -78,6 +81,7 @@ RUNNERS: dict[str, Callable[[Bench], Awaitable[dict[str, Any]]]] = {
     "ledger": ledger_alone,
     "memory": memory,
     "tracing": tracing_cost,
+    "load": load,
 }
 
 

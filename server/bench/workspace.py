@@ -56,6 +56,9 @@ class Scale:
     ledger_ops: int = 10_000
     memory_rows: int = 1_000_000
     startups: int = 7
+    load_sessions: tuple[int, ...] = (8, 32, 64)  # concurrent MCP sessions per server, over HTTP
+    load_rounds: int = 5
+    load_calls_per_round: int = 640  # per server and round, shared among its sessions
 
 
 FULL = Scale()
@@ -81,6 +84,9 @@ QUICK = Scale(
     ledger_ops=128,
     memory_rows=10_000,
     startups=1,
+    load_sessions=(2, 4),
+    load_rounds=2,
+    load_calls_per_round=16,
 )
 
 # --- calls and processes ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 import typing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import mcp.types as types
@@ -24,7 +24,7 @@ from mcp.server.lowlevel.server import NotificationOptions
 
 from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
-from commitgate.server.serve.gateway import Call, Gateway
+from commitgate.server.serve.gateway import Call, Gateway, Generation
 from commitgate.server.serve.metrics import Metrics
 from commitgate.server.serve.notify import delivering
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
@@ -77,6 +77,7 @@ def build_server(
         instructions=INSTRUCTIONS,
         on_list_tools=list_tools,
         on_call_tool=call_tool,
+        get_tool_input_schema=input_schemas(gateway),
     )
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
@@ -88,6 +89,26 @@ def build_server(
     )
     tracing.install(server)  # commitgate's view on the SDK's tools/call span, when tracing is on
     return server
+
+
+def input_schemas(gateway: Gateway) -> Callable[[str], Mapping[str, Any] | None]:
+    """A tool's input schema by name, as tools/list gives it (one listing for every caller).
+
+    Streamable HTTP's 2026-07-28 path checks a tools/call's `Mcp-Param-*` headers against the tool's
+    schema before dispatch; without this lookup it finds the schema by running a whole tools/list
+    request through the server on every call, which cost a guarded call more than its guard."""
+    schemas: dict[str, Mapping[str, Any]] = {}
+    indexed: list[Generation] = []
+
+    def lookup(name: str) -> Mapping[str, Any] | None:
+        generation = gateway.generation
+        if not indexed or indexed[0] is not generation:  # a reload swaps the generation whole
+            schemas.clear()
+            schemas.update((tool.name, tool.input_schema) for tool in generation.listed)
+            indexed[:] = [generation]
+        return schemas.get(name)
+
+    return lookup
 
 
 INSTRUCTIONS = (
