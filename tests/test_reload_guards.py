@@ -197,7 +197,7 @@ def test_weakening_what_a_tools_all_upstream_serves_waits_for_a_quiet_file(
     full = upstream_policy(tmp_path)
     policy.write_text(full, encoding="utf-8")
     note = {"text": "hello", "idempotency_key": "n-1"}
-    ledger = fresh_url() if backend == "postgres" else tmp_path / "ledger.db"
+    ledger = anyio.run(fresh_url) if backend == "postgres" else tmp_path / "ledger.db"
     with running(
         tmp_path, policy, "streamable-http", ledger=ledger, sandbox=tmp_path / "sandbox.db"
     ) as served:
