@@ -207,7 +207,9 @@ async def test_64_concurrent_duplicates_across_three_replicas_charge_once(trio: 
         charges.add(operation["result"]["structuredContent"]["charge_id"])
     assert len(charges) == 1
     assert len({operation_of(r)["operation_id"] for r in answered}) == 1
-    assert sum(not operation_of(r)["replayed"] for r in answered) == 1  # the owner's own answer
+    owners = sum(not operation_of(r)["replayed"] for r in answered)  # the owner's own answer
+    # ... unless the owner itself outlived respond_within on a loaded machine (told to poll, as above)
+    assert owners == 1 if len(answered) == len(results) else owners <= 1
     assert demo.count("charges", idempotency_key=key) == 1
     assert [row["id"] for row in demo.rows("charges", idempotency_key=key)] == sorted(charges)
 

@@ -28,6 +28,7 @@ from support.postgres import fresh_url
 from support.wrapping import TESTS_DIR, base_env, eventually, text
 
 from commitgate.server.ledger import open_ledger
+from commitgate.server.ledger.base import LedgerUnavailable
 
 pytestmark = pytest.mark.anyio
 
@@ -126,7 +127,10 @@ async def recorded(url: str) -> dict[str, Any]:
     """Once the ledger keeps the stub's own definition of `record` (written after each listing)."""
 
     async def real() -> dict[str, Any] | None:
-        definition = (await kept(url)).get("record")
+        try:
+            definition = (await kept(url)).get("record")
+        except LedgerUnavailable:  # the server is writing it this moment (SQLite): ask again
+            return None
         return definition if definition and definition.get("description") == DESCRIPTION else None
 
     found: dict[str, Any] = await eventually(real, within=30)
