@@ -82,9 +82,9 @@ def small_disk(where: Path) -> Iterator[Path]:
 
 
 def fill(disk: Path) -> Path:
-    """Write until the disk is full."""
+    """Write until the disk is full (the close that flushes the last bytes fails too: suppressed)."""
     filler = disk / "filler"
-    with filler.open("wb") as file, contextlib.suppress(OSError):
+    with contextlib.suppress(OSError), filler.open("wb") as file:
         while True:
             file.write(b"\0" * 65536)
             file.flush()
