@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, error_code, serve
+from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, annotated_web, call, error_code, serve
 
 NAMED = str(TESTS_DIR / "support" / "named_server.py")
 ANNOTATED = str(TESTS_DIR / "support" / "annotated_server.py")
@@ -67,18 +67,8 @@ FILES_TOOLS = [
 def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """An annotated HTTP server (its effects in its own file)."""
     effects = tmp_path_factory.mktemp("web") / "effects"
-    process = subprocess.Popen(
-        [sys.executable, ANNOTATED, "web", "http"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "EFFECTS": str(effects)},
-    )
-    try:
-        assert process.stdout is not None
-        yield process.stdout.readline().strip(), effects
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with annotated_web(effects) as url:
+        yield url, effects
 
 
 def test_a_rerun_keeps_every_edit_adds_what_is_new_and_reports_each_addition(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, call, error_code, operation, serve
+from support.wrapping import CONSOLE_SCRIPT, TESTS_DIR, annotated_web, call, error_code, operation, serve
 
 from commitgate.server.cli import jsonc
 from commitgate.server.cli.client_configs import ClientConfigError, read_client_config
@@ -87,18 +86,8 @@ def client_config(root: Path, effects: Path, web_url: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     effects = tmp_path_factory.mktemp("init") / "effects.jsonl"
-    process = subprocess.Popen(
-        [sys.executable, SERVER, "web", "http"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "EFFECTS": str(effects)},
-    )
-    try:
-        assert process.stdout is not None
-        yield process.stdout.readline().strip(), effects
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with annotated_web(effects) as url:
+        yield url, effects
 
 
 @pytest.fixture(scope="module")

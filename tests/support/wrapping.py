@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +156,20 @@ def memory_entities(store: Path, name: str | None = None) -> list[dict[str, Any]
         return []
     items = [json.loads(line) for line in store.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [i for i in items if i.get("type") == "entity" and (name is None or i.get("name") == name)]
+
+
+@contextlib.contextmanager
+def annotated_web(effects: Path) -> Iterator[str]:
+    """The annotated test server over HTTP (its effects in `effects`); yields its URL."""
+    process = subprocess.Popen(
+        [sys.executable, str(TESTS_DIR / "support" / "annotated_server.py"), "web", "http"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "EFFECTS": str(effects)},
+    )
+    try:
+        assert process.stdout is not None
+        yield process.stdout.readline().strip()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
