@@ -48,8 +48,8 @@ per = "principal"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 budget = "payments"
 """
 
@@ -88,7 +88,7 @@ def test_a_tool_must_name_a_declared_budget_with_its_line_and_a_suggestion() -> 
 def test_only_keyed_tools_spend_a_budget() -> None:
     text = (
         POLICY
-        + '\n[tools.get_balance]\nclass = "safe-retry"\npython = "commitgate.tools.demo:get_balance"\nbudget = "payments"\n'
+        + '\n[tools.get_balance]\nclass = "safe-retry"\npython = "commitgate.server.demo.tools:get_balance"\nbudget = "payments"\n'
     )
     (found,) = problems(text)
     assert found.startswith("tools.get_balance.budget: safe-retry tools are not recorded")

@@ -1384,7 +1384,7 @@ def test_the_question_of_a_budgeted_call_shows_its_budget_with_the_unit(
     tmp_path: Path, sandbox: Path
 ) -> None:
     asking = BUDGETS.replace('per = "principal"\n', 'per = "principal"\nunit = "USD cents"\n', 1) + (
-        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.tools.demo:charge_card"\n'
+        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.server.demo.tools:charge_card"\n'
         'approval = { via = ["operator"] }\nbudget = "payments"\n'
     )
     policy = write_policy(tmp_path, asking)

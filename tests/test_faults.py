@@ -24,7 +24,7 @@ TOKEN = "a-private-token-of-some-length"
 POLICY = """
 [tools.charge_card]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 """
 CHARGE = {"card": "4242", "amount_cents": 300}

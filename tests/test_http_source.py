@@ -39,7 +39,7 @@ from commitgate.tools.http import (
     retry_after_seconds,
     transport_outcome,
 )
-from commitgate.tools.sandbox_api import SandboxProcess
+from commitgate.server.demo.payments_api import SandboxProcess
 
 TOKEN = "sk_test_d0n7_l0g_m3_8c1f"  # the secret that must never reach a log
 CARD = "4242424242424242"

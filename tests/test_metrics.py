@@ -29,13 +29,13 @@ lease = "3s"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 """
 KEYED = IdempotencyClass.KEY_REQUIRED

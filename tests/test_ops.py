@@ -43,22 +43,22 @@ url = "sqlite:///{ledger}"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 retry = {{ attempts = 1 }}
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retention = "1ms"
 
 [tools.reserve]
 class = "compensable"
-python = "commitgate.tools.demo:reserve"
+python = "commitgate.server.demo.tools:reserve"
 compensate = {{ tool = "release", arguments = {{ booking_id = "{{result.booking_id}}" }} }}
 
 [tools.release]
 class = "key-required"
-python = "commitgate.tools.demo:release"
+python = "commitgate.server.demo.tools:release"
 expose = false
 """
 

@@ -53,12 +53,12 @@ name = "commitgate-bench-backoff"
 synchronous = "FULL"
 [tools.work]
 class = "safe-retry"
-python = "commitgate.tools.benchtools:overloaded_service"
+python = "commitgate.server.bench.tools:overloaded_service"
 timeout = "60s"
 retry = {retry}
 [tools.service_load]
 class = "safe-retry"
-python = "commitgate.tools.benchtools:service_load"
+python = "commitgate.server.bench.tools:service_load"
 retry = {{ attempts = 1 }}
 """
 IMMEDIATE_RETRY = (
@@ -83,7 +83,7 @@ max_concurrent_per_principal = 1000
 synchronous = "FULL"
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 timeout = "60s"
 """
 
@@ -415,8 +415,8 @@ name = "commitgate-bench-fresh-keys"
 synchronous = "FULL"
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 {duplicates}
 """
 LOST_ANSWERS = 0.5

@@ -21,7 +21,7 @@ NAIVE_POLICY = """
 synchronous = "FULL"
 [tools.charge_card]
 class = "safe-retry"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 retry = { attempts = 1 }
 """
 
