@@ -18,8 +18,8 @@ import pytest
 from mcp import Client, MCPError
 from mcp.types import CallToolResult, RequestParamsMeta
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.verify.harness import Gate
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 SESSION_META = "commitgate/session"

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from commitgate.server.bench import calls, report, syscalls
+from commitgate.server.bench import tools as bench_tools
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import (
@@ -45,7 +46,6 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State
 from commitgate.server.model.outcomes import RetryableError
 from commitgate.server.policy.loading import loads_policy
-from commitgate.server.bench import tools as bench_tools
 
 
 @pytest.fixture(scope="module")

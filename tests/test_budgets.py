@@ -638,10 +638,10 @@ async def test_a_refusal_is_an_answer_in_the_claim_span_and_logs_keep_the_amount
 async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from commitgate.server.demo import tools as demo
     from commitgate.server.policy.loading import load_policy
     from commitgate.server.serve.gateway import Gateway
     from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
-    from commitgate.tools import demo
 
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(tmp_path / "sandbox.db"))
     path = tmp_path / "policy.toml"

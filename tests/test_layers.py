@@ -190,7 +190,9 @@ def test_the_cycle_check_finds_a_type_only_circle(tmp_path: Path) -> None:
     (tmp_path / "__init__.py").write_text("")
     (tmp_path / "a.py").write_text("from commitgate.pkg import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from . import c\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n"
+    )
     (tmp_path / "d.py").write_text("from commitgate.pkg.a import b\n")
     graph = import_graph({"commitgate.pkg": tmp_path})
     assert cycles(graph) == [["commitgate.pkg.a", "commitgate.pkg.b", "commitgate.pkg.c", "commitgate.pkg.a"]]

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
@@ -21,7 +22,6 @@ from commitgate.server.serve import logs
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import configure_logging, log_call, log_event
 from commitgate.server.serve.metrics import Metrics
-from commitgate.tools import demo
 
 POLICY = """
 [server]

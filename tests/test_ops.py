@@ -23,6 +23,7 @@ import pytest
 from mcp.types import CallToolResult
 from support.policy import Run, run
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.events import BoundaryEvent, Event
@@ -30,7 +31,6 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import Verdict
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 

@@ -24,11 +24,11 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.subscriptions import ToolsListChanged
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.checking import check_policy_file, format_report
 from commitgate.server.serve.gateway import META_TOOLS, Gateway
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 

@@ -41,9 +41,9 @@ from support.wrapping import (
     upstream_listed,
 )
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 from commitgate.tools.upstream import UpstreamTool, inventory
 
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'

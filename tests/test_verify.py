@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from tools_e2e.verify_tools import API_DB_ENV
 
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 from commitgate.server.demo.payments_api import SandboxProcess
 
 TESTS_DIR = Path(__file__).resolve().parent

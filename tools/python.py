@@ -23,7 +23,6 @@ from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.tools.base import Collaborators, InvalidArguments, SourceLoadError
 
-
 # The bundled example tools once lived beside the tool sources; a policy written then names the old module.
 MOVED_MODULES = {
     "commitgate.tools.demo": "commitgate.server.demo.tools",

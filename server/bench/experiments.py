@@ -147,7 +147,7 @@ async def _bookings(bench: Bench, *, guarded: bool, tick: Callable[[int], None])
 
 def _charges_of(cards: str, bookings: int) -> dict[str, Any]:
     """The charges in the sandbox store for `bookings` bookings, one card each, named `cards`<n>."""
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     per_booking = Counter(row["card"] for row in demo.rows("charges") if str(row["card"]).startswith(cards))
     charges = sum(per_booking.values())
@@ -244,7 +244,7 @@ async def saga(bench: Bench) -> dict[str, Any]:
 
 def _charged_unconfirmed(orders: list[_Order]) -> int:
     """Orders whose customer is charged (not refunded) while the booking is not confirmed."""
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     charges = {row["card"]: row for row in demo.rows("charges")}
     status = {row["id"]: row["status"] for row in demo.rows("bookings")}
@@ -259,7 +259,7 @@ def _charged_unconfirmed(orders: list[_Order]) -> int:
 
 
 def _refund_counts(orders: list[_Order]) -> dict[str, int]:
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     ours = {order.card for order in orders}
     charges = {row["id"]: row for row in demo.rows("charges") if row["card"] in ours}
@@ -383,7 +383,7 @@ async def _duplicates(bench: Bench, *, processes: int, tick: Callable[[int], Non
             tick(1)
 
         await pool(scale.dup_keys, scale.keys_in_flight, duplicates)
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     effects = Counter(
         row["idempotency_key"]

@@ -41,7 +41,7 @@ class Sandbox:
 
     def count(self, table: str, **where: Any) -> int:
         os.environ["COMMITGATE_SANDBOX"] = str(self.root / "sandbox.db")
-        from commitgate.tools import demo
+        from commitgate.server.demo import tools as demo
 
         return demo.count(table, **where)
 

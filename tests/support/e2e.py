@@ -25,7 +25,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult, RequestParamsMeta, TextContent
 
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
