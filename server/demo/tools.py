@@ -554,7 +554,9 @@ def refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = Non
     return _effect("refund", apply)
 
 
-def find_refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = None) -> dict[str, Any] | None:
+def find_refund(
+    charge_id: str, amount_cents: int, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for refund: the refund made with this idempotency key, or null if none was made."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -603,7 +605,9 @@ def _write_outbox(outbox: Path, message_id: str, to: str, subject: str, body: st
     tmp.replace(outbox / f"{message_id}.eml")  # atomic, so readers never see half a message
 
 
-def find_email(to: str, subject: str, body: str, ctx: OperationContext | None = None) -> dict[str, Any] | None:
+def find_email(
+    to: str, subject: str, body: str, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for send_email: the email sent with this idempotency key, or null if none was sent."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -648,7 +652,9 @@ def reserve(resource: str, customer: str, ctx: OperationContext | None = None) -
     return _effect("reserve", apply)
 
 
-def find_reservation(resource: str, customer: str, ctx: OperationContext | None = None) -> dict[str, Any] | None:
+def find_reservation(
+    resource: str, customer: str, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for reserve: the booking made with this idempotency key, or null if none was made."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
