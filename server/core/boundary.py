@@ -223,9 +223,7 @@ class CommitBoundary:
         over = approvals.over_budget(op)
         if over is not None and tool.budget is not None:
             scope = budgets.scope_label(tool.budget, request.principal, request.session)
-            self.emit(
-                Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over["name"], scope=scope
-            )
+            self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over.name, scope=scope)
         return errors.approval_pending(op)
 
     def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: Decimal) -> GateError:
