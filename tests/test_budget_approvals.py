@@ -74,7 +74,8 @@ async def test_a_call_past_its_budget_waits_for_a_person_with_the_budget_in_reco
     op = claim.operation
     assert op.state is State.AWAITING_APPROVAL and op.attempts == 0
     over = {"name": "payments", "limit": 1000, "spent": 800, "amount": 400}
-    assert op.approval is not None and op.approval.over_budget == over
+    assert op.approval is not None and op.approval.over_budget is not None
+    assert op.approval.over_budget.shown() == over
     assert op.approval.deciders == ("operator",) and op.approval.expires_at == T0 + 3600.0
     stored = await ledger.get("alice", "s1", "k2")
     assert stored is not None and stored.approval == op.approval
@@ -116,7 +117,7 @@ async def test_a_retryable_operation_taken_again_past_its_budget_waits_instead(l
     op = claim.operation
     assert op.operation_id == first.operation_id and op.state is State.AWAITING_APPROVAL
     assert op.approval is not None and op.approval.over_budget is not None
-    assert op.approval.over_budget["spent"] == 600
+    assert op.approval.over_budget.spent == 600
     history = await ledger.history(op.operation_id)
     assert [(e.event, e.from_state, e.to_state) for e in history[-2:]] == [
         ("approval_requested", "FAILED_RETRYABLE", "AWAITING_APPROVAL"),
@@ -184,7 +185,7 @@ async def test_a_call_that_needs_approval_anyway_keeps_its_own_record_past_the_b
     # its own timeout and prompt, but an overspend is an operator's to decide, never the client's
     assert claim.operation.approval.deciders == ("operator",)
     assert claim.operation.approval.over_budget is not None
-    assert claim.operation.approval.over_budget["amount"] == 400
+    assert claim.operation.approval.over_budget.amount == 400
 
 
 # --- the boundary: the policy's settings, the question, the answer -------------------------------------

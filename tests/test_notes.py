@@ -17,9 +17,9 @@ import pytest
 from commitgate.server.core import approvals, reconcile, resolutions
 from commitgate.server.core.retry import error_record
 from commitgate.server.ledger.base import LEASE_LOST, BudgetCheck, over_budget_wait
-from commitgate.server.ledger.sqlite._schema import dump_record
+from commitgate.server.ledger.sqlite._schema import dump, dump_record
 from commitgate.server.model.facts import ApprovalState
-from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
+from commitgate.server.model.notes import ApprovalRecord, BudgetFigures, ErrorRecord, ReconciliationNote
 from commitgate.server.model.outcomes import Outcome, PermanentError, RetryableError
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.approvals import ApprovalPolicy
@@ -117,3 +117,26 @@ def test_unknown_keys_are_kept_and_compared() -> None:
     later = ErrorRecord.from_stored({"code": "x", "message": "kept", "written_by": "a later version"})
     assert later.extra == {"written_by": "a later version"}
     assert later != ErrorRecord(code="x", message="kept")
+
+
+OVER = '{"name":"payments","limit":1000,"spent":700.5,"amount":0.1,"unit":"USD cents","by_a_later_version":1}'
+OLD_WAITING = (  # an approval record as an older version wrote it: the figures a bare dict then
+    '{"state":"awaiting","deciders":["operator"],"requested_at":1000.0,"expires_at":1060.0,'
+    '"over_budget":{"name":"payments","limit":1000,"spent":800,"amount":400}}'
+)
+
+
+def test_over_budget_figures_read_into_their_type_and_write_back_as_the_same_text() -> None:
+    figures = BudgetFigures.from_stored(json.loads(OVER))
+    assert (figures.name, figures.limit, figures.spent, figures.amount, figures.unit) == (
+        "payments", Decimal(1000), Decimal("700.5"), Decimal("0.1"), "USD cents",
+    )  # fmt: skip
+    assert dump(figures.stored()) == OVER
+    assert figures.shown() == {k: v for k, v in json.loads(OVER).items() if k != "by_a_later_version"}
+    old = ApprovalRecord.from_stored(json.loads(OLD_WAITING))
+    assert old.over_budget == BudgetFigures("payments", Decimal(1000), Decimal(800), Decimal(400))
+    assert dump_record(old) == OLD_WAITING and old.over_budget is not None
+    assert approvals.over_budget_text(old.over_budget) == (
+        "Over budget 'payments': this call spends 400, 800 of 1000 is already spent in its window, "
+        "so 200 is left; approving spends past the limit."
+    )

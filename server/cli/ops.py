@@ -29,7 +29,7 @@ from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.served import policy_path
 from commitgate.server.cli.shown import cell, console, json_text
-from commitgate.server.core import approvals
+from commitgate.server.core import approvals, expiry
 from commitgate.server.core.budgets import budget_report
 from commitgate.server.core.resolutions import (
     Finding,
@@ -334,6 +334,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             state = State(args.state) if args.state else None
             where = OperationFilter(args.principal, args.session, state, args.tool, older, max(1, args.limit))
             ops = await ledger.find(where)
+        ops = await _touched(args, ops, now)
         if args.json:
             _print_json({"operations": [op_view(op, now) for op in ops]})
         elif not ops:
@@ -343,6 +344,20 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, body)
+
+
+async def _touched(args: argparse.Namespace, ops: list[Operation], now: float) -> list[Operation]:
+    """A listing is a touch, as the server's: a lapsed lease turns UNKNOWN and a wait for approval past
+    its timeout expires, with the receipts a server writes. The ledger is opened to write only when one
+    is due; where it cannot be written (read-only access), they are shown as found, a lapse marked."""
+    if not any(expiry.due(op, now) for op in ops):
+        return ops
+    try:
+        async with opened(ledger_url(args), evidence=evidence_of(args)) as ledger:
+            assert ledger is not None  # it was just read
+            return await expiry.touch_all(ledger, ops, now)
+    except LedgerUnavailable:
+        return ops
 
 
 async def _get(ledger: Ledger, operation_id: str) -> Operation:

@@ -8,15 +8,17 @@ resolution form, and the answer is noted in the operation's reconciliation and a
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from commitgate.server.ledger.base import Ledger, LedgerUnavailable, Transition
-from commitgate.server.model.audit import Actor, AuditEvent
-from commitgate.server.model.context import OperationContext
+from commitgate.server.core import reconcile
+from commitgate.server.core.requests import GuardedTool
+from commitgate.server.ledger.base import Ledger, LedgerUnavailable
+from commitgate.server.model.audit import Actor
 from commitgate.server.model.errors import UserFacingError
+from commitgate.server.model.events import BoundaryEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ReconciliationNote
 from commitgate.server.model.outcomes import Verdict
@@ -34,8 +36,8 @@ class CheckUnavailable(UserFacingError):
 @dataclass(frozen=True, slots=True)
 class Checked:
     verdict: Verdict
+    note: ReconciliationNote  # as the server notes a status check's answer
     found: ToolResult | None = None
-    error: str | None = None
 
     def said(self) -> str:
         """The answer, for the person who asked."""
@@ -46,7 +48,7 @@ class Checked:
             )
         if self.verdict is Verdict.NOT_FOUND:
             return "The status check found no trace of it: it did not take effect."
-        return f"The status check could not tell: {self.error}"
+        return f"The status check could not tell: {self.note.error}"
 
     def result_json(self) -> str:
         """The found result as the resolution form takes it (empty when nothing was found)."""
@@ -56,8 +58,9 @@ class Checked:
         return json.dumps(value, indent=2, ensure_ascii=False)
 
 
-async def check_again(op: Operation, policy: Policy | None, policy_dir: Path | None) -> Checked:
-    """Ask the tool's status check about `op` once (CheckUnavailable when the console cannot)."""
+async def check_again(op: Operation, policy: Policy | None, policy_dir: Path | None, at: float) -> Checked:
+    """Ask the tool's status check about `op` once (CheckUnavailable when the console cannot): the
+    server's own check (core/reconcile.py), with the tool source built here from the policy."""
     if policy is None or op.tool not in policy.tools:
         raise CheckUnavailable(
             f"the console's policy has no tool {op.tool!r}: start it with the --policy your server uses"
@@ -68,28 +71,27 @@ async def check_again(op: Operation, policy: Policy | None, policy_dir: Path | N
     tool = policy.tools[op.tool]
     if policy_dir is not None:
         importable_beside_policy(policy_dir)
-    ctx = OperationContext(op.step, op.session, op.operation_id, op.attempts, op.principal, op.tool)
     async with pooled_client() as http:
         try:
             source = build_source(op.tool, tool, policy, Collaborators(http=http))
-            async with asyncio.timeout(tool.timeout):
-                found = await source.status(op.arguments, ctx)
-        except Exception as exc:  # the check's own failure is its answer: nobody can tell
-            return Checked(Verdict.CANNOT_TELL, error=str(exc) or type(exc).__name__)
-    return Checked(Verdict.NOT_FOUND) if found is None else Checked(Verdict.FOUND, found)
+        except Exception as exc:  # a source that cannot be built cannot tell either
+            cannot = Verdict.CANNOT_TELL
+            error = str(exc) or type(exc).__name__
+            return Checked(cannot, ReconciliationNote("status_check", at, cannot.value, error=error))
+        verdict, found, noted = await reconcile.status_check(
+            GuardedTool(op.tool, tool, source), op, at, _unheard
+        )
+    return Checked(verdict, noted, found)
+
+
+def _unheard(event: BoundaryEvent) -> None:
+    """The console has no observers: the server's metrics count the server's checks."""
 
 
 async def note(ledger: Ledger, op: Operation, checked: Checked, by: str, at: float) -> None:
     """The answer in the operation's reconciliation and audit history; the state stays UNKNOWN."""
-    reconciliation = ReconciliationNote(
-        "status_check", at, checked.verdict.value, asked_by=by, error=checked.error
-    )
-    change = Transition(
-        State.UNKNOWN,
-        frozenset({State.UNKNOWN}),
-        AuditEvent.RECONCILE_UNDECIDED,
-        reconciliation=reconciliation,
-        actor=Actor.operator(by),
+    change = dataclasses.replace(
+        reconcile.undecided(dataclasses.replace(checked.note, asked_by=by)), actor=Actor.operator(by)
     )
     try:
         await ledger.update(op.operation_id, change, at)

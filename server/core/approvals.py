@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 from commitgate.server.core.resolutions import names_its_agent
 from commitgate.server.ledger.base import BudgetCheck, Lease, Ledger, OperationFilter, Transition
-from commitgate.server.model.amounts import decimal_of, left, with_unit
+from commitgate.server.model.amounts import left, with_unit
 from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
 from commitgate.server.model.facts import REFERENCE, ApprovalState, ErrorCode, State
-from commitgate.server.model.notes import ApprovalRecord, ErrorRecord
+from commitgate.server.model.notes import ApprovalRecord, BudgetFigures, ErrorRecord
 from commitgate.server.model.records import Operation, iso
 from commitgate.server.policy.approvals import ApprovalPolicy, Decider
 from commitgate.server.policy.expressions import ExpressionFailed, activation
@@ -301,10 +301,10 @@ def question(
     op: Operation,
     policy: ToolPolicy | None,
     earlier: Operation | None = None,
-    budget: Mapping[str, Any] | None = None,
+    budget: BudgetFigures | None = None,
 ) -> Question:
     """The text a person reads before deciding: the prompt, the tool, the arguments (masked), who asks,
-    and for a budgeted call its budget (`budget`: `{name, limit, spent, amount, unit}` as things stand)."""
+    and for a budgeted call its budget (`budget`: its figures as things stand)."""
     template = policy.approval.prompt if policy is not None and policy.approval is not None else None
     lines = [render_prompt(template, op.arguments) if template else f"Approve this call of {op.tool}?"]
     lines.append(f"Tool: {op.tool}")
@@ -319,9 +319,7 @@ def question(
     if over is not None:
         lines.append(over_budget_text(over))
     elif budget is not None:
-        lines.append(
-            budget_text(budget["name"], budget["limit"], budget["spent"], budget["amount"], budget["unit"])
-        )
+        lines.append(budget_text(budget))
     lines.append(f"Operation: {op.operation_id}")
     return Question(op.operation_id, op.tool, op.principal, "\n".join(lines))
 
@@ -344,35 +342,31 @@ def status(op: Operation) -> dict[str, Any] | None:
         view["duplicate_of"] = approval.duplicate_of
     over = over_budget(op)
     if over is not None:
-        view["over_budget"] = over
+        view["over_budget"] = over.shown()
     return view
 
 
-def over_budget(op: Operation) -> dict[str, Any] | None:
-    """`{name, limit, spent, amount[, unit]}` of the budget an operation waits past (`exceeded = "approval"`)."""
-    over = op.approval.over_budget if op.approval is not None else None
-    if over is None:
-        return None
-    return {key: over.get(key) for key in ("name", "limit", "spent", "amount", "unit") if key in over}
+def over_budget(op: Operation) -> BudgetFigures | None:
+    """The figures of the budget an operation waits past (`exceeded = "approval"`)."""
+    return op.approval.over_budget if op.approval is not None else None
 
 
-def over_budget_text(over: Mapping[str, Any]) -> str:
+def over_budget_text(over: BudgetFigures) -> str:
     """One line for the person deciding: approving spends past the budget's limit."""
-    unit = over.get("unit")
-    spent, limit = decimal_of(over["spent"]), decimal_of(over["limit"])
+    unit = over.unit
     return (
-        f"Over budget {over['name']!r}: this call spends {with_unit(decimal_of(over['amount']), unit)}, "
-        f"{with_unit(spent, unit)} of {with_unit(limit, unit)} is already spent in its window, so "
-        f"{with_unit(left(limit, spent), unit)} is left; approving spends past the limit."
+        f"Over budget {over.name!r}: this call spends {with_unit(over.amount, unit)}, "
+        f"{with_unit(over.spent, unit)} of {with_unit(over.limit, unit)} is already spent in its window, so "
+        f"{with_unit(left(over.limit, over.spent), unit)} is left; approving spends past the limit."
     )
 
 
-def budget_text(name: str, limit: Any, spent: Any, call: Any, unit: str | None) -> str:
+def budget_text(figures: BudgetFigures) -> str:
     """One line for the person deciding a budgeted call that fits as things stand: the budget's figures.
     Approving does not reserve them: the budget is checked again when the call is taken to run."""
-    spent_now, limit_now = decimal_of(spent), decimal_of(limit)
+    limit, spent, unit = figures.limit, figures.spent, figures.unit
     return (
-        f"Budget {name!r}: limit {with_unit(limit_now, unit)}, spent {with_unit(spent_now, unit)}, left "
-        f"{with_unit(left(limit_now, spent_now), unit)}; this call spends {with_unit(decimal_of(call), unit)}. "
+        f"Budget {figures.name!r}: limit {with_unit(limit, unit)}, spent {with_unit(spent, unit)}, left "
+        f"{with_unit(left(limit, spent), unit)}; this call spends {with_unit(figures.amount, unit)}. "
         "It is checked again when it runs: if the budget has no room left then, it is refused."
     )

@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any
 
 import commitgate.server.core.tracing as tracing
-from commitgate.server.core import approvals, budgets, duplicates, duties, errors, reconcile
+from commitgate.server.core import approvals, budgets, duplicates, duties, errors, expiry, reconcile
 from commitgate.server.core.classes import Next, OnExisting, after_attempt, exhausted_state, on_existing
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.reconcile import Check
@@ -223,9 +223,7 @@ class CommitBoundary:
         over = approvals.over_budget(op)
         if over is not None and tool.budget is not None:
             scope = budgets.scope_label(tool.budget, request.principal, request.session)
-            self.emit(
-                Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over["name"], scope=scope
-            )
+            self.emit(Event.BUDGET_EXCEEDED, tool.name, tool.idempotency_class, budget=over.name, scope=scope)
         return errors.approval_pending(op)
 
     def _over_budget(self, request: CallRequest, claim_request: ClaimRequest, spent: Decimal) -> GateError:
@@ -437,25 +435,10 @@ class CommitBoundary:
         return current
 
     async def touch_approval(self, op: Operation) -> Operation:
-        current, expired = await approvals.touch(self.ledger, op, self.clock())
-        if expired:
-            self.emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
-        return current
+        return await expiry.expire_approval(self.ledger, op, self.clock(), self.tell)
 
     async def expire(self, op: Operation) -> Operation:
-        change = Transition(
-            State.UNKNOWN,
-            frozenset({State.RUNNING}),
-            AuditEvent.LEASE_EXPIRED,
-            expect_fence=op.fence,
-            error=LEASE_LOST,
-            actor=COMMITGATE,
-        )
-        expired = await self.ledger.update(op.operation_id, change, self.clock())
-        if expired is None:
-            return await self._reread(op)
-        self.emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
-        return expired
+        return await expiry.expire_lease(self.ledger, op, self.clock(), self.tell)
 
     async def _rerun(
         self, request: CallRequest, op: Operation, *, maybe_applied: bool = False
@@ -511,10 +494,7 @@ class CommitBoundary:
     async def poll(self, op: Operation) -> Operation:
         """A poll is a touch: an expired lease turns UNKNOWN; a status-check tool then reconciles it;
         a wait for approval past its timeout expires."""
-        if op.state is State.AWAITING_APPROVAL:
-            return await self.touch_approval(op)
-        if lease_over(op, self.clock()) and op.operation_id not in self._inflight:  # ours runs: not over
-            op = await self.expire(op)
+        op = await expiry.touch(self.ledger, op, self.clock(), self.tell, running=self._inflight)
         if op.idempotency_class is not IdempotencyClass.KEY_AND_STATUS_CHECK:
             return op
         tool = self.tools.get(op.tool)

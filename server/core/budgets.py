@@ -22,6 +22,7 @@ from commitgate.server.ledger.base import BudgetCheck, Ledger, SpentIn, scope_na
 from commitgate.server.model.amounts import ZERO, NotAnAmount, left, number, with_unit
 from commitgate.server.model.amounts import amount as exact
 from commitgate.server.model.durations import format_duration
+from commitgate.server.model.notes import BudgetFigures
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.budgets import BudgetPolicy
 from commitgate.server.policy.expressions import ExpressionFailed, activation
@@ -109,9 +110,8 @@ def exceeded(
     return errors.budget_exceeded(shown, figures, scope, recorded=recorded)
 
 
-async def standing(ledger: Ledger, budget: Budget | None, op: Operation, now: float) -> dict[str, Any] | None:
-    """The figures a person deciding a budgeted call reads: `{name, limit, spent, amount, unit}`, what
-    its scope has spent within the window now. None: no budget, or the call waits past it already
+async def standing(ledger: Ledger, budget: Budget | None, op: Operation, now: float) -> BudgetFigures | None:
+    """The figures a person deciding a budgeted call reads: what its scope has spent within the window now. None: no budget, or the call waits past it already
     (its record carries the figures it was sent to a person with)."""
     if budget is None or approvals.over_budget(op) is not None:
         return None
@@ -125,7 +125,7 @@ async def standing(ledger: Ledger, budget: Budget | None, op: Operation, now: fl
         budget.name, principal, session, now - policy.window, now, policy.window
     )
     spent = sum((s.spent for s in spans), ZERO)
-    return {"name": budget.name, "limit": policy.limit, "spent": spent, "amount": spends, "unit": policy.unit}
+    return BudgetFigures(budget.name, policy.limit, spent, spends, policy.unit or None)
 
 
 def scope_label(budget: Budget, principal: str, session: str) -> str:

@@ -13,9 +13,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from commitgate.server.core import approvals
+from commitgate.server.core import expiry
 from commitgate.server.ledger.base import Lease, LedgerUnavailable
-from commitgate.server.model.events import Event
 
 if TYPE_CHECKING:
     from commitgate.server.core.boundary import CommitBoundary
@@ -60,7 +59,4 @@ async def _renew_leases(boundary: CommitBoundary) -> None:
 
 
 async def _sweep(boundary: CommitBoundary) -> None:
-    for op in await boundary.ledger.expire_leases(boundary.clock()):
-        boundary.emit(Event.LEASE_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
-    for op in await approvals.expire_due(boundary.ledger, boundary.clock()):
-        boundary.emit(Event.APPROVAL_EXPIRED, op.tool, op.idempotency_class, operation_id=op.operation_id)
+    await expiry.sweep(boundary.ledger, boundary.clock(), boundary.tell)

@@ -136,7 +136,7 @@ def ledger_unavailable() -> GateError:
 def approval_pending(op: Operation) -> GateError:
     over = op.approval.over_budget if op.approval is not None else None
     why = (
-        f" It would take budget {over.get('name')!r} past its limit, so a person decides whether to spend more."
+        f" It would take budget {over.name!r} past its limit, so a person decides whether to spend more."
         if over is not None
         else ""
     )

@@ -19,10 +19,9 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
-from commitgate.server.model.amounts import number
 from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
-from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
+from commitgate.server.model.notes import ApprovalRecord, BudgetFigures, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
 # The error recorded on an operation whose owner stopped before recording its outcome.
@@ -107,15 +106,9 @@ class BudgetCheck:
     unit: str | None = None
 
 
-def over_budget(check: BudgetCheck, spent: Decimal) -> dict[str, Any]:
+def over_budget(check: BudgetCheck, spent: Decimal) -> BudgetFigures:
     """What a person approving an over-budget call reads: the budget, its limit, what is spent, the call's amount."""
-    shown = {
-        "name": check.name,
-        "limit": number(check.limit),
-        "spent": number(spent),
-        "amount": number(check.amount),
-    }
-    return {**shown, "unit": check.unit} if check.unit else shown
+    return BudgetFigures(check.name, check.limit, spent, check.amount, check.unit or None)
 
 
 def over_budget_wait(check: BudgetCheck, own: ApprovalRecord | None, spent: Decimal) -> ApprovalRecord:

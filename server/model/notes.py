@@ -1,5 +1,6 @@
 """What the ledger keeps beside an operation's result: why it failed (`ErrorRecord`), how its
-unknown outcome was settled (`ReconciliationNote`), and a person's decision (`ApprovalRecord`).
+unknown outcome was settled (`ReconciliationNote`), and a person's decision (`ApprovalRecord`,
+with the `BudgetFigures` a call past its budget waits with).
 
 Each is stored as one JSON object. `from_stored` and `stored` are the only conversions, used by
 the ledger backends as they read and write a row: everything above the ledger reads attributes.
@@ -12,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, ClassVar, Self
 
+from commitgate.server.model.amounts import decimal_of, number
 from commitgate.server.model.facts import ApprovalState
 
 
@@ -84,6 +87,51 @@ class ReconciliationNote(_Flat):
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetFigures:
+    """A budget's figures as a person deciding a call reads them: its `name`, `limit`, what its scope
+    has `spent` within the window, the call's `amount`, and the budget's `unit` if it has one. Kept in
+    the approval record of a call that waits past its budget (`exceeded = "approval"`): the figures it
+    was sent to a person with. Stored as JSON numbers, read back exactly (docs/contract.md#budgets)."""
+
+    name: str
+    limit: Decimal
+    spent: Decimal
+    amount: Decimal
+    unit: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def shown(self) -> dict[str, Any]:
+        """`{name, limit, spent, amount[, unit]}`, as the status view gives it."""
+        figures: dict[str, Any] = {
+            "name": self.name,
+            "limit": number(self.limit),
+            "spent": number(self.spent),
+            "amount": number(self.amount),
+        }
+        if self.unit is not None:
+            figures["unit"] = self.unit
+        return figures
+
+    def stored(self) -> dict[str, Any]:
+        return {**self.shown(), **self.extra}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any]) -> BudgetFigures:
+        fields, extra = _split(data, _FIGURES_KEYS)
+        return cls(
+            fields["name"],
+            decimal_of(fields["limit"]),
+            decimal_of(fields["spent"]),
+            decimal_of(fields["amount"]),
+            fields.get("unit"),
+            extra,
+        )
+
+
+_FIGURES_KEYS = frozenset(("name", "limit", "spent", "amount", "unit"))
+
+
+@dataclass(frozen=True, slots=True)
 class ApprovalRecord:
     """A person's decision on an operation: asked of `deciders` when requested, decided once
     (`by` whom, `via` which channel, `reason`, `decided_at`) or expired at `expires_at`."""
@@ -94,7 +142,7 @@ class ApprovalRecord:
     expires_at: float | None = None
     duplicate_of: str | None = None  # a suspected duplicate waits: the earlier operation
     required_because: str | None = None  # why approval is needed when `when` could not be evaluated
-    over_budget: Mapping[str, Any] | None = None  # past its budget: {name, limit, spent, amount[, unit]}
+    over_budget: BudgetFigures | None = None  # past its budget: what approving overspends
     # Once decided (all four are written then, `by` and `reason` possibly null).
     by: str | None = None
     via: str | None = None
@@ -107,6 +155,8 @@ class ApprovalRecord:
     def stored(self) -> dict[str, Any]:
         data: dict[str, Any] = {"state": self.state.value, "deciders": list(self.deciders)}
         data.update(_present(self, ApprovalRecord._OPTIONAL))
+        if self.over_budget is not None:
+            data["over_budget"] = self.over_budget.stored()
         if self.decided_at is not None:
             data.update(by=self.by, via=self.via, reason=self.reason, decided_at=self.decided_at)
         return {**data, **self.extra}
@@ -116,6 +166,8 @@ class ApprovalRecord:
         fields, extra = _split(data, _APPROVAL_KEYS)
         fields["state"] = ApprovalState(fields["state"])
         fields["deciders"] = tuple(fields.get("deciders") or ())
+        if fields.get("over_budget") is not None:
+            fields["over_budget"] = BudgetFigures.from_stored(fields["over_budget"])
         return cls(**fields, extra=extra)
 
     def decided(

@@ -22,7 +22,7 @@ import httpx2
 import mcp.types as types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from commitgate.server.core import approvals, budgets, duplicates, errors
+from commitgate.server.core import approvals, budgets, duplicates, errors, expiry
 from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.errors import GateError
 from commitgate.server.core.requests import (
@@ -44,7 +44,6 @@ from commitgate.server.ledger import (
     default_ledger_url,
     open_ledger,
 )
-from commitgate.server.ledger.base import lease_over
 from commitgate.server.ledger.evidence import Evidence
 from commitgate.server.model.events import Observer
 from commitgate.server.model.facts import (
@@ -546,14 +545,9 @@ class Gateway:
             raise errors.invalid_arguments(f"limit: at most {limit}")
         where = OperationFilter(principal, parsed.session, parsed.state, parsed.tool, limit=parsed.limit)
         now = time.time()
-        operations = []
-        for op in await self.ledger.find(where):
-            if lease_over(op, now):
-                op = await self.boundary.expire(op)  # an expired lease turns UNKNOWN at the next touch
-            elif op.state is State.AWAITING_APPROVAL:
-                op = await self.boundary.touch_approval(op)  # so does a wait for approval past its timeout
-            operations.append(status_view(op, self._forwards_key(op), now))
-        return {"operations": operations}
+        found = await self.ledger.find(where)
+        touched = await expiry.touch_all(self.ledger, found, now, self.boundary.tell, self.boundary.leases)
+        return {"operations": [status_view(op, self._forwards_key(op), now) for op in touched]}
 
     async def _compensate_session(self, args: dict[str, Any], session: str, principal: str) -> dict[str, Any]:
         parsed = _parse(_CompensateArgs, args)

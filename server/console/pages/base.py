@@ -10,10 +10,9 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from commitgate.server.console.security import Identity
-from commitgate.server.core import approvals
+from commitgate.server.core import expiry
 from commitgate.server.ledger import OperationFilter
-from commitgate.server.ledger.base import Ledger, lease_over
-from commitgate.server.model.facts import State
+from commitgate.server.ledger.base import Ledger
 from commitgate.server.model.records import Operation
 from commitgate.server.policy.models import Policy
 
@@ -75,7 +74,4 @@ async def touch(ledger: Ledger, at: float) -> None:
     """A listing is a touch (docs/contract.md#leases): a RUNNING operation whose owner is gone shows as
     UNKNOWN, and a wait for approval that ran out shows as expired (FAILED_FINAL, approval_expired), as
     the server's sweep would make them. Only read, unless there is one to turn."""
-    running = await ledger.find(OperationFilter(None, state=State.RUNNING, limit=1000))
-    if any(lease_over(op, at) for op in running):
-        await ledger.expire_leases(at)
-    await approvals.expire_due(ledger, at)
+    await expiry.sweep(ledger, at, look_first=True)

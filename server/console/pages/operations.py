@@ -27,7 +27,7 @@ from commitgate.server.console.rendering import (
     status_check,
 )
 from commitgate.server.console.security import Denied
-from commitgate.server.core import approvals
+from commitgate.server.core import approvals, expiry
 from commitgate.server.core.resolutions import Finding, Resolution, note_for
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.model.facts import IdempotencyClass, State
@@ -96,7 +96,7 @@ async def operation_page(
     if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
     at = now()
-    op, _ = await approvals.touch(ledger, op, at)  # a wait that ran out shows as expired, not waiting
+    op = await expiry.touch(ledger, op, at)  # a lapsed lease shows as UNKNOWN, a wait that ran out as expired
     history = await ledger.history(op.operation_id)
     view: dict[str, Any] = {
         "op": op,

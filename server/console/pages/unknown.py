@@ -96,7 +96,7 @@ async def check_route(request: Request) -> Response:
     if op is None:
         raise Denied(404, f"There is no operation {operation_id} in the ledger (purged, or a typo?).")
     try:
-        checked = await check_again(op, policy_of(request), request.app.state.policy_dir)
+        checked = await check_again(op, policy_of(request), request.app.state.policy_dir, now())
         await note(ledger_of(request), op, checked, identity_of(request).name, now())
     except CheckUnavailable as exc:
         return await operation_page(request, operation_id, status_code=409, problem=str(exc))

@@ -450,7 +450,7 @@ def _audit_over_budget(conn: sqlite3.Connection, op: Operation, request: ClaimRe
             op.state.value,
             op.fence,
             request.owner,
-            over,
+            over.stored(),
         )
 
 
