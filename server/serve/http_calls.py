@@ -185,6 +185,8 @@ class LeanCalls:
             return route.protocol_version
         if "_meta" in decoded["params"] and _has_envelope(decoded["params"]["_meta"]):
             return None  # a 2026-07-28 envelope on a handshake-era request: the SDK decides
+        if not _json_content(request.headers.get("content-type", "")):
+            return None  # the handshake-era transport's own check, stricter than the Host/Origin one
         return header if header is not None else DEFAULT_NEGOTIATED_VERSION
 
     async def _passes_param_headers(self, request: Request, params: dict[str, Any]) -> bool:
@@ -348,6 +350,10 @@ def _idle_for_lean_calls(middleware: Any) -> bool:
     return isinstance(middleware, RequestStateBoundary) or isinstance(
         getattr(middleware, "__self__", None), ToolListAnnouncer
     )
+
+
+def _json_content(content_type: str) -> bool:
+    return any(part.strip() == "application/json" for part in content_type.split(";")[0].split(","))
 
 
 def _has_envelope(meta: Any) -> bool:
