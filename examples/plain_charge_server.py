@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mcp.server.mcpserver import MCPServer
 
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 server = MCPServer("plain-charge")
 

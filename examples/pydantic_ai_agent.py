@@ -61,8 +61,8 @@ name = "agent-example"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 """
 
 

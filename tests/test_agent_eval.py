@@ -18,8 +18,8 @@ import pytest
 from mcp import Client, MCPError
 from mcp.types import CallToolResult, RequestParamsMeta
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.verify.harness import Gate
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 SESSION_META = "commitgate/session"
@@ -125,7 +125,7 @@ def test_the_plugin_loads_by_its_entry_point_in_a_users_suite(tmp_path: Path, sa
     """A user's suite, run by pytest in its own process, gets `gate` with no import and no conftest."""
     (tmp_path / "pytest.ini").write_text("[pytest]\ncommitgate_policy = policy.toml\n")
     (tmp_path / "policy.toml").write_text(
-        '[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+        '[tools.send_email]\nclass = "key-required"\npython = "commitgate.server.demo.tools:send_email"\n'
     )
     (tmp_path / "test_user.py").write_text(
         textwrap.dedent(

@@ -306,7 +306,7 @@ def test_the_question_masks_secret_arguments_and_fills_the_prompt() -> None:
         arguments, T0, T0,
     )  # fmt: skip
     policy = loads_policy(
-        '[tools.pay]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+        '[tools.pay]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\n'
         'approval = { prompt = "Pay {arguments.amount_cents} cents with {arguments.card_number}?" }\n'
     ).tools["pay"]
     text = approvals.question(op, policy).text
@@ -320,17 +320,17 @@ BAD = textwrap.dedent(
     """\
     [tools.refund]
     class = "key-required"
-    python = "commitgate.tools.demo:refund"
+    python = "commitgate.server.demo.tools:refund"
     approval = { when = "arguments.amount_cents >" }
 
     [tools.charge]
     class = "key-required"
-    python = "commitgate.tools.demo:refund"
+    python = "commitgate.server.demo.tools:refund"
     approval = { when = "amount > 3", prompt = "{result.id}" }
 
     [tools.lookup]
     class = "safe-retry"
-    python = "commitgate.tools.demo:get_balance"
+    python = "commitgate.server.demo.tools:get_balance"
     approval = { via = ["boss"] }
     """
 )
@@ -349,7 +349,7 @@ def test_policy_check_reports_approval_problems_with_their_lines() -> None:
 
 def test_approval_defaults() -> None:
     policy = loads_policy(
-        '[tools.r]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\napproval = {}\n'
+        '[tools.r]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\napproval = {}\n'
     )
     approval = policy.tools["r"].approval
     assert approval is not None
@@ -360,8 +360,8 @@ def test_approval_defaults() -> None:
 
 def test_the_description_tells_the_model_what_approval_pending_means() -> None:
     policy = loads_policy(
-        '[tools.r]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\napproval = {}\n'
-        '[tools.s]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+        '[tools.r]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\napproval = {}\n'
+        '[tools.s]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\n'
     )
     served = build_tools(policy, None)
     assert APPROVAL_SENTENCE in (served["r"].definition.description or "")

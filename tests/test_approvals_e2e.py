@@ -46,13 +46,13 @@ pytestmark = pytest.mark.slow
 TOOLS = """
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 timeout = "10s"
 approval = { when = "!arguments.to.endsWith('@example.com')", timeout = "1h", prompt = "Send '{arguments.subject}' to {arguments.to}?" }
 
 [tools.send_later]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 approval = { timeout = "1s", via = ["operator"] }
 """
 
@@ -419,8 +419,8 @@ async def test_a_suspected_duplicate_goes_to_the_clients_user_with_the_earlier_o
     (without an approval table only operators decide one: test_budget_takes_e2e.py)."""
     d = Deployment.create(tmp_path)
     tools = TOOLS_TOML.replace(
-        'python = "commitgate.tools.demo:send_email"\n',
-        'python = "commitgate.tools.demo:send_email"\nduplicates = { action = "approval" }\n'
+        'python = "commitgate.server.demo.tools:send_email"\n',
+        'python = "commitgate.server.demo.tools:send_email"\nduplicates = { action = "approval" }\n'
         'approval = { when = "false", via = ["client", "operator"] }\n',
     )
     # Each call waits for its own outcome (WAIT): on a loaded machine the first email alone can take
@@ -474,8 +474,8 @@ async def test_over_http_behind_a_round_robin_each_round_may_reach_another_repli
 
     policy = write_policy(tmp_path)
     text = policy.read_text(encoding="utf-8").replace(
-        'python = "commitgate.tools.demo:create_ticket"\n',
-        'python = "commitgate.tools.demo:create_ticket"\napproval = { prompt = "Open {arguments.title}?" }\n',
+        'python = "commitgate.server.demo.tools:create_ticket"\n',
+        'python = "commitgate.server.demo.tools:create_ticket"\napproval = { prompt = "Open {arguments.title}?" }\n',
     )
     policy.write_text(text, encoding="utf-8")
     where = {"ledger": tmp_path / "ledger.db", "sandbox": tmp_path / "sandbox.db"}

@@ -65,8 +65,8 @@ def write_corpus(tmp: Path) -> None:
         (tmp / file).write_text(text)
     (tmp / "demo.toml").write_text(
         f'[ledger]\nurl = "sqlite:///{tmp}/demo.db"\n'
-        '[tools.charge_card]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
-        'status_check = "commitgate.tools.demo:find_charge"\n'
+        '[tools.charge_card]\nclass = "key-and-status-check"\npython = "commitgate.server.demo.tools:charge_card"\n'
+        'status_check = "commitgate.server.demo.tools:find_charge"\n'
     )
     (tmp / "nested.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
     good_tool = '[tools.t]\nclass = "key-required"\npython = "goodmod:ok"\n'

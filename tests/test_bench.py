@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from commitgate.server.bench import calls, report, syscalls
+from commitgate.server.bench import tools as bench_tools
 from commitgate.server.bench.experiments import CONCURRENCY_POLICY
 from commitgate.server.bench.memory import build_ledger
 from commitgate.server.bench.overhead import (
@@ -45,7 +46,6 @@ from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.facts import State
 from commitgate.server.model.outcomes import RetryableError
 from commitgate.server.policy.loading import loads_policy
-from commitgate.tools import benchtools
 
 
 @pytest.fixture(scope="module")
@@ -398,25 +398,25 @@ def test_what_the_syncs_add_is_paired_per_round() -> None:
 
 def test_lognormal_service_time_has_the_asked_median_and_p99() -> None:
     rng = random.Random(1)
-    samples = [benchtools.lognormal_seconds(200.0, 2000.0, rng) for _ in range(20_000)]
+    samples = [bench_tools.lognormal_seconds(200.0, 2000.0, rng) for _ in range(20_000)]
     assert 0.19 < quantile(samples, 0.5) < 0.21
     assert 1.8 < quantile(samples, 0.99) < 2.2
     with pytest.raises(ValueError, match="median_ms <= p99_ms"):
-        benchtools.lognormal_seconds(300.0, 200.0)
+        bench_tools.lognormal_seconds(300.0, 200.0)
 
 
 @pytest.mark.anyio
 async def test_overloaded_service_rejects_when_full_and_counts_what_it_saw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(benchtools.ENV_CAPACITY, "2")
-    monkeypatch.setattr(benchtools, "_load", None)  # a fresh service, as in a fresh server process
+    monkeypatch.setenv(bench_tools.ENV_CAPACITY, "2")
+    monkeypatch.setattr(bench_tools, "_load", None)  # a fresh service, as in a fresh server process
 
     rejections: list[RetryableError] = []
 
     async def attempt(job: str) -> str:
         try:
-            await benchtools.overloaded_service(job, median_ms=30.0, p99_ms=60.0)
+            await bench_tools.overloaded_service(job, median_ms=30.0, p99_ms=60.0)
         except RetryableError as exc:
             rejections.append(exc)
             return "rejected"
@@ -425,7 +425,7 @@ async def test_overloaded_service_rejects_when_full_and_counts_what_it_saw(
     outcomes = await asyncio.gather(*(attempt(f"job-{n}") for n in range(5)))
     assert all("503" in exc.message and exc.detail == {"status": 503} for exc in rejections)
     assert sorted(outcomes) == ["rejected"] * 3 + ["served"] * 2
-    load = benchtools.service_load()
+    load = bench_tools.service_load()
     assert (load["capacity"], load["attempts"], load["rejected"], load["served"]) == (2, 5, 3, 2)
     assert load["peak_in_service"] == 2 and load["in_service"] == 0
     assert load["peak_attempts_per_s"] >= 10.0  # 5 attempts inside one 100 ms window

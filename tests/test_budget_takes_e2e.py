@@ -49,8 +49,8 @@ unit = "{unit}"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 retry = {{ attempts = 1 }}
 budget = "payments"
@@ -76,7 +76,7 @@ def deployment(
 NOTES = """
 [tools.send_note]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 duplicates = { action = "approval" }
 """
 NOTE = {"to": "ann@example.com", "subject": "Ticket", "body": "The printer is out of paper"}

@@ -48,8 +48,8 @@ per = "principal"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 budget = "payments"
 """
 
@@ -88,7 +88,7 @@ def test_a_tool_must_name_a_declared_budget_with_its_line_and_a_suggestion() -> 
 def test_only_keyed_tools_spend_a_budget() -> None:
     text = (
         POLICY
-        + '\n[tools.get_balance]\nclass = "safe-retry"\npython = "commitgate.tools.demo:get_balance"\nbudget = "payments"\n'
+        + '\n[tools.get_balance]\nclass = "safe-retry"\npython = "commitgate.server.demo.tools:get_balance"\nbudget = "payments"\n'
     )
     (found,) = problems(text)
     assert found.startswith("tools.get_balance.budget: safe-retry tools are not recorded")
@@ -638,10 +638,10 @@ async def test_a_refusal_is_an_answer_in_the_claim_span_and_logs_keep_the_amount
 async def test_a_reloaded_policy_applies_its_new_limit_to_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from commitgate.server.demo import tools as demo
     from commitgate.server.policy.loading import load_policy
     from commitgate.server.serve.gateway import Gateway
     from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
-    from commitgate.tools import demo
 
     monkeypatch.setenv("COMMITGATE_SANDBOX", str(tmp_path / "sandbox.db"))
     path = tmp_path / "policy.toml"

@@ -37,7 +37,7 @@ from support.e2e import (
 from test_duplicates_e2e import serve_on
 
 from commitgate.client import BudgetExceeded, Gate
-from commitgate.tools.demo import DECLINED_CARD
+from commitgate.server.demo.tools import DECLINED_CARD
 
 pytestmark = pytest.mark.slow
 
@@ -53,22 +53,22 @@ exceeded = "{exceeded}"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 retry = {{ attempts = 1 }}
 budget = "payments"
 
 [tools.pay_booking]
 class = "compensable"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 compensate = {{ tool = "refund", arguments = {{ charge_id = "{{result.charge_id}}", amount_cents = "{{arguments.amount_cents}}" }} }}
 budget = "payments"
 
 [tools.refund]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:refund"
-status_check = "commitgate.tools.demo:find_refund"
+python = "commitgate.server.demo.tools:refund"
+status_check = "commitgate.server.demo.tools:find_refund"
 expose = false
 """
 
@@ -290,8 +290,8 @@ async def bad_amounts(tmp_path_factory: pytest.TempPathFactory, anyio_backend: s
     made = Deployment.create(tmp_path_factory.mktemp("bad-amounts"))
     tools = "".join(
         f'\n[budgets.{name}]\namount = "{amount}"\nlimit = {LIMIT}\nwindow = "1h"\nper = "principal"\n'
-        f'\n[tools.charge_{name}]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
-        f'status_check = "commitgate.tools.demo:find_charge"\nbudget = "{name}"\n'
+        f'\n[tools.charge_{name}]\nclass = "key-and-status-check"\npython = "commitgate.server.demo.tools:charge_card"\n'
+        f'status_check = "commitgate.server.demo.tools:find_charge"\nbudget = "{name}"\n'
         for name, amount in BAD_AMOUNTS.items()
     )
     made.policy.write_text(policy_toml().replace(TOOLS_TOML, tools), encoding="utf-8")

@@ -136,7 +136,7 @@ async def test_on_stdio_the_os_user_is_the_agent_and_cannot_approve_its_own_call
     policy = tmp_path / "policy.toml"
     policy.write_text(
         f'[ledger]\nurl = "sqlite:///{ledger}"\n\n[tools.send_email]\nclass = "key-required"\n'
-        'python = "commitgate.tools.demo:send_email"\napproval = { via = ["operator"] }\n'
+        'python = "commitgate.server.demo.tools:send_email"\napproval = { via = ["operator"] }\n'
     )
     email = {"to": "a@example.com", "subject": "s", "body": "b", "idempotency_key": "mail-1"}
 

@@ -27,8 +27,8 @@ from commitgate.client import (
 from commitgate.client.gate import SESSION_META, STEP_META
 from commitgate.client.keys import by_arguments, prepare
 from commitgate.client.text import readable
+from commitgate.server.demo.tools import DECLINED_CARD
 from commitgate.server.model.facts import KEY_PATTERN
-from commitgate.tools.demo import DECLINED_CARD
 
 CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
 EMAIL = {"to": "ada@example.com", "subject": "Your order", "body": "It ships today."}

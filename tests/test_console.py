@@ -43,6 +43,7 @@ from commitgate.server.console.app import create_app, ledger_opener
 from commitgate.server.console.command import prompt_policy
 from commitgate.server.console.pages.questions import duration
 from commitgate.server.console.security import CONTENT_SECURITY_POLICY, Access, ConsoleRefused
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
 from commitgate.server.model.notes import ApprovalRecord
@@ -50,7 +51,6 @@ from commitgate.server.policy.loading import default_policy, load_policy
 from commitgate.server.policy.masking import mask_values
 from commitgate.server.policy.models import AuthPolicy, AuthToken
 from commitgate.server.policy.tokens import load_tokens
-from commitgate.tools import demo
 
 SCRIPT = "<script>alert('xss')</script>"
 IMG = '"><img src=x onerror=alert(1)>'
@@ -1384,7 +1384,7 @@ def test_the_question_of_a_budgeted_call_shows_its_budget_with_the_unit(
     tmp_path: Path, sandbox: Path
 ) -> None:
     asking = BUDGETS.replace('per = "principal"\n', 'per = "principal"\nunit = "USD cents"\n', 1) + (
-        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.tools.demo:charge_card"\n'
+        '\n[tools.pay_ask]\nclass = "key-required"\npython = "commitgate.server.demo.tools:charge_card"\n'
         'approval = { via = ["operator"] }\nbudget = "payments"\n'
     )
     policy = write_policy(tmp_path, asking)

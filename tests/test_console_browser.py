@@ -41,7 +41,7 @@ OUTSIDE = {"to": "bob@elsewhere.org", "subject": "Quarterly numbers", "body": "a
 APPROVAL_TOML = """
 [tools.mail_out]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 timeout = "10s"
 duplicates = false
 approval = { when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{arguments.subject}' to {arguments.to}?" }

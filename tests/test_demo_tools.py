@@ -10,9 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import AmbiguousError, PermanentError, RetryableError
-from commitgate.tools import demo
 
 
 def ctx(key: str | None, session: str = "s1", principal: str = "alice") -> OperationContext:
@@ -220,7 +220,7 @@ def test_latency_and_timeout_after_effect_sleep(monkeypatch: pytest.MonkeyPatch)
 
 
 _CRASH_CHILD = """
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.context import OperationContext
 demo.refund("{charge_id}", 100, OperationContext("r1", "s1", None, 1, "alice"))
 print("survived")
@@ -285,7 +285,7 @@ def test_spec_grammar_example_parses() -> None:
 
 
 _WORKER = """
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.outcomes import RetryableError
 failed = 0
 for i in range(10):

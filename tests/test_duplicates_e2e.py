@@ -47,14 +47,14 @@ CHARGE = {"card": "4242", "amount_cents": 1299, "description": "order 42"}
 TOOLS = """
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 {duplicates}
 
 [tools.get_balance]
 class = "safe-retry"
-python = "commitgate.tools.demo:get_balance"
+python = "commitgate.server.demo.tools:get_balance"
 """
 # charge_card once more for each option, beside the default one (shared-server tests)
 OPTIONS = {
@@ -64,8 +64,8 @@ OPTIONS = {
     "charge_briefly": 'duplicates = { window = "1s" }',
 }
 OPTION_TOOLS = "".join(
-    f'\n[tools.{name}]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
-    f'status_check = "commitgate.tools.demo:find_charge"\ntimeout = "10s"\n{line}\n'
+    f'\n[tools.{name}]\nclass = "key-and-status-check"\npython = "commitgate.server.demo.tools:charge_card"\n'
+    f'status_check = "commitgate.server.demo.tools:find_charge"\ntimeout = "10s"\n{line}\n'
     for name, line in OPTIONS.items()
 )
 

@@ -33,7 +33,7 @@ from support.e2e import (
     together,
 )
 
-from commitgate.tools.demo import DECLINED_CARD
+from commitgate.server.demo.tools import DECLINED_CARD
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -46,12 +46,12 @@ synchronous = "FULL"
 
 [tools.get_balance]
 class = "safe-retry"
-python = "commitgate.tools.demo:get_balance"
+python = "commitgate.server.demo.tools:get_balance"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 
 [tools.shout]
@@ -61,7 +61,7 @@ python = "fastio_tools:shout"
 TICKET = """
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 """
 TOOLS_MODULE = '''
 def shout(text: str) -> dict:

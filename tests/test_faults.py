@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 from mcp import MCPError
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger import OperationFilter
 from commitgate.server.model.facts import State
 from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve.faults import CONTROL_TOOL, ENV_TOKEN, LOST_ANSWER_CODE
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 TOKEN = "a-private-token-of-some-length"
 POLICY = """
 [tools.charge_card]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 """
 CHARGE = {"card": "4242", "amount_cents": 300}

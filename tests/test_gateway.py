@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from mcp.types import CallToolResult
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from mcp.types import CallToolResult
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger import LedgerUnavailable, OperationFilter
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 
@@ -32,7 +32,7 @@ url = "{url}"
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 """
 
 
@@ -435,7 +435,7 @@ principal = "agent"
 
 [tools.{tool}]
 class = "key-required"
-python = "commitgate.tools.demo:{tool}"
+python = "commitgate.server.demo.tools:{tool}"
 """
 
 
@@ -521,7 +521,7 @@ def test_a_status_check_that_cannot_be_imported_is_reported_on_its_own_line(tmp_
 
     path = tmp_path / "policy.toml"
     path.write_text(
-        '[tools.charge]\nclass = "key-and-status-check"\npython = "commitgate.tools.demo:charge_card"\n'
+        '[tools.charge]\nclass = "key-and-status-check"\npython = "commitgate.server.demo.tools:charge_card"\n'
         'status_check = "no_such_module_here:find"\n',
         encoding="utf-8",
     )

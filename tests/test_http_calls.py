@@ -34,7 +34,7 @@ from support.http_servers import (
 )
 
 from commitgate.server.serve.http_calls import OFF_ENV
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 PATHS = ("lean", "sdk")
 LEAN_LINE = "on the lean path"

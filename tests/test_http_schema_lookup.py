@@ -19,7 +19,7 @@ from commitgate.server.serve.surface import build_server
 POLICY = """
 [tools.charge_card]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 """
 
 pytestmark = pytest.mark.anyio

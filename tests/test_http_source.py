@@ -24,6 +24,7 @@ from mcp import Client
 from mcp.types import CallToolResult
 from support.wrapping import call, error_code, operation, serve
 
+from commitgate.server.demo.payments_api import SandboxProcess
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.outcomes import AmbiguousError, Outcome, PermanentError, RetryableError, Verdict
 from commitgate.server.model.records import ToolResult
@@ -39,7 +40,6 @@ from commitgate.tools.http import (
     retry_after_seconds,
     transport_outcome,
 )
-from commitgate.tools.sandbox_api import SandboxProcess
 
 TOKEN = "sk_test_d0n7_l0g_m3_8c1f"  # the secret that must never reach a log
 CARD = "4242424242424242"

@@ -44,9 +44,9 @@ from support.http_servers import (
 )
 
 from commitgate.client import Gate
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger import open_ledger
 from commitgate.server.model.facts import State
-from commitgate.tools import demo
 
 TRANSPORTS = ["streamable-http", "sse"]
 SESSION = "commitgate/session"

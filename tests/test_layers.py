@@ -26,16 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("commitgate.server.model", "commitgate.server")),
     ("ledger", ("commitgate.server.ledger",)),
     ("policy", ("commitgate.server.policy",)),
-    (
-        "sources",
-        (
-            "commitgate.tools.base",
-            "commitgate.tools.hints",
-            "commitgate.tools.python",
-            "commitgate.tools.http",
-            "commitgate.tools.upstream",
-        ),
-    ),
+    ("sources", ("commitgate.tools",)),
     ("core", ("commitgate.server.core",)),
     ("serve", ("commitgate.server.serve",)),
     (
@@ -49,8 +40,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
 ]
-# The bundled example tools are user code: they see only the public names of commitgate.server.
-BUNDLED = ("commitgate.tools.demo", "commitgate.tools.sandbox_api", "commitgate.tools.benchtools")
+# The bundled example tools are user code, kept with the command that serves them: they see only the
+# public names of commitgate.server.
+BUNDLED = (
+    "commitgate.server.demo.tools",
+    "commitgate.server.demo.payments_api",
+    "commitgate.server.bench.tools",
+    "commitgate.server.bench.plain_sdk",
+)
 BUNDLED_MAY_IMPORT = ("commitgate.server", "commitgate.server.model")
 # The client library runs in agent processes that install no server: it imports nothing of it.
 CLIENT = "commitgate.client"
@@ -136,6 +133,78 @@ def _reasons(module: str, own: int | None, target: str) -> list[str]:
 
 def test_no_layer_imports_a_higher_one() -> None:
     assert violations(FOLDERS) == []
+
+
+def import_graph(folders: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module -> the project's modules it imports (type-only and in-function imports included).
+
+    `from a.b import c` names the module `a.b.c` when there is one, else the module `a.b`."""
+    paths = dict(modules(folders))
+    graph: dict[str, set[str]] = {module: set() for module in paths}
+    for module, path in paths.items():
+        for _, target in imports_of(module, path):
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle through each module that lies on one, without repeats: [a, b, a]."""
+    found: dict[frozenset[str], list[str]] = {}
+    for start in sorted(graph):
+        path = _shortest_path(graph, start)
+        if path and frozenset(path) not in found:
+            found[frozenset(path)] = path
+    return sorted(found.values())
+
+
+def _shortest_path(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """The shortest import path from `start` back to itself (breadth first), or None."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph[module]):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if module != start else [start, start]
+                if target not in came_from:
+                    came_from[target] = module
+                    following.append(target)
+        frontier = following
+    return None
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(import_graph(FOLDERS))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+def test_the_cycle_check_finds_a_type_only_circle(tmp_path: Path) -> None:
+    """A circle through an import inside a function and an `if TYPE_CHECKING:` import counts."""
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "a.py").write_text("from commitgate.pkg import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n"
+    )
+    (tmp_path / "d.py").write_text("from commitgate.pkg.a import b\n")
+    graph = import_graph({"commitgate.pkg": tmp_path})
+    assert cycles(graph) == [["commitgate.pkg.a", "commitgate.pkg.b", "commitgate.pkg.c", "commitgate.pkg.a"]]
+
+
+def test_the_bundled_tools_are_modules_of_the_commands() -> None:
+    """The list names real modules (it cannot go stale), and none lives among the tool sources."""
+    names = dict(modules(FOLDERS))
+    for bundled in BUNDLED:
+        assert bundled in names and layer_of(bundled) == len(LAYERS) - 1, bundled
+    sources = [layer for layer, _ in LAYERS].index("sources")
+    assert all(layer_of(name) == sources for name in names if _within(name, "commitgate.tools"))
 
 
 def test_the_mapping_is_links_to_the_top_level_folders() -> None:

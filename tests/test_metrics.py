@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.events import BoundaryEvent, Event
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
@@ -21,7 +22,6 @@ from commitgate.server.serve import logs
 from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.logs import configure_logging, log_call, log_event
 from commitgate.server.serve.metrics import Metrics
-from commitgate.tools import demo
 
 POLICY = """
 [server]
@@ -29,13 +29,13 @@ lease = "3s"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retry = { attempts = 3, initial = "10ms", max = "20ms" }
 """
 KEYED = IdempotencyClass.KEY_REQUIRED

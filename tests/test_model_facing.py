@@ -30,13 +30,13 @@ pytestmark = pytest.mark.anyio
 SAGA_TOOLS = """
 [tools.reserve]
 class = "compensable"
-python = "commitgate.tools.demo:reserve"
+python = "commitgate.server.demo.tools:reserve"
 compensate = { tool = "release", arguments = { booking_id = "{result.booking_id}" } }
 
 [tools.release]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:release"
-status_check = "commitgate.tools.demo:find_release"
+python = "commitgate.server.demo.tools:release"
+status_check = "commitgate.server.demo.tools:find_release"
 expose = false
 """
 
@@ -127,7 +127,7 @@ async def test_the_printed_claude_desktop_entry_starts_the_server_as_the_app_wou
     d = Deployment.create(tmp_path)
     d.policy.write_text(
         f'[ledger]\nurl = "sqlite:///{d.ledger}"\n'
-        '[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+        '[tools.send_email]\nclass = "key-required"\npython = "commitgate.server.demo.tools:send_email"\n'
     )
     printed = subprocess.run(
         [str(Path(sys.executable).parent / "commitgate"), "claude-config", "--policy", str(d.policy)],

@@ -19,7 +19,7 @@ from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
 
 pytestmark = pytest.mark.anyio
 
-TOOL = '[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+TOOL = '[tools.send_email]\nclass = "key-required"\npython = "commitgate.server.demo.tools:send_email"\n'
 
 
 def write(path: Path, text: str) -> None:

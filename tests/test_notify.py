@@ -43,7 +43,7 @@ principal = "agent-1"
 
 [tools.charge_card]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 approval = {{ via = ["operator"], timeout = "1h", prompt = "Charge {{arguments.amount_cents}} cents?" }}
 
 [console]

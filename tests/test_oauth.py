@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from support.http_servers import TOOLS, Served, connect, error_code, free_port, running, token_entry
 from support.oidc import AGENT_SCOPE, OPERATOR_SCOPE, PRINCIPALS_CLAIM, IdP, running_idp
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.oauth import OAuthPolicy
 from commitgate.server.serve.auth import access_token
 from commitgate.server.serve.checking import check_policy_file
@@ -37,7 +38,6 @@ from commitgate.server.serve.oauth import (
     ProviderKeys,
     Refused,
 )
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.slow
 

@@ -77,23 +77,23 @@ per = "session"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 approval = {{ via = ["operator"] }}
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 budget = "spend"
 
 [tools.charge_session]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 budget = "per_session"
 """
 

@@ -23,6 +23,7 @@ import pytest
 from mcp.types import CallToolResult
 from support.policy import Run, run
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger.base import ClaimRequest, this_owner
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.events import BoundaryEvent, Event
@@ -30,7 +31,6 @@ from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.outcomes import Verdict
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 
@@ -43,22 +43,22 @@ url = "sqlite:///{ledger}"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 retry = {{ attempts = 1 }}
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retention = "1ms"
 
 [tools.reserve]
 class = "compensable"
-python = "commitgate.tools.demo:reserve"
+python = "commitgate.server.demo.tools:reserve"
 compensate = {{ tool = "release", arguments = {{ booking_id = "{{result.booking_id}}" }} }}
 
 [tools.release]
 class = "key-required"
-python = "commitgate.tools.demo:release"
+python = "commitgate.server.demo.tools:release"
 expose = false
 """
 

@@ -183,12 +183,12 @@ def test_field_and_cross_field_problems_are_reported_together() -> None:
             [tools.charge]
             class = "key-and-status-check"
             timeout = "later"
-            python = "commitgate.tools.demo:charge_card"
+            python = "commitgate.server.demo.tools:charge_card"
             retry = { attempts = 0 }
 
             [tools.book]
             class = "compensable"
-            python = "commitgate.tools.demo:reserve"
+            python = "commitgate.server.demo.tools:reserve"
             """
         )
     )
@@ -240,7 +240,7 @@ def test_unset_env_reference_names_its_location(monkeypatch: pytest.MonkeyPatch)
 def test_durations_and_the_server_shorthand() -> None:
     policy = loads_policy(
         '[server]\nlease = "250ms"\nretention = "7d"\nmax_argument_bytes = 1000\n'
-        '[tools.t]\nclass = "safe-retry"\npython = "commitgate.tools.demo:get_balance"\ntimeout = "2s"\n'
+        '[tools.t]\nclass = "safe-retry"\npython = "commitgate.server.demo.tools:get_balance"\ntimeout = "2s"\n'
     )
     assert policy.server.lease == 0.25
     assert policy.server.retention == 7 * 86400
@@ -256,7 +256,7 @@ def test_retry_backoff_bounds_are_consistent() -> None:
         """
         [tools.t]
         class = "safe-retry"
-        python = "commitgate.tools.demo:get_balance"
+        python = "commitgate.server.demo.tools:get_balance"
         retry = { initial = "2s", max = "1s" }
         """
     )

@@ -34,28 +34,28 @@ synchronous = "FULL"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 retry = { attempts = 2, initial = "10ms", max = "50ms" }
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retry = { attempts = 2, initial = "10ms", max = "50ms" }
 
 [tools.charge_card]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 approval = { via = ["operator"], timeout = "1h" }
 
 [tools.reserve]
 class = "compensable"
-python = "commitgate.tools.demo:reserve"
+python = "commitgate.server.demo.tools:reserve"
 compensate = { tool = "release", arguments = { booking_id = "{result.booking_id}" } }
 
 [tools.release]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:release"
-status_check = "commitgate.tools.demo:find_release"
+python = "commitgate.server.demo.tools:release"
+status_check = "commitgate.server.demo.tools:find_release"
 expose = false
 """
 

@@ -24,11 +24,11 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.subscriptions import ToolsListChanged
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.checking import check_policy_file, format_report
 from commitgate.server.serve.gateway import META_TOOLS, Gateway
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.anyio
 
@@ -37,18 +37,18 @@ DEADLINE = 30.0
 EMAIL = """
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 timeout = "10s"
 """
 BALANCE = """
 [tools.get_balance]
 class = "safe-retry"
-python = "commitgate.tools.demo:get_balance"
+python = "commitgate.server.demo.tools:get_balance"
 """
 TICKET = """
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 """
 HOLD = """
 [tools.hold]
@@ -59,12 +59,12 @@ timeout = "60s"
 BROKEN = """
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 retry = { attempts = 0 }
 
 [tools.send_email]
 class = "key-requird"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 """
 
 GATE_MODULE = '''
@@ -205,12 +205,12 @@ async def test_code_problems_reject_an_edit_too(policy_path: Path) -> None:
     booking = """
     [tools.reserve]
     class = "compensable"
-    python = "commitgate.tools.demo:reserve"
+    python = "commitgate.server.demo.tools:reserve"
     compensate = { tool = "release", arguments = { booking = "{result.booking_id}" } }
 
     [tools.release]
     class = "key-required"
-    python = "commitgate.tools.demo:release"
+    python = "commitgate.server.demo.tools:release"
     """
     async with reloader_for(policy_path) as (gateway, reloader, _):
         missing = TICKET.replace('create_ticket"', 'nope"')
@@ -218,7 +218,7 @@ async def test_code_problems_reject_an_edit_too(policy_path: Path) -> None:
         result = await reloader.reload()
         assert result.status is ReloadStatus.REJECTED
         assert [str(p) for p in result.problems] == [
-            "tools.create_ticket.python: module 'commitgate.tools.demo' has no attribute 'nope' (line 14)",
+            "tools.create_ticket.python: module 'commitgate.server.demo.tools' has no attribute 'nope' (line 14)",
             "tools.reserve.compensate.arguments.booking: the compensating tool has no such argument (line 19)",
             "tools.reserve.compensate.arguments: the compensating tool also needs: 'booking_id' (line 19)",
         ]

@@ -32,11 +32,11 @@ synchronous = "NORMAL"
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 """
 APPROVAL = 'approval = { via = ["operator"] }\n'
 FULL = HEADER + APPROVAL
@@ -47,7 +47,7 @@ DEADLINE = 30.0
 
 def test_what_weakens_a_guard_and_what_only_tightens() -> None:
     budget = '[budgets.b]\namount = "1"\nlimit = 10\nwindow = "1h"\n'
-    ticket = '[tools.create_ticket]\nclass = "key-required"\npython = "commitgate.tools.demo:create_ticket"\n'
+    ticket = '[tools.create_ticket]\nclass = "key-required"\npython = "commitgate.server.demo.tools:create_ticket"\n'
     base = loads_policy(FULL + budget)
 
     def edited(old: str, new: str) -> list[str]:
@@ -64,7 +64,7 @@ def test_what_weakens_a_guard_and_what_only_tightens() -> None:
         "tools.create_ticket.class: a keyed tool moved to safe-retry"
     ]
     assert edited(ticket, ticket + "duplicates = false\n") == ["tools.create_ticket.duplicates: turned off"]
-    refund = '[tools.refund]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+    refund = '[tools.refund]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\n'
     assert edited(budget, budget + refund) == ["tools.refund: a tool added without approval"]
     token = '[[auth.tokens]]\nprincipal = "ops"\nrole = "operator"\ntoken_sha256 = "' + "a" * 64 + '"\n'
     assert edited(budget, budget + token) == ["auth.tokens[0]: a token added"]

@@ -31,11 +31,11 @@ from support import postgres as pg_support
 from support.http_servers import RoundRobin, Served, connect, error_code, operation_of
 from support.replicas import charge_of, cli, ports, replica, replicas, with_password, write_replica_policy
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.ledger import LedgerUnavailable
 from commitgate.server.ledger.postgres import SCHEMA_VERSION, PostgresLedger
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 
 pytestmark = pytest.mark.slow
 

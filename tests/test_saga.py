@@ -18,7 +18,7 @@ from mcp import Client, StdioServerParameters
 from support.e2e import as_meta
 
 from commitgate.server.core.saga import TemplateError, render_arguments
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 pytestmark = pytest.mark.anyio
 

@@ -41,9 +41,9 @@ from support.wrapping import (
     upstream_listed,
 )
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.gateway import Gateway
-from commitgate.tools import demo
 from commitgate.tools.upstream import UpstreamTool, inventory
 
 FAST_RETRY = 'retry = { attempts = 3, initial = "1ms", max = "10ms" }'
@@ -441,7 +441,7 @@ async def test_a_chain_of_commitgate_servers_dedups_end_to_end(
     inner = tmp_path / "inner.toml"
     inner.write_text(
         SERVER.format(ledger=tmp_path / "inner-ledger.db")
-        + '\n[tools.send_email]\nclass = "key-required"\npython = "commitgate.tools.demo:send_email"\n'
+        + '\n[tools.send_email]\nclass = "key-required"\npython = "commitgate.server.demo.tools:send_email"\n'
     )
     upstream = (
         f'\n[upstreams.inner]\ncommand = "{CONSOLE_SCRIPT}"\nargs = ["serve", "--policy", "{inner}"]\n'

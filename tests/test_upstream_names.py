@@ -28,9 +28,9 @@ def policy_for(root: Path) -> Path:
         f'[ledger]\nurl = "sqlite:///{root / "ledger.db"}"\n\n'
         f'[upstreams.odd]\ncommand = "{sys.executable}"\nargs = ["{ODD}"]\n'
         f'env = {{ ODD_EFFECTS = "{root / "effects.jsonl"}" }}\ntools = "all"\n'
-        '\n[tools.reserve]\nclass = "compensable"\npython = "commitgate.tools.demo:reserve"\n'
+        '\n[tools.reserve]\nclass = "compensable"\npython = "commitgate.server.demo.tools:reserve"\n'
         'compensate = { tool = "release", arguments = { booking_id = "{result.booking_id}" } }\n'
-        '\n[tools.release]\nclass = "key-required"\npython = "commitgate.tools.demo:release"\n'
+        '\n[tools.release]\nclass = "key-required"\npython = "commitgate.server.demo.tools:release"\n'
         '\n[tools.careful_peek]\nupstream = "odd"\nupstream_tool = "peek"\nclass = "key-required"\n'
     )
     return policy

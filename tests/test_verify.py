@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from tools_e2e.verify_tools import API_DB_ENV
 
-from commitgate.tools import demo
-from commitgate.tools.sandbox_api import SandboxProcess
+from commitgate.server.demo import tools as demo
+from commitgate.server.demo.payments_api import SandboxProcess
 
 TESTS_DIR = Path(__file__).resolve().parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
@@ -29,13 +29,13 @@ CHARGE = json.dumps({"card": "4242424242424242", "amount_cents": 500})
 
 
 def demo_policy(path: Path, cls: str = "key-and-status-check", status_check: str | None = None) -> Path:
-    status = status_check or "commitgate.tools.demo:find_charge"
+    status = status_check or "commitgate.server.demo.tools:find_charge"
     status_line = f'status_check = "{status}"\n' if cls == "key-and-status-check" else ""
     path.write_text(
         '[server]\nname = "verify-test"\n\n'
         "[tools.charge_card]\n"
         f'class = "{cls}"\n'
-        'python = "commitgate.tools.demo:charge_card"\n'
+        'python = "commitgate.server.demo.tools:charge_card"\n'
         f"{status_line}"
         'retry = { attempts = 3, initial = "10ms", max = "50ms" }\n',
         encoding="utf-8",
@@ -149,7 +149,7 @@ def test_a_count_function_counts_effects_in_the_system_of_record(tmp_path: Path,
     assert sorted(charges_by_key().values()) == [1, 1, 1]
 
 
-def test_the_sandbox_api_passes_with_its_forwards_key_claim(
+def test_the_payments_api_passes_with_its_forwards_key_claim(
     tmp_path: Path, api_process: SandboxProcess
 ) -> None:
     api = api_for(api_process)
@@ -353,7 +353,7 @@ def test_at_a_terminal_it_asks_before_any_effect(
 def test_a_policy_with_problems_is_could_not_run(tmp_path: Path, sandbox: Path) -> None:
     policy = tmp_path / "p.toml"
     policy.write_text(
-        '[tools.charge_card]\nclass = "sometimes"\npython = "commitgate.tools.demo:charge_card"\n'
+        '[tools.charge_card]\nclass = "sometimes"\npython = "commitgate.server.demo.tools:charge_card"\n'
     )
     code, report, _ = verify(tmp_path, "charge_card", "--policy", str(policy), "--arguments", CHARGE)
     assert code == 2

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import IO, Any
 
 from mcp.client import stdio as sdk_stdio
 
@@ -51,6 +53,24 @@ def _wrap_spawn() -> None:
 
 _wrap_spawn()
 atexit.register(lambda: end_all(signal.SIGKILL))
+
+
+def stderr_for_children() -> IO[str]:
+    """Where an upstream process's stderr goes: ours, or /dev/null when ours is not a real file.
+
+    A child needs a file descriptor; under a notebook, a test's captured output or an embedding
+    host, sys.stderr may have none and the spawn would fail with "fileno"."""
+    for stream in (sys.stderr, sys.__stderr__):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            if stream is not None:
+                stream.fileno()
+                return stream
+    return _devnull()
+
+
+@functools.cache
+def _devnull() -> IO[str]:
+    return open(os.devnull, "w")  # one for the process, never closed
 
 
 @contextlib.contextmanager

@@ -23,11 +23,21 @@ from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy, ToolPolicy
 from commitgate.tools.base import Collaborators, InvalidArguments, SourceLoadError
 
+# The bundled example tools once lived beside the tool sources; a policy written then names the old module.
+MOVED_MODULES = {
+    "commitgate.tools.demo": "commitgate.server.demo.tools",
+    "commitgate.tools.sandbox_api": "commitgate.server.demo.payments_api",
+    "commitgate.tools.benchtools": "commitgate.server.bench.tools",
+}
+
 
 def load_callable(ref: str) -> Callable[..., Any]:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise SourceLoadError(f"{ref!r} is not of the form 'package.module:function'")
+    if module_name in MOVED_MODULES:
+        moved = f"{MOVED_MODULES[module_name]}:{attr}"
+        raise SourceLoadError(f"module {module_name!r} has moved: write {moved!r}")
     target: Any = _import(module_name)
     for part in attr.split("."):
         try:

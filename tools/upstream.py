@@ -155,7 +155,9 @@ async def _transport(spec: UpstreamPolicy, lost: asyncio.Event) -> AsyncIterator
             groups: list[int] = []
             stack.callback(processes.end, groups)  # runs last: what outlived the SDK's own stop
             with processes.recording(groups):
-                read, write = await stack.enter_async_context(stdio_client(params))
+                read, write = await stack.enter_async_context(
+                    stdio_client(params, errlog=processes.stderr_for_children())
+                )
         elif spec.transport == "sse":
             assert spec.url is not None
             read, write = await stack.enter_async_context(sse_client(spec.url, headers=spec.headers or None))

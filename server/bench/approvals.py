@@ -36,23 +36,23 @@ lease = "30s"
 
 [tools.plain]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 duplicates = false
 
 [tools.same]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 duplicates = false
 
 [tools.checked]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 duplicates = false
 approval = { when = "arguments.n < 0 && principal != 'ops'" }
 
 [tools.waits]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 duplicates = false
 approval = { when = "arguments.n >= 0" }
 """

@@ -53,12 +53,12 @@ name = "commitgate-bench-backoff"
 synchronous = "FULL"
 [tools.work]
 class = "safe-retry"
-python = "commitgate.tools.benchtools:overloaded_service"
+python = "commitgate.server.bench.tools:overloaded_service"
 timeout = "60s"
 retry = {retry}
 [tools.service_load]
 class = "safe-retry"
-python = "commitgate.tools.benchtools:service_load"
+python = "commitgate.server.bench.tools:service_load"
 retry = {{ attempts = 1 }}
 """
 IMMEDIATE_RETRY = (
@@ -83,7 +83,7 @@ max_concurrent_per_principal = 1000
 synchronous = "FULL"
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 timeout = "60s"
 """
 
@@ -147,7 +147,7 @@ async def _bookings(bench: Bench, *, guarded: bool, tick: Callable[[int], None])
 
 def _charges_of(cards: str, bookings: int) -> dict[str, Any]:
     """The charges in the sandbox store for `bookings` bookings, one card each, named `cards`<n>."""
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     per_booking = Counter(row["card"] for row in demo.rows("charges") if str(row["card"]).startswith(cards))
     charges = sum(per_booking.values())
@@ -244,7 +244,7 @@ async def saga(bench: Bench) -> dict[str, Any]:
 
 def _charged_unconfirmed(orders: list[_Order]) -> int:
     """Orders whose customer is charged (not refunded) while the booking is not confirmed."""
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     charges = {row["card"]: row for row in demo.rows("charges")}
     status = {row["id"]: row["status"] for row in demo.rows("bookings")}
@@ -259,7 +259,7 @@ def _charged_unconfirmed(orders: list[_Order]) -> int:
 
 
 def _refund_counts(orders: list[_Order]) -> dict[str, int]:
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     ours = {order.card for order in orders}
     charges = {row["id"]: row for row in demo.rows("charges") if row["card"] in ours}
@@ -383,7 +383,7 @@ async def _duplicates(bench: Bench, *, processes: int, tick: Callable[[int], Non
             tick(1)
 
         await pool(scale.dup_keys, scale.keys_in_flight, duplicates)
-    from commitgate.tools import demo
+    from commitgate.server.demo import tools as demo
 
     effects = Counter(
         row["idempotency_key"]
@@ -415,8 +415,8 @@ name = "commitgate-bench-fresh-keys"
 synchronous = "FULL"
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 {duplicates}
 """
 LOST_ANSWERS = 0.5

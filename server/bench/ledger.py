@@ -34,6 +34,7 @@ from commitgate.server.model.records import ToolResult
 
 _RESULT = ToolResult([{"type": "text", "text": '{"ok":true}'}], {"ok": True})
 _ARGUMENTS = '{"amount_cents":500,"card":"4242"}'
+_DECODED = json.loads(_ARGUMENTS)  # as the boundary passes them: decoded once, beside their text
 
 
 _DETECTION = DuplicateCheck(window_seconds=600.0, any_session=False, reject=True)
@@ -54,6 +55,7 @@ def _request(session: str, step: str, detection: bool = False) -> ClaimRequest:
         lease_seconds=30.0,
         retention_seconds=86400.0,
         duplicates=_DETECTION if detection else None,
+        arguments=_DECODED,
     )
 
 

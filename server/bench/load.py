@@ -2,7 +2,7 @@
 
 Two servers listen on loopback: `commitgate serve --transport streamable-http` with a key-required
 no-op on a durable ledger (`synchronous = FULL`, every call with a new key), and a plain MCP SDK
-server's async no-op (`python -m commitgate.tools.plain_server --http PORT`). For each concurrency
+server's async no-op (`python -m commitgate.server.bench.plain_sdk --http PORT`). For each concurrency
 the bench opens that many MCP sessions to each server (each a `Client` of its own, with its own HTTP
 connection, all in this one process) and runs rounds: in each round, in a fresh random order, every
 session of one server makes its calls back to back while the others wait, then the other server's.
@@ -50,7 +50,7 @@ max_concurrent_per_principal = 1000
 synchronous = "FULL"
 [tools.noop_keyed]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 retry = { attempts = 1 }
 """
 READY_TIMEOUT = 60.0
@@ -96,7 +96,7 @@ def _servers(bench: Bench) -> Iterator[dict[str, _Server]]:
     policy = bench.policy("load", LOAD_POLICY)
     ports = {name: _free_port() for name in SERVERS}
     argv = {
-        "plain_sdk": [sys.executable, "-m", "commitgate.tools.plain_server", "--http", str(ports["plain_sdk"])],
+        "plain_sdk": [sys.executable, "-m", "commitgate.server.bench.plain_sdk", "--http", str(ports["plain_sdk"])],
         "guarded": [
             sys.executable, "-m", "commitgate.server.cli", "serve", "--transport", "streamable-http",
             "--host", "127.0.0.1", "--port", str(ports["guarded"]), "--policy", str(policy),
@@ -254,7 +254,7 @@ async def load(bench: Bench) -> dict[str, Any]:
     return {
         "transport": "streamable HTTP on loopback, one client process, each session its own MCP session",
         "guarded": "commitgate serve, key-required no-op, a new key per call, synchronous = FULL",
-        "plain_sdk": "MCP SDK MCPServer, async no-op tool (python -m commitgate.tools.plain_server --http)",
+        "plain_sdk": "MCP SDK MCPServer, async no-op tool (python -m commitgate.server.bench.plain_sdk --http)",
         "levels": by_level,
         # every guarded call, warm-up included, is one operation its server recorded as succeeded
         "guarded_operations_succeeded": recorded,

@@ -48,15 +48,15 @@ name = "commitgate-bench"
 synchronous = "FULL"
 [tools.noop]
 class = "safe-retry"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 retry = { attempts = 1 }
 [tools.noop_keyed]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 retry = { attempts = 1 }
 [tools.noop_keyed_unchecked]
 class = "key-required"
-python = "commitgate.tools.benchtools:noop"
+python = "commitgate.server.bench.tools:noop"
 retry = { attempts = 1 }
 duplicates = false
 """

@@ -179,7 +179,7 @@ class Bench:
 
     def plain(self) -> StdioServerParameters:
         return StdioServerParameters(
-            command=sys.executable, args=["-m", "commitgate.tools.plain_server"], env=self.box.env
+            command=sys.executable, args=["-m", "commitgate.server.bench.plain_sdk"], env=self.box.env
         )
 
     @contextlib.asynccontextmanager

@@ -67,7 +67,7 @@ _COMMANDS = (
     (
         "sandbox",
         "run a Stripe-like payments API to wrap (loopback, SQLite)",
-        "commitgate.tools.sandbox_api:add_arguments",
+        "commitgate.server.demo.payments_api:add_arguments",
     ),
     (
         "verify",

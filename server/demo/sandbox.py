@@ -21,7 +21,7 @@ NAIVE_POLICY = """
 synchronous = "FULL"
 [tools.charge_card]
 class = "safe-retry"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 retry = { attempts = 1 }
 """
 
@@ -41,7 +41,7 @@ class Sandbox:
 
     def count(self, table: str, **where: Any) -> int:
         os.environ["COMMITGATE_SANDBOX"] = str(self.root / "sandbox.db")
-        from commitgate.tools import demo
+        from commitgate.server.demo import tools as demo
 
         return demo.count(table, **where)
 

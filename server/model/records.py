@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -82,11 +83,12 @@ class Operation:
 
     def copy(self) -> Operation:
         """A shallow copy: what `dataclasses.replace(op)` makes, without its keyword call per field
-        (a tenth of its time; every outcome makes one)."""
-        twin = object.__new__(Operation)
-        for name in Operation.__slots__:
-            setattr(twin, name, getattr(self, name))
-        return twin
+        (a tenth of its time; every outcome makes one). Every field, read by one C call and passed
+        in order: half the time of a setattr per field."""
+        return Operation(*_FIELDS(self))
+
+
+_FIELDS = operator.attrgetter(*Operation.__slots__)  # every field of an Operation, in __init__'s order
 
 
 @functools.lru_cache(maxsize=4096)

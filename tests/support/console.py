@@ -48,36 +48,36 @@ url = "sqlite:///{ledger}"
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 retry = {{ attempts = 1 }}
 duplicates = false  # the tests send the same email under several keys on purpose
 
 [tools.mail_out]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 duplicates = false
 approval = {{ when = "!arguments.to.endsWith('@example.com')", prompt = "Send '{{arguments.subject}}' to {{arguments.to}}?" }}
 
 [tools.ask_the_user]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 duplicates = false
 approval = {{ via = ["client"] }}
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 retry = {{ attempts = 1 }}
 
 [tools.reserve]
 class = "compensable"
-python = "commitgate.tools.demo:reserve"
+python = "commitgate.server.demo.tools:reserve"
 compensate = {{ tool = "release", arguments = {{ booking_id = "{{result.booking_id}}" }} }}
 
 [tools.release]
 class = "key-required"
-python = "commitgate.tools.demo:release"
+python = "commitgate.server.demo.tools:release"
 expose = false
 """
 
@@ -105,7 +105,7 @@ per = "all"
 
 [tools.pay]
 class = "key-required"
-python = "commitgate.tools.demo:charge_card"
+python = "commitgate.server.demo.tools:charge_card"
 budget = "payments"
 """
 WINDOWS = {"payments": 30 * 86400.0, "travel": 86400.0, "shared": 3600.0}

@@ -25,7 +25,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult, RequestParamsMeta, TextContent
 
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
@@ -39,19 +39,19 @@ TAG_ENV = "COMMITGATE_E2E_TAG"  # marks each server process so a test can find (
 TOOLS_TOML = """
 [tools.get_balance]
 class = "safe-retry"
-python = "commitgate.tools.demo:get_balance"
+python = "commitgate.server.demo.tools:get_balance"
 retry = { attempts = 3, initial = "10ms", max = "50ms" }
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 retry = { attempts = 3, initial = "10ms", max = "50ms" }
 
 [tools.send_email]
 class = "key-required"
-python = "commitgate.tools.demo:send_email"
+python = "commitgate.server.demo.tools:send_email"
 timeout = "10s"
 retry = { attempts = 3, initial = "10ms", max = "50ms" }
 

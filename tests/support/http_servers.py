@@ -33,21 +33,21 @@ STOP_TIMEOUT = 30.0
 TOOLS = """
 [tools.get_balance]
 class = "safe-retry"
-python = "commitgate.tools.demo:get_balance"
+python = "commitgate.server.demo.tools:get_balance"
 
 [tools.charge_card]
 class = "key-and-status-check"
-python = "commitgate.tools.demo:charge_card"
-status_check = "commitgate.tools.demo:find_charge"
+python = "commitgate.server.demo.tools:charge_card"
+status_check = "commitgate.server.demo.tools:find_charge"
 timeout = "10s"
 
 [tools.create_ticket]
 class = "key-required"
-python = "commitgate.tools.demo:create_ticket"
+python = "commitgate.server.demo.tools:create_ticket"
 
 [tools.slow_task]
 class = "key-required"
-python = "commitgate.tools.demo:slow_task"
+python = "commitgate.server.demo.tools:slow_task"
 timeout = "60s"
 """
 

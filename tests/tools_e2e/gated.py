@@ -8,8 +8,8 @@ from pathlib import Path
 
 import anyio
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.context import OperationContext
-from commitgate.tools import demo
 
 
 async def gated_task(gate: str, label: str = "", ctx: OperationContext | None = None) -> dict:

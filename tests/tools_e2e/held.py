@@ -9,8 +9,8 @@ from pathlib import Path
 
 import anyio
 
+from commitgate.server.demo import tools as demo
 from commitgate.server.model.context import OperationContext
-from commitgate.tools import demo
 
 
 async def held_charge(card: str, amount_cents: int, gate: str, ctx: OperationContext | None = None) -> dict:

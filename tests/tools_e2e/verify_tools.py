@@ -5,7 +5,7 @@ import sqlite3
 from contextlib import closing
 
 from commitgate.server import OperationContext
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 API_DB_ENV = "VERIFY_SANDBOX_API_DB"  # the sandbox payments API's store
 

@@ -171,6 +171,14 @@ INSERT = (
     " budget, budget_units, budget_nanos, budget_spent_at, attempt_owner, attempt_started)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# INSERT for a claim without a budget (most of them): four parameters fewer per row, so a batched
+# statement binds fewer values and holds more rows.
+INSERT_UNBUDGETED = (
+    "INSERT INTO operations (operation_id, principal, session, step, tool, idempotency_class, fingerprint,"
+    " state, attempts, fence, arguments, lease_owner, lease_expires_at, retention, created_at, updated_at,"
+    " attempt_owner, attempt_started)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, 'RUNNING', 1, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 # Open records (not completed: no retention clock yet) and completed ones, whose clock runs from
 # their completion (`State.terminal`). Each kind has its own index of states (migration 8).
 OPEN, COMPLETED = "expires_at IS NULL", "expires_at IS NOT NULL"
@@ -184,10 +192,11 @@ AUDIT = (
     "INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor, detail)"
     " VALUES (?1, (SELECT coalesce(max(id), 0) + 1 FROM audit WHERE operation_id = ?1), ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
 )
-# The first entry of an operation just created (its id is new: nothing to number after).
-AUDIT_FIRST = (
+# The first entry of an operation just claimed (its id is new: nothing to number after); what
+# every such entry says is written here, not bound: three parameters per row instead of eight.
+AUDIT_CLAIMED = (
     "INSERT INTO audit (operation_id, id, at, event, from_state, to_state, fence, actor, detail)"
-    " VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)"
+    " VALUES (?, 1, ?, 'claimed', NULL, 'RUNNING', 1, ?, NULL)"
 )
 
 

@@ -88,6 +88,9 @@ class Writer(threading.Thread):
         # Run before a batch holding writes marked `needs_precheck`; raising LedgerUnavailable fails
         # exactly those writes. (The ledger's check that its file is still the one at its path.)
         self.precheck: Callable[[], None] | None = None
+        # Whether a write submitted now will be answered: set while the run loop takes writes. (A
+        # flag, not `is_alive()`, which takes a lock on every submit.)
+        self._accepting = False
         self._evidence: Evidence | None = None  # receipts and events added to every transaction
         self._due: dict[sqlite3.Connection, list[tuple[str, int]]] = {}
 
@@ -106,7 +109,7 @@ class Writer(threading.Thread):
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        if not self.is_alive():  # closed (or crashed): nobody would ever answer
+        if not self._accepting:  # closed (or crashed): nobody would ever answer
             future.set_exception(LedgerUnavailable("the ledger is closed"))
             return future
         self._queue.put((write, future, loop))
@@ -181,15 +184,32 @@ class Writer(threading.Thread):
         return self._in_batch or not self._queue.empty()
 
     def start(self) -> None:
+        self._accepting = True
         super().start()
         self._checkpointer.start()
         if self.lazy_outcomes:
             self._syncer.start()
 
     def stop(self) -> None:
+        self._accepting = False  # a write submitted after the stop would never be answered
         self._queue.put(self._STOP)
 
     def run(self) -> None:
+        try:
+            self._take_writes()
+        finally:
+            self._accepting = False
+        if self._syncer.is_alive():  # its last sync while the WAL is surely there
+            self._syncer.stop()
+            self._syncer.join(timeout=10)
+        with self._lock:
+            self._inline.close()
+        self._conn.close()
+        self._checkpointer.stop()
+        self._checkpointer.join(timeout=10)
+
+    def _take_writes(self) -> None:
+        """Commit what is queued, batch after batch, until told to stop."""
         stopping = False
         while not stopping:
             batch = [self._queue.get()]
@@ -206,14 +226,6 @@ class Writer(threading.Thread):
                 with self._lock:
                     self._run_batch(batch)
                 self._in_batch = False
-        if self._syncer.is_alive():  # its last sync while the WAL is surely there
-            self._syncer.stop()
-            self._syncer.join(timeout=10)
-        with self._lock:
-            self._inline.close()
-        self._conn.close()
-        self._checkpointer.stop()
-        self._checkpointer.join(timeout=10)
 
     def _run_batch(self, batch: list[_Queued]) -> None:
         batch = self._prechecked(batch)
@@ -410,13 +422,9 @@ def _answer(batch: Sequence[_Queued], outcomes: Sequence[tuple[bool, Any]]) -> N
 
 def _settle_all(items: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
     for future, ok, value in items:
-        _settle(future, ok, value)
-
-
-def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # the caller was cancelled; the write still happened
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+        if future.done():  # the caller was cancelled; the write still happened
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)

@@ -37,10 +37,11 @@ from commitgate.server.ledger.base import (
 from commitgate.server.ledger.sqlite._ids import new_operation_id
 from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
-    AUDIT_FIRST,
+    AUDIT_CLAIMED,
     EXPIRES_AT,
     INSERT,
     INSERT_AWAITING,
+    INSERT_UNBUDGETED,
     SELECT,
     decode,
     dump,
@@ -121,32 +122,35 @@ class ClaimWrite:
         if not _no_duplicates(conn, writes) or not _budgets_fit(conn, writes):
             return None
         ops = [s.new for s in writes]
+        budgeted = any(s.request.budget is not None for s in writes)
+        insert, row = (INSERT, _insert_row) if budgeted else (INSERT_UNBUDGETED, _unbudgeted_row)
         with _savepoint(conn) as undo:
-            rows = [_insert_row(op, s.request) for op, s in zip(ops, writes, strict=True)]
-            if insert_rows(conn, INSERT, rows, _UNLESS_TAKEN) != len(rows):
+            rows = [row(op, s.request) for op, s in zip(ops, writes, strict=True)]
+            if insert_rows(conn, insert, rows, _UNLESS_TAKEN) != len(rows):
                 undo()
                 return None
-            insert_rows(conn, AUDIT_FIRST, [_claimed_row(op) for op in ops])
+            insert_rows(conn, AUDIT_CLAIMED, [_claimed_row(op) for op in ops])
         return [Claim(ClaimKind.NEW, op) for op in ops]
 
 
 _RUNNING_ONLY = frozenset({State.RUNNING})
 
 # A plain outcome: RUNNING to a final state, at the fence the recording attempt holds.
+# Its parameters: the new state, result and error, the time, the operation and its fence.
 _PLAIN_OUTCOME = (
-    "UPDATE operations SET state = ?, result = COALESCE(?, result), error = ?, lease_owner = NULL,"
-    " lease_expires_at = NULL, updated_at = ?, completed_at = ?, expires_at = ? + retention"
-    f" WHERE operation_id = ? AND fence = ? AND state = {_RUNNING}"
+    "UPDATE operations SET state = ?1, result = COALESCE(?2, result), error = ?3, lease_owner = NULL,"
+    " lease_expires_at = NULL, updated_at = ?4, completed_at = ?4, expires_at = ?4 + retention"
+    f" WHERE operation_id = ?5 AND fence = ?6 AND state = {_RUNNING}"
 )
 
 
-# The same for many operations in one statement (see `rows_statement`): v.column1..8 are a row's
+# The same for many operations in one statement (see `rows_statement`): v.column1..6 are a row's
 # values in `_PLAIN_OUTCOME`'s order; the primary key finds each operation.
 _PLAIN_OUTCOMES = (
     "UPDATE operations SET state = v.column1, result = COALESCE(v.column2, result), error = v.column3,"
-    " lease_owner = NULL, lease_expires_at = NULL, updated_at = v.column4, completed_at = v.column5,"
-    " expires_at = v.column6 + retention FROM ({values}) AS v"
-    f" WHERE operations.operation_id = v.column7 AND operations.fence = v.column8 AND state = {_RUNNING}"
+    " lease_owner = NULL, lease_expires_at = NULL, updated_at = v.column4, completed_at = v.column4,"
+    " expires_at = v.column4 + retention FROM ({values}) AS v"
+    f" WHERE operations.operation_id = v.column5 AND operations.fence = v.column6 AND state = {_RUNNING}"
 )
 # AUDIT for many operations, each distinct: every entry numbered after its operation's last one.
 _AUDITS = (
@@ -162,13 +166,24 @@ class OutcomeWrite:
     group commit, consecutive plain outcomes are written with one update and one audit insert
     (and one read, unless every caller held its operation)."""
 
-    __slots__ = ("after", "audit_row", "change", "current", "lazy", "now", "operation_id", "row")
+    __slots__ = (
+        "after",
+        "audit_row",
+        "change",
+        "current",
+        "lazy",
+        "now",
+        "operation_id",
+        "plain_outcome",
+        "row",
+    )
 
     def __init__(
         self, operation_id: str, change: Transition, now: float, current: Operation | None = None
     ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
         self.lazy = False  # may commit without a sync of its own (durability "claim")
+        self.plain_outcome = self._plain_outcome()
         # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
         known = current is not None and current.fence == change.expect_fence and self.plain_outcome
         self.current = current if known else None
@@ -194,8 +209,6 @@ class OutcomeWrite:
             result,
             dump_record(change.error),
             now,
-            now,
-            now,
             self.operation_id,
             change.expect_fence,
         )
@@ -205,8 +218,8 @@ class OutcomeWrite:
         return (self.operation_id, self.now, change.event, "RUNNING", change.to_state.value,
                 change.expect_fence, recorded_actor(change.actor), dump(change.detail))  # fmt: skip
 
-    @property
-    def plain_outcome(self) -> bool:
+    def _plain_outcome(self) -> bool:
+        """RUNNING to a final state, fenced, taking no lease: what `run_many` writes in one statement."""
         change = self.change
         return (
             change.expect_states == _RUNNING_ONLY
@@ -355,7 +368,7 @@ def _claim_unseen(
         return None
     if conn.execute(INSERT + _UNLESS_TAKEN, _insert_row(new, request)).rowcount != 1:
         return None
-    conn.execute(AUDIT_FIRST, _claimed_row(new))
+    conn.execute(AUDIT_CLAIMED, _claimed_row(new))
     return Claim(ClaimKind.NEW, new)
 
 
@@ -694,8 +707,30 @@ def _budget_columns(request: ClaimRequest) -> tuple[str | None, int | None, int 
     return (check.name, *split(check.amount)) if check is not None else (None, None, None)
 
 
+def _unbudgeted_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
+    """`_insert_row` for INSERT_UNBUDGETED: a claim without a budget."""
+    return (
+        op.operation_id,
+        op.principal,
+        op.session,
+        op.step,
+        op.tool,
+        op.idempotency_class.value,
+        op.fingerprint,
+        request.arguments_json,
+        op.lease_owner,
+        op.lease_expires_at,
+        op.retention,
+        op.created_at,
+        op.updated_at,
+        op.lease_owner,
+        time.monotonic(),  # the attempt's start (see `attempt_started`)
+    )
+
+
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
-    return (op.operation_id, op.created_at, AuditEvent.CLAIMED, None, "RUNNING", 1, op.lease_owner, None)
+    """AUDIT_CLAIMED's parameters."""
+    return (op.operation_id, op.created_at, op.lease_owner)
 
 
 def _insert(
@@ -703,7 +738,7 @@ def _insert(
 ) -> Operation:
     op = new if new is not None else _new_operation(request, now)
     conn.execute(INSERT, _insert_row(op, request))
-    conn.execute(AUDIT_FIRST, _claimed_row(op))
+    conn.execute(AUDIT_CLAIMED, _claimed_row(op))
     return op
 
 

@@ -503,7 +503,7 @@ def _booking_result(row: sqlite3.Row, status: str) -> dict[str, Any]:
 
 def charge_card(
     card: str, amount_cents: int, description: str = "", ctx: OperationContext | None = None
-) -> dict:
+) -> dict[str, Any]:
     """Charge a payment card `amount_cents` (integer cents, > 0) in the sandbox and return the charge."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -522,7 +522,7 @@ def charge_card(
 
 def find_charge(
     card: str, amount_cents: int, description: str = "", ctx: OperationContext | None = None
-) -> dict | None:
+) -> dict[str, Any] | None:
     """Status check for charge_card: the charge made with this idempotency key, or null if none was made."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -534,7 +534,7 @@ def find_charge(
     return _read("find_charge", query)
 
 
-def refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = None) -> dict:
+def refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Refund `amount_cents` (integer cents) of an earlier charge, at most what is left unrefunded."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -554,7 +554,9 @@ def refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = Non
     return _effect("refund", apply)
 
 
-def find_refund(charge_id: str, amount_cents: int, ctx: OperationContext | None = None) -> dict | None:
+def find_refund(
+    charge_id: str, amount_cents: int, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for refund: the refund made with this idempotency key, or null if none was made."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -564,7 +566,7 @@ def find_refund(charge_id: str, amount_cents: int, ctx: OperationContext | None 
     return _read("find_refund", query)
 
 
-def get_balance(card: str) -> dict:
+def get_balance(card: str) -> dict[str, Any]:
     """Read a card's balance in cents: its charges minus refunds plus any opening balance (no side effect)."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -582,7 +584,7 @@ def get_balance(card: str) -> dict:
 # --------------------------------------------------------------------------- messages and tickets
 
 
-def send_email(to: str, subject: str, body: str, ctx: OperationContext | None = None) -> dict:
+def send_email(to: str, subject: str, body: str, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Send an email to `to` with a subject and plain-text body, and return its message id."""
     outbox = store().outbox
 
@@ -603,7 +605,9 @@ def _write_outbox(outbox: Path, message_id: str, to: str, subject: str, body: st
     tmp.replace(outbox / f"{message_id}.eml")  # atomic, so readers never see half a message
 
 
-def find_email(to: str, subject: str, body: str, ctx: OperationContext | None = None) -> dict | None:
+def find_email(
+    to: str, subject: str, body: str, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for send_email: the email sent with this idempotency key, or null if none was sent."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -613,7 +617,7 @@ def find_email(to: str, subject: str, body: str, ctx: OperationContext | None = 
     return _read("find_email", query)
 
 
-def create_ticket(title: str, body: str = "", ctx: OperationContext | None = None) -> dict:
+def create_ticket(title: str, body: str = "", ctx: OperationContext | None = None) -> dict[str, Any]:
     """Open a support ticket with a title and optional body, and return its ticket id."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -624,7 +628,7 @@ def create_ticket(title: str, body: str = "", ctx: OperationContext | None = Non
     return _effect("create_ticket", apply)
 
 
-def find_ticket(title: str, body: str = "", ctx: OperationContext | None = None) -> dict | None:
+def find_ticket(title: str, body: str = "", ctx: OperationContext | None = None) -> dict[str, Any] | None:
     """Status check for create_ticket: the ticket opened with this idempotency key, or null if none was."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -637,7 +641,7 @@ def find_ticket(title: str, body: str = "", ctx: OperationContext | None = None)
 # --------------------------------------------------------------------------- bookings
 
 
-def reserve(resource: str, customer: str, ctx: OperationContext | None = None) -> dict:
+def reserve(resource: str, customer: str, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Reserve `resource` for `customer` (held until confirmed or released) and return the booking id."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -648,7 +652,9 @@ def reserve(resource: str, customer: str, ctx: OperationContext | None = None) -
     return _effect("reserve", apply)
 
 
-def find_reservation(resource: str, customer: str, ctx: OperationContext | None = None) -> dict | None:
+def find_reservation(
+    resource: str, customer: str, ctx: OperationContext | None = None
+) -> dict[str, Any] | None:
     """Status check for reserve: the booking made with this idempotency key, or null if none was made."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -658,7 +664,7 @@ def find_reservation(resource: str, customer: str, ctx: OperationContext | None 
     return _read("find_reservation", query)
 
 
-def release(booking_id: str, ctx: OperationContext | None = None) -> dict:
+def release(booking_id: str, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Release a reserved or confirmed booking (undoes reserve); releasing the same booking twice is an error."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -675,7 +681,7 @@ def release(booking_id: str, ctx: OperationContext | None = None) -> dict:
     return _effect("release", apply)
 
 
-def find_release(booking_id: str, ctx: OperationContext | None = None) -> dict | None:
+def find_release(booking_id: str, ctx: OperationContext | None = None) -> dict[str, Any] | None:
     """Status check for release: the booking if it was released with this idempotency key, else null."""
 
     def query(conn: sqlite3.Connection) -> dict[str, Any] | None:
@@ -690,7 +696,7 @@ def find_release(booking_id: str, ctx: OperationContext | None = None) -> dict |
     return _read("find_release", query)
 
 
-def confirm(booking_id: str, ctx: OperationContext | None = None) -> dict:
+def confirm(booking_id: str, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Confirm a reserved booking so it is kept; fails if the booking was released or already confirmed."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -703,7 +709,7 @@ def confirm(booking_id: str, ctx: OperationContext | None = None) -> dict:
     return _effect("confirm", apply)
 
 
-def send_cancellation_notice(booking_id: str, ctx: OperationContext | None = None) -> dict:
+def send_cancellation_notice(booking_id: str, ctx: OperationContext | None = None) -> dict[str, Any]:
     """Notify the customer of a booking that it was cancelled, and return the notice id."""
 
     def apply(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -718,7 +724,7 @@ def send_cancellation_notice(booking_id: str, ctx: OperationContext | None = Non
 # --------------------------------------------------------------------------- long-running
 
 
-async def slow_task(seconds: float, label: str = "", ctx: OperationContext | None = None) -> dict:
+async def slow_task(seconds: float, label: str = "", ctx: OperationContext | None = None) -> dict[str, Any]:
     """Run a task that takes `seconds` seconds, then record it and return its task id."""
     faults = faults_for("slow_task")
     store_ = store()

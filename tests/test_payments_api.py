@@ -9,7 +9,7 @@ from typing import Any
 import httpx2
 import pytest
 
-from commitgate.tools.sandbox_api import SandboxProcess
+from commitgate.server.demo.payments_api import SandboxProcess
 
 TOKEN = "sk_test_sandbox"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

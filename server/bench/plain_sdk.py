@@ -1,7 +1,7 @@
 """A plain MCP SDK server with one no-op tool: what `commitgate bench` compares a guarded call with.
 
-    python -m commitgate.tools.plain_server                 # stdio
-    python -m commitgate.tools.plain_server --http PORT     # streamable HTTP on 127.0.0.1:PORT/mcp
+    python -m commitgate.server.bench.plain_sdk                 # stdio
+    python -m commitgate.server.bench.plain_sdk --http PORT     # streamable HTTP on 127.0.0.1:PORT/mcp
 
 No commitgate anywhere: the SDK's `MCPServer` and its own transports, so the
 benchmark can put a guarded commitgate call beside what any MCP server costs.
@@ -24,7 +24,7 @@ async def noop(n: int) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m commitgate.tools.plain_server")
+    parser = argparse.ArgumentParser(prog="python -m commitgate.server.bench.plain_sdk")
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
     args = parser.parse_args(argv)
     if args.http is None:

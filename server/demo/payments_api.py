@@ -603,14 +603,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class SandboxProcess:
-    """`python -m commitgate.tools.sandbox_api --port 0 ...` in a child process, and its store."""
+    """`python -m commitgate.server.demo.payments_api --port 0 ...` in a child process, and its store."""
 
     def __init__(self, db: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.db = db
         command = [
             sys.executable,
             "-m",
-            "commitgate.tools.sandbox_api",
+            "commitgate.server.demo.payments_api",
             "--port",
             "0",
             "--db",
