@@ -33,8 +33,8 @@ from support.http_servers import (
     write_policy,
 )
 
-from commitgate.server.serve.http_calls import OFF_ENV
 from commitgate.server.demo import tools as demo
+from commitgate.server.serve.http_calls import OFF_ENV
 
 PATHS = ("lean", "sdk")
 LEAN_LINE = "on the lean path"
