@@ -12,7 +12,8 @@ Safety rules enforced here, before anything listens:
 - request bodies are capped (HTTP 413) above what the argument limit needs.
 
 Per call, the middleware of calls.py (as on stdio), with metrics: one sample per
-answered `tools/call`, exposed on `/metrics`.
+answered `tools/call`, exposed on `/metrics`. On streamable HTTP a plain `tools/call`
+skips the SDK's transport machinery (http_calls.py); everything else is the SDK's.
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting and closes streams; the
 work of every operation already claimed runs in tasks owned by the commit
@@ -57,6 +58,7 @@ from commitgate.server.serve.auth import (
     metadata_routes,
 )
 from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.http_calls import LeanCalls
 from commitgate.server.serve.logs import extra
 from commitgate.server.serve.metrics import CONTENT_TYPE, Metrics
 from commitgate.server.serve.reload import ToolListAnnouncer
@@ -328,6 +330,17 @@ def build_app(
             transport_security=settings,
             host=host,
             custom_starlette_routes=routes,  # tokens are checked by our own middleware (install_auth)
+        )
+        # Added first, so it runs innermost: after the token and Host checks of the middleware below.
+        app.add_middleware(
+            LeanCalls,
+            server=server,
+            gateway=gateway,
+            calls=server.answer_call,
+            path=MCP_PATH,
+            settings=settings,
+            max_body=max_body_bytes(gateway),
+            stateless=stateless,
         )
     else:
         app = _sse_app(server, settings, max_body_bytes(gateway), routes, verifier)

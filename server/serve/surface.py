@@ -38,7 +38,7 @@ def build_server(
     *,
     metrics: Metrics | None = None,
     announcer: ToolListAnnouncer | None = None,
-) -> Server[Any]:
+) -> GatewayServer:
     def unknown(call: Call) -> MCPError:
         return MCPError(types.INVALID_PARAMS, f"Unknown tool: {call.name}")
 
@@ -71,7 +71,7 @@ def build_server(
         # An upstream's questions, progress and logs while serving the call reach this client only.
         return typing.cast(Any, await callers.relayed_call(ctx, params, run, rounds))
 
-    server = _AnnouncingServer(
+    server = GatewayServer(
         gateway.policy.server.name,
         version=version,
         instructions=INSTRUCTIONS,
@@ -79,6 +79,7 @@ def build_server(
         on_call_tool=call_tool,
         get_tool_input_schema=input_schemas(gateway),
     )
+    server.answer_call = served  # the same chain for the lean HTTP path (http_calls.py)
     if announcer is not None:  # a policy edit announces tools/list_changed in both protocol eras
         announcer.install(server)
     if passthrough.has_upstreams(gateway):  # resources, prompts, completions, logging of the upstreams
@@ -119,8 +120,10 @@ INSTRUCTIONS = (
 )
 
 
-class _AnnouncingServer(Server[Any]):
-    """Advertises `tools.listChanged: true` (a policy edit announces it) on every transport, and
+class GatewayServer(Server[Any]):
+    """The low-level MCP server over the gateway, with its tools/call chain (`answer_call`).
+
+    Advertises `tools.listChanged: true` (a policy edit announces it) on every transport, and
     `listChanged` of resources and prompts when it passes an upstream's on.
 
     The streamable-HTTP session manager asks the server for its default initialization options
@@ -128,6 +131,7 @@ class _AnnouncingServer(Server[Any]):
     """
 
     passes_through = False  # serves the upstreams' resources and prompts (passthrough.py)
+    answer_call: calls.Handler | None = None  # what answers a tools/call, wrapped as calls.py says
 
     def create_initialization_options(
         self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
