@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import IO, Any
+from typing import Any, TextIO
 
 from mcp.client import stdio as sdk_stdio
 
@@ -55,7 +55,7 @@ _wrap_spawn()
 atexit.register(lambda: end_all(signal.SIGKILL))
 
 
-def stderr_for_children() -> IO[str]:
+def stderr_for_children() -> TextIO:
     """Where an upstream process's stderr goes: ours, or /dev/null when ours is not a real file.
 
     A child needs a file descriptor; under a notebook, a test's captured output or an embedding
@@ -69,7 +69,7 @@ def stderr_for_children() -> IO[str]:
 
 
 @functools.cache
-def _devnull() -> IO[str]:
+def _devnull() -> TextIO:
     return open(os.devnull, "w")  # one for the process, never closed
 
 
