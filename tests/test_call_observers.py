@@ -99,6 +99,7 @@ async def test_logs_metrics_and_spans_of_a_call_agree_on_its_code_and_operation(
                 keyless = await call("charge_card", {"card": "4242", "amount_cents": 700})
                 declined = {"card": demo.DECLINED_CARD, "amount_cents": 900, "idempotency_key": "k-no"}
                 failed = await call("charge_card", declined)
+                over: CallToolResult | None = None
                 async with anyio.create_task_group() as group:  # holds alice's one slot
                     arguments = {"gate": str(gate), "label": "held", "idempotency_key": "k-held"}
                     group.start_soon(call, "gated_task", arguments)
@@ -110,7 +111,7 @@ async def test_logs_metrics_and_spans_of_a_call_agree_on_its_code_and_operation(
                     while not demo.count("tasks", idempotency_key="k-held"):
                         await anyio.sleep(0.05)
             assert not first.is_error and not again.is_error
-            assert keyless.is_error and failed.is_error and over.is_error
+            assert keyless.is_error and failed.is_error and over is not None and over.is_error
             assert demo.count("charges") == 1  # the system of record: one charge
 
             expected = [
