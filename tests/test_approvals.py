@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio.to_thread
 import pytest
+from mcp.types import InputRequiredResult
 from support.boundary import (
     FakeClock,
     ScriptedTool,
@@ -389,16 +390,25 @@ async def test_a_fresh_key_repeat_of_a_waiting_call_is_a_duplicate_not_a_second_
     assert events == ["approval_requested", "possible_duplicate"]
 
 
-def test_a_first_round_that_asks_the_client_is_logged_and_counted_as_input_required() -> None:
-    from commitgate.server.serve.asking import input_required
-    from commitgate.server.serve.calls import _outcome
+@pytest.mark.anyio
+async def test_a_first_round_that_asks_the_client_is_replied_as_input_required(tmp_path: Path) -> None:
+    from commitgate.server.serve.asking import ClientChannel
+    from commitgate.server.serve.gateway import Gateway
 
-    first = input_required("op_1", "Approve?")
-    assert _outcome(first) == (
-        "input_required",
-        None,
-        None,
-    )  # the handler's answer, before the SDK renders it
+    policy = loads_policy(
+        '[tools.r]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+        'approval = { via = ["client"] }\n'
+    )
+    policy.ledger.url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    gateway = await Gateway.open(policy, None)
+    try:
+        arguments = {"charge_id": "ch_1", "amount_cents": 5, "idempotency_key": "k1"}
+        call = gateway.envelope("r", arguments, {}, "alice", ClientChannel(multi_round=True))
+        reply = await gateway.reply(call)
+    finally:
+        await gateway.close()
+    assert isinstance(reply.result, InputRequiredResult)  # the SDK sends it as it is
+    assert (reply.code, reply.operation, reply.message) == ("input_required", None, None)
 
 
 @pytest.mark.anyio

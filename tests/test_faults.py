@@ -49,20 +49,19 @@ async def gateway(tmp_path: Path, sandbox: Path, monkeypatch: pytest.MonkeyPatch
 
 
 async def charge(gw: Gateway, key: str, card: str = "4242") -> Any:
-    return await gw.handler()(
-        gw.envelope("charge_card", {**CHARGE, "card": card, "idempotency_key": key}, {}, None)
-    )
+    call = gw.envelope("charge_card", {**CHARGE, "card": card, "idempotency_key": key}, {}, None)
+    return (await gw.handler()(call)).result
 
 
 async def control(gw: Gateway, token: str = TOKEN, **arguments: Any) -> Any:
-    return await gw.handler()(gw.envelope(CONTROL_TOOL, {"token": token, **arguments}, {}, None))
+    return (await gw.handler()(gw.envelope(CONTROL_TOOL, {"token": token, **arguments}, {}, None))).result
 
 
 async def test_without_the_token_there_is_no_plan_and_no_control_tool(tmp_path: Path, sandbox: Path) -> None:
     os.environ.pop(ENV_TOKEN, None)
     gw = await open_gateway(tmp_path)
     try:
-        assert gw.faults is None and gw.handler() == gw.answer
+        assert gw.faults is None and gw.handler() == gw.reply
         assert not gw.has_tool(CONTROL_TOOL)
         assert CONTROL_TOOL not in {tool.name for tool in gw.list_tools()}
     finally:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from commitgate.server.policy.loading import loads_policy
-from commitgate.server.serve.gateway import Gateway, Generation
+from commitgate.server.serve.envelope import Generation
+from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.surface import build_server
 
 POLICY = """

@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from commitgate.server.demo import tools as demo
-from commitgate.server.model.events import BoundaryEvent, Event
+from commitgate.server.model.events import BoundaryEvent, CallAnswered, Event
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
 from commitgate.server.policy.loading import loads_policy
@@ -199,9 +199,8 @@ async def test_a_scrape_still_answers_when_the_ledger_cannot_be_read(tmp_path: P
 
 def test_calls_are_counted_by_code() -> None:
     metrics = Metrics()
-    metrics.call_finished("charge_card", "key-and-status-check", "ok", 0.01)
-    metrics.call_finished("charge_card", "key-and-status-check", "invalid_arguments", 0.001)
-    metrics.call_finished("charge_card", "key-and-status-check", "ok", 0.02)
+    for code, seconds in (("ok", 0.01), ("invalid_arguments", 0.001), ("ok", 0.02)):
+        metrics.answered(CallAnswered("charge_card", "key-and-status-check", "alice", code, seconds))
     scraped = samples(generate_latest(metrics.registry).decode())
     assert value(scraped, "commitgate_calls_total", code="ok", **CS) == 2
     assert value(scraped, "commitgate_calls_total", code="invalid_arguments", **CS) == 1
@@ -211,6 +210,10 @@ def test_calls_are_counted_by_code() -> None:
 # --- logs -------------------------------------------------------------------------------------------
 
 SECRET = "SECRET-VALUE-7f3a"
+REFUSED = CallAnswered(
+    "charge_card", "key-and-status-check", "alice", "invalid_arguments", 0.5,
+    message=f"bad {SECRET}", arguments={"description": SECRET},
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -244,10 +247,7 @@ async def test_boundary_events_are_json_lines_without_argument_values(
     args = {"card": "4242", "amount_cents": 500, "description": SECRET, "idempotency_key": "k6"}
     await gateway.call_tool("charge_card", args, {}, "alice")
     await gateway.call_tool("charge_card", args, {}, "alice")
-    log_call(
-        "charge_card", "key-and-status-check", "alice", "invalid_arguments", 0.5, None, f"bad {SECRET}",
-        {"description": SECRET},
-    )  # fmt: skip
+    log_call(REFUSED)
     records = lines(logged)
     events = [r for r in records if r["logger"] == "commitgate.events"]
     assert [e["event"] for e in events] == ["attempt", "completed", "replay"]
@@ -286,10 +286,7 @@ def test_other_libraries_are_redacted_unless_asked(logged: io.StringIO) -> None:
 def test_debug_unredacted_shows_everything(logged: io.StringIO) -> None:
     configure_logging("debug", unredacted=True, stream=logged)
     logging.getLogger("mcp.server.sse").debug(f"Received JSON: {SECRET}")
-    log_call(
-        "charge_card", "key-and-status-check", "alice", "invalid_arguments", 0.5, None, f"bad {SECRET}",
-        {"description": SECRET},
-    )  # fmt: skip
+    log_call(REFUSED)
     records = lines(logged)
     assert records[0]["msg"] == f"Received JSON: {SECRET}"
     assert records[1]["message"] == f"bad {SECRET}" and records[1]["arguments"] == {"description": SECRET}

@@ -27,7 +27,8 @@ from mcp.shared.subscriptions import ToolsListChanged
 from commitgate.server.demo import tools as demo
 from commitgate.server.policy.loading import load_policy
 from commitgate.server.serve.checking import check_policy_file, format_report
-from commitgate.server.serve.gateway import META_TOOLS, Gateway
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.meta_tools import META_TOOLS
 from commitgate.server.serve.reload import PolicyReloader, ReloadStatus
 
 pytestmark = pytest.mark.anyio

@@ -1,13 +1,16 @@
-"""What the commit boundary tells its observers (metrics, logs, traces), and the observer's shape."""
+"""What the commit boundary and the gateway tell their observers (metrics, logs, traces), and the
+observers' shape: each is a callable given one frozen event per thing that happened."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from decimal import Decimal
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.outcomes import Outcome, Verdict
+from commitgate.server.model.records import Operation
 
 
 class Event(StrEnum):
@@ -68,3 +71,36 @@ class Observer(Protocol):
     """Called on every event; must be quick and must never raise (instrumentation cannot break a call)."""
 
     def __call__(self, event: BoundaryEvent) -> None: ...
+
+
+# The codes of a call that has no error code of its own (docs/contract.md lists the others).
+OK = "ok"
+INPUT_REQUIRED = "input_required"  # a first round: the client calls again with the user's answer
+PROTOCOL_ERROR = "protocol_error"  # a JSON-RPC error instead of a result (an unknown tool, a dropped answer)
+CANCELLED = "cancelled"  # the client cancelled it, or the server stopped, before it was answered
+OWN_ERROR = "error"  # an error result without a code (the fault plan's control tool)
+
+
+class CallAnswered(NamedTuple):
+    """One `tools/call`, however it ended: told once per call, when its answer is known.
+
+    `code` is "ok", an error code, or one of the codes above. `message` (it may quote arguments)
+    and `arguments` (what the client sent, the call's own mapping, not a copy) are written only
+    by unredacted logs; `principal` never becomes a metric label or a span attribute.
+    """
+
+    tool: str  # "(unknown)" for a tool the policy does not offer: clients cannot grow the labels
+    cls: str  # the tool's idempotency class, "meta" for a meta tool, "none" for an unknown one
+    principal: str
+    code: str
+    seconds: float  # from the call's arrival at the gateway to its answer
+    operation: Operation | None = None  # the operation the answer is about
+    replayed: bool = False
+    message: str | None = None
+    arguments: Mapping[str, Any] | None = None
+
+
+class CallObserver(Protocol):
+    """Called once per call; must be quick and must never raise."""
+
+    def __call__(self, event: CallAnswered) -> None: ...

@@ -1,9 +1,11 @@
-"""Around every `tools/call`, on every transport: a limit per principal, a log line, a metrics sample.
+"""Around every `tools/call`, on every transport: a limit per principal, and the call told to its observers.
 
 Both wrap the handler the MCP surface registers (surface.py) and read the call's envelope
 (`Call`), resolved once. The limit answers the call that would exceed
 `limits.max_concurrent_per_principal` with `retries_exhausted`, nothing executed; meta tools
-are not limited, so polling stays possible while work runs.
+are not limited, so polling stays possible while work runs. Whatever the end of a call (a reply,
+a protocol error, a cancellation), the gateway's call observers (logs, metrics, the call's span)
+are told once, from what the reply says where it was made.
 """
 
 from __future__ import annotations
@@ -11,76 +13,64 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import mcp.types as types
 
 from commitgate.server.core.errors import GateError
-from commitgate.server.model.facts import OPERATION_META, ErrorCode
-from commitgate.server.serve.gateway import Call, render_error
-from commitgate.server.serve.logs import log_call, unredacted
-from commitgate.server.serve.metrics import Metrics
+from commitgate.server.model.events import CANCELLED, PROTOCOL_ERROR, CallAnswered
+from commitgate.server.model.facts import ErrorCode
+from commitgate.server.serve.envelope import Call, Reply, ReplyTo
+from commitgate.server.serve.gateway import Gateway, refused
 
 Answered = types.CallToolResult | types.InputRequiredResult
-Handler = Callable[[Call], Awaitable[Answered]]
+Handler = Callable[[Call], Awaitable[Answered]]  # a tools/call chain as the MCP surface serves it
 
 
-def _outcome(result: Answered) -> tuple[str, dict[str, Any] | None, str | None]:
-    """(answer code, operation meta, error message) of a tools/call answer, without copying its content."""
-    if isinstance(result, types.InputRequiredResult):  # a first round: the client will call again
-        return "input_required", None, None
-    meta, structured = result.meta, result.structured_content
-    operation = meta.get(OPERATION_META) if isinstance(meta, dict) else None
-    if not result.is_error:
-        return "ok", operation, None
-    error = structured.get("error") if isinstance(structured, dict) else None
-    if not isinstance(error, dict):  # a tool's own error shape (or the fault plan's): said as it is
-        return "error", operation, None if error is None else str(error)
-    return str(error.get("code") or "error"), operation, error.get("message")
+def observed(handler: ReplyTo, gateway: Gateway) -> Handler:
+    """`handler`'s answers, each call told to `gateway.answered` once, whatever its end."""
 
-
-def recorded(handler: Handler, metrics: Metrics | None) -> Handler:
-    """`handler` with one log line and (when served) one metrics sample per call, whatever its end."""
-
-    async def record(call: Call) -> Answered:
-        tool, cls = call.labels
-        code, operation, message = "protocol_error", None, None
+    async def observe(call: Call) -> Answered:
+        reply: Reply | None = None
+        code = PROTOCOL_ERROR  # what an exception other than a cancellation becomes (a JSON-RPC error)
         start = time.perf_counter()
-        if metrics is not None:
-            metrics.in_progress.inc()
+        gateway.answering += 1
         try:
-            result = await handler(call)
-            code, operation, message = _outcome(result)
-            return result
+            reply = await handler(call)
+            return reply.result
         except asyncio.CancelledError:
-            code = "cancelled"
+            code = CANCELLED
             raise
         finally:
             seconds = time.perf_counter() - start
-            if metrics is not None:
-                metrics.in_progress.dec()
-                metrics.call_finished(tool, cls, code, seconds)
-            arguments = call.arguments if unredacted() else None
-            log_call(tool, cls, call.principal, code, seconds, operation, message, arguments)
+            gateway.answering -= 1
+            tool, cls = call.labels
+            if reply is None:
+                event = CallAnswered(tool, cls, call.principal, code, seconds, arguments=call.arguments)
+            else:
+                _, said, operation, replayed, message = reply
+                event = CallAnswered(
+                    tool, cls, call.principal, said, seconds, operation, replayed, message, call.arguments
+                )
+            gateway.answered(event)
 
-    return record
+    return observe
 
 
-def limited(handler: Handler) -> Handler:
+def limited(handler: ReplyTo) -> ReplyTo:
     """`handler` with at most `limits.max_concurrent_per_principal` calls of one principal at once.
 
     One event loop serves all requests, so a plain dict needs no lock.
     """
     active: dict[str, int] = {}
 
-    async def limit(call: Call) -> Answered:
+    async def limit(call: Call) -> Reply:
         if not call.limited:
             return await handler(call)
         principal = call.principal
         most = call.generation.policy.server.limits.max_concurrent_per_principal
         running = active.get(principal, 0)
         if running >= most:
-            return limit_error(most)
+            return over_limit(most)
         active[principal] = running + 1
         try:
             return await handler(call)
@@ -94,7 +84,7 @@ def limited(handler: Handler) -> Handler:
     return limit
 
 
-def limit_error(limit: int) -> types.CallToolResult:
+def over_limit(limit: int) -> Reply:
     message = (
         f"Too many calls at once: {limit} of your calls are already running (limits.max_concurrent_per_principal). "
         "Nothing was executed or recorded. Wait for one to finish, then call again with the same "
@@ -102,4 +92,4 @@ def limit_error(limit: int) -> types.CallToolResult:
     )
     # No code of its own for this: like retries_exhausted it is transient and certainly not
     # applied, so clients that already handle that code do the right thing.
-    return render_error(GateError(ErrorCode.RETRIES_EXHAUSTED, message), replayed=False)
+    return refused(GateError(ErrorCode.RETRIES_EXHAUSTED, message), replayed=False)

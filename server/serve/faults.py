@@ -25,27 +25,24 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mcp.types as types
 from mcp import MCPError
 
 from commitgate.server.model.context import OperationContext
+from commitgate.server.model.events import OK, OWN_ERROR
 from commitgate.server.model.outcomes import RetryableError
 from commitgate.server.model.records import ToolResult
-
-if TYPE_CHECKING:
-    from commitgate.server.serve.gateway import Call
+from commitgate.server.serve.envelope import Call, Reply, ReplyTo
 
 ENV_TOKEN = "COMMITGATE_FAULT_TOKEN"
 CONTROL_TOOL = "commitgate_faults"
 LOST_ANSWER_CODE = -32099  # in the JSON-RPC range left to servers
 LOST_ANSWER_MESSAGE = "commitgate fault plan: the answer was dropped after the tool returned"
 ACTIONS = ("lose_answer", "fail_before", "counts", "clear")
-
-CallTool = Callable[["Call"], Awaitable[types.CallToolResult]]
 
 
 class FaultySource:
@@ -108,20 +105,20 @@ class FaultPlan:
             wrapped[name] = dataclasses.replace(tool, guard=guard)
         return wrapped
 
-    def around(self, call: CallTool) -> CallTool:
+    def around(self, call: ReplyTo) -> ReplyTo:
         """`call` (the gateway's tools/call) with the control tool and the dropped answers added."""
 
-        async def call_tool(request: Call) -> types.CallToolResult:
+        async def call_tool(request: Call) -> Reply:
             if request.name == CONTROL_TOOL:
                 return self.control(dict(request.arguments or {}))
-            result = await call(request)
-            if not result.is_error and self.take("lose_answer", request.name):
+            reply = await call(request)
+            if reply.code == OK and self.take("lose_answer", request.name):
                 raise MCPError(LOST_ANSWER_CODE, LOST_ANSWER_MESSAGE)
-            return result
+            return reply
 
         return call_tool
 
-    def control(self, arguments: dict[str, Any]) -> types.CallToolResult:
+    def control(self, arguments: dict[str, Any]) -> Reply:
         token = arguments.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
             return _answer({"error": "wrong or missing token"}, error=True)
@@ -158,8 +155,9 @@ def _scrub(name: str) -> None:
             ctypes.memset(address, 0, len(ctypes.string_at(address)))
 
 
-def _answer(value: dict[str, Any], *, error: bool = False) -> types.CallToolResult:
+def _answer(value: dict[str, Any], *, error: bool = False) -> Reply:
     text = json.dumps(value, separators=(",", ":"))
-    return types.CallToolResult(
+    result = types.CallToolResult(
         content=[types.TextContent(type="text", text=text)], structured_content=value, is_error=error
     )
+    return Reply(result, OWN_ERROR, message=value["error"]) if error else Reply(result)

@@ -15,12 +15,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import httpx2
 import mcp.types as types
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from commitgate.server.core import approvals, budgets, duplicates, errors, expiry
 from commitgate.server.core.boundary import CommitBoundary
@@ -33,7 +33,6 @@ from commitgate.server.core.requests import (
     check_session,
     error_for_state,
     fingerprint,
-    printable,
 )
 from commitgate.server.core.saga import Saga
 from commitgate.server.core.views import operation_meta, status_view
@@ -45,13 +44,12 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.evidence import Evidence
-from commitgate.server.model.events import Observer
+from commitgate.server.model.events import INPUT_REQUIRED, OK, CallAnswered, CallObserver, Observer
 from commitgate.server.model.facts import (
     OPERATION_META,
     SESSION_META,
     STEP_META,
     ErrorCode,
-    IdempotencyClass,
     State,
 )
 from commitgate.server.model.records import Operation, iso
@@ -59,9 +57,13 @@ from commitgate.server.model.validation import describe
 from commitgate.server.policy.models import Policy
 from commitgate.server.serve import asking, tracing
 from commitgate.server.serve.asking import ClientChannel
+from commitgate.server.serve.envelope import Call, Generation, Reply, ReplyTo
 from commitgate.server.serve.evidence import attach, evidence_for, follow
-from commitgate.server.serve.faults import CONTROL_TOOL, CallTool, FaultPlan
-from commitgate.server.serve.metrics import UNKNOWN_TOOL
+from commitgate.server.serve.faults import CONTROL_TOOL, FaultPlan
+from commitgate.server.serve.logs import log_call
+from commitgate.server.serve.meta_tools import CompensateArgs as _CompensateArgs
+from commitgate.server.serve.meta_tools import ListArgs as _ListArgs
+from commitgate.server.serve.meta_tools import StatusArgs as _StatusArgs
 from commitgate.server.serve.registry import ServedTool, build_tools
 from commitgate.tools.base import Collaborators
 
@@ -70,135 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commitgate.gateway")
 M = TypeVar("M", bound=BaseModel)
-
-
-def _printable(value: str | None) -> str | None:
-    if value is not None and not printable(value):
-        raise ValueError("printable characters only (no control characters, newlines or NUL)")
-    return value
-
-
-def _all_printable(values: list[str] | None) -> list[str] | None:
-    for value in values or []:
-        _printable(value)
-    return values
-
-
-Printable = Annotated[str | None, AfterValidator(_printable)]
-
-
-class _StatusArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    idempotency_key: Printable = Field(None, min_length=1, max_length=255)
-    session: Printable = Field(None, min_length=1, max_length=255)
-    operation_id: Printable = Field(None, min_length=1, max_length=100)
-
-
-class _ListArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    session: Printable = Field(None, min_length=1, max_length=255)
-    state: State | None = None
-    tool: Printable = Field(None, min_length=1, max_length=128)
-    limit: int = Field(50, ge=1)
-
-
-class _CompensateArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    session: Printable = Field(None, min_length=1, max_length=255)
-    idempotency_keys: Annotated[list[str] | None, AfterValidator(_all_printable)] = Field(None, min_length=1)
-    reason: str | None = Field(None, max_length=1000)
-
-
-def _meta_tool(name: str, description: str, model: type[BaseModel], read_only: bool = True) -> types.Tool:
-    schema = model.model_json_schema()
-    schema.pop("title", None)
-    return types.Tool(
-        name=name,
-        description=description,
-        input_schema=schema,
-        annotations=types.ToolAnnotations(
-            read_only_hint=read_only, idempotent_hint=True, destructive_hint=not read_only
-        ),
-    )
-
-
-META_TOOLS: dict[str, types.Tool] = {
-    "get_operation_status": _meta_tool(
-        "get_operation_status",
-        "Look up an operation you started: pass its idempotency_key (and session if you set one) or its "
-        "operation_id. Answers its state, result or error, and retry_advice: 'done', 'wait_and_poll', "
-        "'safe_to_retry_same_key' or 'do_not_retry'. Poll this instead of calling a tool again.",
-        _StatusArgs,
-    ),
-    "list_operations": _meta_tool(
-        "list_operations",
-        "List the operations you already ran, newest first (optionally of one session, state or tool): "
-        "how to find out what was already done after losing track.",
-        _ListArgs,
-    ),
-    "compensate_session": _meta_tool(
-        "compensate_session",
-        "Undo what a session did: runs the declared compensating action (cancel, refund, release...) of each "
-        "succeeded compensable operation, newest first, each exactly once (calling this again never undoes "
-        "twice; it finishes what is left). Optionally only the given idempotency_keys. Use it when a later step "
-        "failed and the earlier ones must not stand; do not retry the failed forward calls instead.",
-        _CompensateArgs,
-        read_only=False,
-    ),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """What new calls are served from: one policy and its tools, built once and swapped whole on a
-    reload (a call keeps the generation it started with)."""
-
-    policy: Policy
-    served: Mapping[str, ServedTool]
-    meta: frozenset[str]  # the meta tools offered beside them
-    listed: tuple[types.Tool, ...]  # what tools/list answers
-
-    @classmethod
-    def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
-        # compensate_session only where something can be compensated: a model should not try it in vain.
-        compensable = any(
-            s.guard.policy.idempotency_class is IdempotencyClass.COMPENSABLE for s in served.values()
-        )
-        meta = [name for name in META_TOOLS if compensable or name != "compensate_session"]
-        exposed = [s.definition for s in served.values() if s.exposed]
-        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)))
-
-    def offers(self, name: str) -> bool:
-        served = self.served.get(name)
-        return name in self.meta or (served is not None and served.exposed)
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One tools/call, resolved once at the MCP surface: every layer below reads it from here."""
-
-    name: str
-    arguments: Mapping[str, Any] | None
-    meta: Mapping[str, Any]
-    principal: str
-    generation: Generation  # the whole call is served from the tools it started with
-    channel: ClientChannel | None = None  # how to ask the client's user for an approval
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        """(tool, class) as metrics and logs name them: unknown and hidden tools alike are "(unknown)"."""
-        if self.name in META_TOOLS:
-            return self.name, "meta"
-        served = self.generation.served.get(self.name)
-        if served is None or not served.exposed:
-            return UNKNOWN_TOOL, "none"
-        return self.name, served.guard.idempotency_class.value
-
-    @property
-    def limited(self) -> bool:
-        """Counted against `limits.max_concurrent_per_principal`: meta tools are not, so polling stays
-        possible while work runs."""
-        return self.name not in META_TOOLS
 
 
 def local_principal() -> str:
@@ -224,6 +97,9 @@ class Gateway:
     rebuilding: asyncio.Lock = field(default_factory=asyncio.Lock)
     faults: FaultPlan | None = None  # only under `commitgate verify` and the pytest plugin
     evidence: Evidence | None = None  # what the ledger writes with each change (serve/evidence.py)
+    # Told of every tools/call once it is answered (metrics add theirs when attached).
+    call_observers: list[CallObserver] = field(default_factory=lambda: [log_call, tracing.annotate])
+    answering: int = 0  # tools/calls being answered now, on every transport
 
     @classmethod
     async def open(
@@ -313,11 +189,16 @@ class Gateway:
         offered = (generation or self.generation).offers(name)
         return offered or (self.faults is not None and name == CONTROL_TOOL)
 
-    def handler(self) -> CallTool:
-        """What answers tools/call: `answer`, seen through the fault plan on a test server.
+    def handler(self) -> ReplyTo:
+        """What answers tools/call: `reply`, seen through the fault plan on a test server.
 
         Chosen once per MCP server, so a normal server pays nothing per call for the plan."""
-        return self.faults.around(self.answer) if self.faults is not None else self.answer
+        return self.faults.around(self.reply) if self.faults is not None else self.reply
+
+    def answered(self, event: CallAnswered) -> None:
+        """Tell every call observer (logs, metrics, the call's span) how a call ended."""
+        for observer in self.call_observers:
+            observer(event)
 
     def envelope(
         self,
@@ -339,31 +220,33 @@ class Gateway:
         principal: str | None,
     ) -> types.CallToolResult:
         """A tools/call without a client to ask (in-process callers: the console, the tests)."""
-        return await self.answer(self.envelope(name, arguments, meta, principal))
+        result = (await self.reply(self.envelope(name, arguments, meta, principal))).result
+        assert isinstance(result, types.CallToolResult)  # only the MCP surface answers a first round
+        return result
 
-    async def answer(self, call: Call) -> types.CallToolResult:
+    async def reply(self, call: Call) -> Reply:
         try:
             session = self._session(call.meta)
             args = dict(call.arguments or {})
             answer_meta = _META_ANSWERS.get(call.name)
             if answer_meta is not None:
-                return await answer_meta(self, args, session, call.principal)
+                return Reply(await answer_meta(self, args, session, call.principal))
             generation = call.generation
             request = self._request(
                 generation, generation.served[call.name], args, call.meta, session, call.principal
             )
             return await self._guarded_call(request, call.channel)
+        except asking.InputRequired as first_round:  # the client's user is asked; it calls again
+            return Reply(first_round.result, INPUT_REQUIRED)
         except GateError as exc:
-            return render_error(exc, replayed=False)
+            return refused(exc, replayed=False)
         except LedgerUnavailable as exc:
             log.warning("the ledger could not answer %s: %s", call.name, exc)
-            return render_error(errors.ledger_unavailable(), replayed=False)
+            return refused(errors.ledger_unavailable(), replayed=False)
 
     # --- approvals asked of the client's user -----------------------------------------------------
 
-    async def _guarded_call(
-        self, request: CallRequest, channel: ClientChannel | None
-    ) -> types.CallToolResult:
+    async def _guarded_call(self, request: CallRequest, channel: ClientChannel | None) -> Reply:
         """The boundary's answer; a call waiting for approval asks the client's user when it can
         (on 2026-07-28 by raising InputRequired, which the surface answers)."""
         if channel is not None and channel.answered_operation is not None:
@@ -371,15 +254,15 @@ class Gateway:
         answer = await self.boundary.call(request)
         op = answer.operation
         if channel is None or op is None or not _asks_client(answer) or not channel.can_ask:
-            return _rendered(answer)
+            return replied(answer)
         if channel.multi_round:
             if channel.answered_operation is not None:  # asked already; cancelled or unanswered
-                return _rendered(answer)
+                return replied(answer)
             raise asking.InputRequired(
                 asking.input_required(op.operation_id, (await self._question(op)).text)
             )
         assert channel.elicit is not None
-        return _rendered(await self._ask_now(request, op, channel))
+        return replied(await self._ask_now(request, op, channel))
 
     async def _question(self, op: Operation) -> approvals.Question:
         served = self.served.get(op.tool)
@@ -584,18 +467,24 @@ def _parse(model: type[M], args: dict[str, Any]) -> M:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _rendered(answer: Answer) -> types.CallToolResult:
-    """A guarded call's answer, its operation told to the `tools/call` span (when tracing is on)."""
-    tracing.annotate(answer.operation, answer.replayed)
-    return render(answer)
+def replied(answer: Answer) -> Reply:
+    """A guarded call's answer, rendered, with what it says."""
+    if answer.error is not None:
+        return refused(answer.error, answer.replayed)
+    if answer.result is None:  # a success always carries a result; never pretend otherwise
+        assert answer.operation is not None
+        return refused(error_for_state(answer.operation), answer.replayed)
+    return Reply(render(answer), OK, answer.operation, answer.replayed)
+
+
+def refused(error: GateError, replayed: bool) -> Reply:
+    """An error's answer, rendered, with its code, operation and message."""
+    return Reply(render_error(error, replayed), error.code.value, error.operation, replayed, error.message)
 
 
 def render(answer: Answer) -> types.CallToolResult:
-    if answer.error is not None:
-        return render_error(answer.error, answer.replayed)
-    if answer.result is None:  # a success always carries a result; never pretend otherwise
-        assert answer.operation is not None
-        return render_error(error_for_state(answer.operation), answer.replayed)
+    """A successful answer (its result is set) as the client reads it."""
+    assert answer.result is not None
     meta = dict(answer.result.meta or {})  # the tool's own keys, then commitgate's
     if answer.operation:
         meta[OPERATION_META] = operation_meta(answer.operation, answer.replayed)

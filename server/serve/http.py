@@ -11,9 +11,10 @@ Safety rules enforced here, before anything listens:
   on `/healthz` and `/metrics`;
 - request bodies are capped (HTTP 413) above what the argument limit needs.
 
-Per call, the middleware of calls.py (as on stdio), with metrics: one sample per
-answered `tools/call`, exposed on `/metrics`. On streamable HTTP a plain `tools/call`
-skips the SDK's transport machinery (http_calls.py); everything else is the SDK's.
+Per call, the wrappers of calls.py (as on stdio); the metrics observe the gateway's
+events, so each answered `tools/call` is one sample on `/metrics`.
+On streamable HTTP a plain `tools/call` skips the SDK's transport machinery
+(http_calls.py); everything else is the SDK's.
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting and closes streams; the
 work of every operation already claimed runs in tasks owned by the commit
@@ -316,8 +317,9 @@ def build_app(
             "--stateless applies to --transport streamable-http only (SSE keeps a stream open)"
         )
     metrics = metrics or Metrics()
+    metrics.attach(gateway)
     settings = security_settings(host, allowed_hosts)
-    server = build_server(gateway, version, metrics=metrics, announcer=announcer)
+    server = build_server(gateway, version, announcer=announcer)
     routes = ops_routes(gateway, metrics, settings, verifier is not None)
     resource_path = MCP_PATH if transport == "streamable-http" else SSE_PATH
     if verifier is not None and verifier.oauth is not None:
@@ -414,7 +416,6 @@ async def serve_http(
     verifier = token_verifier(gateway, environ)
     check_bind(host, verifier is not None, verifier)
     metrics = metrics or Metrics()
-    metrics.attach(gateway)
     announcer = ToolListAnnouncer()
     app = build_app(
         gateway,

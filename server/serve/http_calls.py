@@ -69,7 +69,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from commitgate.server.serve.asking import ClientChannel
 from commitgate.server.serve.auth import principal_of_request
 from commitgate.server.serve.calls import Handler
-from commitgate.server.serve.gateway import META_TOOLS, Gateway
+from commitgate.server.serve.gateway import Gateway
+from commitgate.server.serve.meta_tools import META_TOOLS
 from commitgate.server.serve.passthrough import has_upstreams
 from commitgate.server.serve.reload import ToolListAnnouncer
 

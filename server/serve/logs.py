@@ -24,7 +24,7 @@ import traceback
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from commitgate.server.model.events import BoundaryEvent, Event
+from commitgate.server.model.events import BoundaryEvent, CallAnswered, Event
 
 EVENTS = logging.getLogger("commitgate.events")
 CALLS = logging.getLogger("commitgate.calls")
@@ -138,36 +138,30 @@ def log_event(event: BoundaryEvent) -> None:
     EVENTS.log(level, event.kind, extra=extra(**record))
 
 
-def log_call(
-    tool: str,
-    cls: str,
-    principal: str,
-    code: str,
-    seconds: float,
-    operation: dict[str, Any] | None,
-    message: str | None = None,
-    arguments: Any = None,
-) -> None:
-    """One answered tools/call on commitgate.calls.
+def log_call(event: CallAnswered) -> None:
+    """A `CallObserver`: one answered tools/call as one JSON line on commitgate.calls.
 
-    `message` (may quote arguments) and `arguments` are written only when unredacted.
+    Its message (may quote arguments) and arguments are written only when unredacted.
     """
     if not CALLS.isEnabledFor(logging.INFO):
         return
     record: dict[str, Any] = {
         "event": "call",
-        "tool": tool,
-        "class": cls,
-        "principal": principal,
-        "code": code,
-        "seconds": round(seconds, 6),
+        "tool": event.tool,
+        "class": event.cls,
+        "principal": event.principal,
+        "code": event.code,
+        "seconds": round(event.seconds, 6),
     }
-    if operation:
-        for name in ("operation_id", "state", "replayed", "attempts"):
-            record[name] = operation.get(name)
+    op = event.operation
+    if op is not None:
+        record["operation_id"] = op.operation_id
+        record["state"] = op.state.value
+        record["replayed"] = event.replayed
+        record["attempts"] = op.attempts
     if unredacted():
-        if message is not None:
-            record["message"] = message
-        if arguments is not None:
-            record["arguments"] = arguments
+        if event.message is not None:
+            record["message"] = event.message
+        if event.arguments is not None:
+            record["arguments"] = event.arguments
     CALLS.info("call", extra=extra(**record))

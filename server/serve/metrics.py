@@ -1,7 +1,7 @@
 """Prometheus metrics: the boundary's events, calls, ledger latency, and operations by state.
 
-`Metrics` is an `Observer` (pass it to `Gateway.open(observers=[...])`, or let
-`attach` chain it onto a running gateway). Per event it does one dict lookup
+`Metrics` observes a gateway's events: the boundary's (`__call__`, an `Observer`) and
+each answered call's (`answered`, a `CallObserver`); `attach` chains both onto a gateway. Per event it does one dict lookup
 and one `inc()` on a pre-resolved labelled child: no locks beyond
 prometheus_client's own, no I/O. Operations by state are not counted as they
 happen (several processes may share one ledger): they are read from
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from decimal import Decimal
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -39,20 +39,17 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.ledger.base import (
     Ledger,
 )
-from commitgate.server.model.events import BoundaryEvent, Event
+from commitgate.server.model.events import BoundaryEvent, CallAnswered, CallObserver, Event
 from commitgate.server.policy.budgets import BudgetPolicy
-
-if TYPE_CHECKING:
-    from commitgate.server.serve.gateway import Gateway
 
 log = logging.getLogger("commitgate.metrics")
 T = TypeVar("T")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-UNKNOWN_TOOL = "(unknown)"
 CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 LEDGER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TC = ("tool", "idempotency_class")
@@ -62,6 +59,14 @@ NEAR_LIMIT = Decimal("0.9")  # a session "near" its budget's limit has spent thi
 
 # `*_created` timestamps double the exposition for nothing a scraper needs (process-wide setting).
 disable_created_metrics()
+
+
+class Observed(Protocol):
+    """What metrics attach to (a gateway): its boundary, its call observers, its calls in flight."""
+
+    boundary: CommitBoundary
+    call_observers: list[CallObserver]
+    answering: int
 
 
 class Metrics:
@@ -190,11 +195,15 @@ class Metrics:
         except Exception:  # instrumentation must never break a call
             log.debug("metrics observer failed for %s", event.kind, exc_info=True)
 
-    # --- calls (recorded by the MCP surface) ----------------------------------------------------
+    # --- the CallObserver hook ----------------------------------------------------------------
 
-    def call_finished(self, tool: str, cls: str, code: str, seconds: float) -> None:
-        self._child(self.calls, tool, cls, code).inc()
-        self._child(self.call_seconds, tool, cls).observe(seconds)
+    def answered(self, event: CallAnswered) -> None:
+        try:
+            tool, cls = event.tool, event.cls
+            self._child(self.calls, tool, cls, event.code).inc()
+            self._child(self.call_seconds, tool, cls).observe(event.seconds)
+        except Exception:  # instrumentation must never break a call
+            log.debug("metrics observer failed for a call to %s", event.tool, exc_info=True)
 
     def ledger_step(self, method: str, seconds: float) -> None:
         self._child(self.ledger_seconds, method).observe(seconds)
@@ -260,10 +269,13 @@ class Metrics:
         if spent:
             self._spent_labels[budget] = set(spent)
 
-    def attach(self, gateway: Gateway) -> None:
+    def attach(self, gateway: Observed) -> None:
         """Observe a gateway that was opened without these metrics, and time its ledger's steps."""
         if self not in gateway.boundary.observers:
             gateway.boundary.observers.append(self)
+        if self.answered not in gateway.call_observers:
+            gateway.call_observers.append(self.answered)
+        self.in_progress.set_function(lambda: gateway.answering)
         if gateway.boundary.ledger.timer is None:
             gateway.boundary.ledger.timer = self.ledger_step
 

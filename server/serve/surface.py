@@ -24,8 +24,8 @@ from mcp.server.lowlevel.server import NotificationOptions
 
 from commitgate.server.serve import asking, callers, calls, passthrough, tracing
 from commitgate.server.serve.auth import principal_of_request
-from commitgate.server.serve.gateway import Call, Gateway, Generation
-from commitgate.server.serve.metrics import Metrics
+from commitgate.server.serve.envelope import Call, Generation, Reply
+from commitgate.server.serve.gateway import Gateway
 from commitgate.server.serve.notify import delivering
 from commitgate.server.serve.reload import ToolListAnnouncer, policy_watcher, upstream_refresher
 
@@ -36,22 +36,18 @@ def build_server(
     gateway: Gateway,
     version: str = "",
     *,
-    metrics: Metrics | None = None,
     announcer: ToolListAnnouncer | None = None,
 ) -> GatewayServer:
     def unknown(call: Call) -> MCPError:
         return MCPError(types.INVALID_PARAMS, f"Unknown tool: {call.name}")
 
-    async def answer(call: Call) -> types.CallToolResult | types.InputRequiredResult:
+    async def answer(call: Call) -> Reply:
         if not gateway.has_tool(call.name, call.generation):
             raise unknown(call)
-        try:
-            return await handler(call)
-        except asking.InputRequired as first_round:
-            return first_round.result
+        return await handler(call)
 
     handler = gateway.handler()
-    served = calls.recorded(calls.limited(answer), metrics)
+    served = calls.observed(calls.limited(answer), gateway)
     rounds = callers.Rounds() if passthrough.has_upstreams(gateway) else None
 
     async def list_tools(

@@ -9,8 +9,9 @@ protocol, sampler, resource, batching) is read by the SDK from its own
 variables. Without any of them nothing is imported and nothing is traced.
 
 The MCP SDK opens the server span of each `tools/call` (taking its parent from
-the request's `_meta`); the gateway adds commitgate's view of the answer to it
-(`annotate`) where it makes the answer.
+the request's `_meta`); `annotate`, one of the gateway's call observers, adds
+commitgate's view of the answer to it: its code, and the operation's id, state,
+replayed and attempts.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any
 
 from commitgate.server.core.tracing import ATTEMPT, OPERATION_ID, REPLAYED, STATE, span_events
 from commitgate.server.model import traces
-from commitgate.server.model.records import Operation
+from commitgate.server.model.events import CallAnswered
 
 log = logging.getLogger("commitgate.tracing")
 
 _ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+CODE = "commitgate.code"  # the answer's code, as the call's log line and metrics sample say it
 
 
 def _nothing() -> None:
@@ -124,17 +126,32 @@ def _otlp(environ: Mapping[str, str]) -> Any:
     return OTLPSpanExporter()
 
 
-def annotate(op: Operation | None, replayed: bool) -> None:
-    """The current `tools/call` span (the SDK's) gets the operation's id, state, replayed and attempts."""
-    if op is None or traces.SWITCH.tracer is None:
+def annotate(event: CallAnswered) -> None:
+    """A `CallObserver`: the current `tools/call` span (the SDK's) gets the answer's code and the
+    operation's id, state, replayed and attempts. Never a message, an argument or the principal."""
+    if traces.SWITCH.tracer is None:
         return
-    from opentelemetry import trace
+    try:
+        from opentelemetry import trace
 
-    span = trace.get_current_span()
-    if span.is_recording():
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        op = event.operation
+        if op is None:
+            span.set_attribute(CODE, event.code)
+            return
         span.set_attributes(
-            {OPERATION_ID: op.operation_id, STATE: op.state.value, REPLAYED: replayed, ATTEMPT: op.attempts}
+            {
+                CODE: event.code,
+                OPERATION_ID: op.operation_id,
+                STATE: op.state.value,
+                REPLAYED: event.replayed,
+                ATTEMPT: op.attempts,
+            }
         )
+    except Exception:  # instrumentation must never break a call
+        return
 
 
 __all__ = ["annotate", "configure_from_env", "install", "span_events", "wanted"]
