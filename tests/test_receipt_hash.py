@@ -42,5 +42,5 @@ def test_a_writers_hash_is_the_canonical_one_for_any_field_text() -> None:
         values: list[Any] = [rng.randint(1, 2**53), *(text(rng) for _ in SIGNED[1:])]
         if n % 50 == 0:  # a field that is not text (a number, a bool): encoded as JSON encodes it
             values[rng.randrange(len(values))] = rng.choice([7, 2.5, True, False])
-        fields = dict(zip(SIGNED, values, strict=True))
+        fields: dict[str, Any] = dict(zip(SIGNED, values, strict=True))
         assert chained_hash(*values) == receipt_hash(fields), canonical(fields)
