@@ -25,7 +25,7 @@ from commitgate.server.ledger.base import BUDGET_STATES, LedgerUnavailable, scop
 from commitgate.server.model.amounts import joined
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import State
-from commitgate.server.model.receipts import GENESIS, at_text, digest, receipt_hash
+from commitgate.server.model.receipts import GENESIS, at_text, chained_hash, digest
 
 # The events a [[notify]] entry may ask for (docs/operating.md#notifications).
 EVENTS = ("approval_waiting", "approval_expired", "unknown", "budget_near", "reconciled")
@@ -151,19 +151,25 @@ class Evidence:
         budgets: Mapping[str, BudgetLine] | None = None,
     ) -> None:
         self.signer = signer
-        self.routes: tuple[Route, ...] = ()
+        self._routing: tuple[tuple[Route, ...], frozenset[str]] = ((), frozenset())
         self.budgets: Mapping[str, BudgetLine] = {}
         self.retarget(routes, budgets or {})
         self._process = uuid.uuid4().hex[:12]
+        # (writer, connection) -> the writer's number in that SQLite file (`seal_sqlite`)
+        self.numbers: dict[tuple[str, sqlite3.Connection], int] = {}
         self._lanes: list[Lane] = []
         self._next_lane = 0
 
     def retarget(self, routes: Sequence[Route], budgets: Mapping[str, BudgetLine]) -> None:
         """New routes (a policy reloaded). Each is one assignment: a transaction sealing meanwhile
         sees the old set or the new one."""
-        wanted = any("budget_near" in route.events for route in routes)
-        self.budgets = dict(budgets) if wanted else {}  # looked at only when someone listens
-        self.routes = tuple(routes)
+        heard = frozenset(event for route in routes for event in route.events)
+        self.budgets = dict(budgets) if "budget_near" in heard else {}  # looked at only when someone listens
+        self._routing = (tuple(routes), heard)  # the events some route wants: the others cost nothing
+
+    @property
+    def routes(self) -> tuple[Route, ...]:
+        return self._routing[0]
 
     @property
     def active(self) -> bool:
@@ -200,6 +206,7 @@ class Evidence:
         receipts: list[tuple[Any, ...]] = []
         outbox: list[tuple[Any, ...]] = []
         signer = self.signer
+        routes, heard = self._routing
         for (
             operation_id,
             at,
@@ -215,23 +222,21 @@ class Evidence:
         ) in entries:
             if signer is not None:
                 seq += 1
-                fields = {
-                    "seq": seq, "writer": writer, "at": at_text(at), "operation_id": operation_id,
-                    "principal": principal, "session": session, "tool": tool, "transition": event,
-                    "state": to_state, "actor": actor, "arguments_sha256": digest(arguments),
-                    "result_sha256": digest(result), "prev": prev,
-                }  # fmt: skip
-                prev = receipt_hash(fields)
-                receipts.append((*fields.values(), prev, signer.sign(prev)))
-            notice = event_of(event, from_state, to_state) if self.routes else None
+                fields = (seq, writer, at_text(at), operation_id, principal, session, tool, event, to_state, actor,
+                          digest(arguments), digest(result), prev)  # fmt: skip
+                prev = chained_hash(*fields)
+                receipts.append((*fields, prev, signer.sign(prev)))
+            if not heard:
+                continue
+            notice = event_of(event, from_state, to_state)
             if near and event in _SPENDS and operation_id in near:
                 notice = "budget_near"
-            if notice is not None:
-                for route in self.routes:
-                    if route.wants(notice, principal):
-                        outbox.append(
-                            ("ev_" + uuid.uuid4().hex, route.target, notice, operation_id, at, to_state, at)
-                        )
+            if notice in heard:
+                outbox.extend(
+                    ("ev_" + uuid.uuid4().hex, route.target, notice, operation_id, at, to_state, at)
+                    for route in routes
+                    if route.wants(notice, principal)
+                )
         return receipts, outbox, seq, prev
 
 
@@ -283,7 +288,7 @@ _SQLITE_DUE = (
 _SQLITE_WRITER = "SELECT id FROM receipt_writers WHERE writer = ?"
 _SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer_id = ? ORDER BY seq DESC LIMIT 1"
 _SQLITE_RECEIPT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS.replace('writer', 'writer_id', 1)}) VALUES ({', '.join('?' * 15)})"
-_HEX = (10, 11, 12, 13, 14)  # the digests, prev, hash and sig: stored as bytes
+_HEX = (10, 11, 12, 13, 14)  # the digests, prev, hash and sig: stored as bytes (`_stored`)
 SQLITE_RECEIPTS = (
     f"SELECT {_RECEIPT_COLUMNS.replace('writer', 'w.writer', 1)} FROM receipts JOIN receipt_writers w"
     " ON w.id = receipts.writer_id{where} ORDER BY w.writer, seq"
@@ -322,34 +327,39 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
     writer, writer_id, seq, prev = "", 0, 0, GENESIS
     if evidence.signer is not None:
         writer = evidence.writer()
-        writer_id = _writer_id(conn, writer)
+        writer_id = _writer_id(conn, evidence, writer)
         head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
         if head is not None:
             seq, prev = head[0], head[1].hex()
     entries = [row[:11] for row in rows]
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
     receipts, outbox, _, _ = evidence.build(entries, writer, seq, prev, near)
-    if receipts:
+    if len(receipts) == 1:
+        conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
+    elif receipts:
         conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
 
 
-def _writer_id(conn: sqlite3.Connection, writer: str) -> int:
+def _writer_id(conn: sqlite3.Connection, evidence: Evidence, writer: str) -> int:
+    """The number the file of `conn` gives `writer`. Kept once read back committed (such a row is
+    never removed); the transaction that adds it may yet roll back, so that one is not kept."""
+    known = evidence.numbers.get((writer, conn))
+    if known is not None:
+        return known
     row = conn.execute(_SQLITE_WRITER, (writer,)).fetchone()
     if row is None:  # this chain's first receipt
         return int(conn.execute("INSERT INTO receipt_writers (writer) VALUES (?)", (writer,)).lastrowid or 0)
+    evidence.numbers[(writer, conn)] = int(row[0])
     return int(row[0])
 
 
 def _stored(receipt: tuple[Any, ...], writer_id: int) -> tuple[Any, ...]:
     """A receipt row as SQLite keeps it: its writer's number, hex fields as bytes."""
-    row = list(receipt)
-    row[1] = writer_id
-    for i in _HEX:
-        if row[i] is not None:
-            row[i] = bytes.fromhex(row[i])
-    return tuple(row)
+    seq, _, *text, arguments, result, prev, hash_, sig = receipt
+    digests = (None if d is None else bytes.fromhex(d) for d in (arguments, result))
+    return (seq, writer_id, *text, *digests, bytes.fromhex(prev), bytes.fromhex(hash_), bytes.fromhex(sig))
 
 
 def sqlite_receipt(row: Sequence[Any]) -> dict[str, Any]:

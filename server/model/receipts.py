@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,6 +36,44 @@ def canonical(value: Any) -> bytes:
 
 def receipt_hash(receipt: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical({name: receipt.get(name) for name in SIGNED})).hexdigest()
+
+
+# `canonical` of the signed fields, written directly: the keys in sorted order, each value as
+# json.dumps writes it. Building and sorting a mapping per receipt cost more than hashing it.
+_SIGNED_JSON = (
+    '{{"actor":{},"arguments_sha256":{},"at":{},"operation_id":{},"prev":{},"principal":{},'
+    '"result_sha256":{},"seq":{},"session":{},"state":{},"tool":{},"transition":{},"writer":{}}}'
+)
+_STRING: Any = json.encoder.encode_basestring  # json.dumps of a str with ensure_ascii=False (in C)
+
+
+def chained_hash(
+    seq: int, writer: str, at: str, operation_id: str, principal: str | None, session: str | None,
+    tool: str | None, transition: str, state: str | None, actor: str | None, arguments_sha256: str | None,
+    result_sha256: str | None, prev: str,
+) -> str:  # fmt: skip
+    """`receipt_hash` of these fields (the same bytes hashed), for the writers of a chain."""
+    s = _STRING
+    try:
+        if type(seq) is not int:
+            raise TypeError(seq)
+        text = _SIGNED_JSON.format(
+            "null" if actor is None else s(actor),
+            "null" if arguments_sha256 is None else s(arguments_sha256),
+            s(at), s(operation_id), s(prev),
+            "null" if principal is None else s(principal),
+            "null" if result_sha256 is None else s(result_sha256),
+            seq,
+            "null" if session is None else s(session),
+            "null" if state is None else s(state),
+            "null" if tool is None else s(tool),
+            s(transition), s(writer),
+        )  # fmt: skip
+    except TypeError:  # a value that is not text: the general encoding
+        fields = (seq, writer, at, operation_id, principal, session, tool, transition, state, actor,
+                  arguments_sha256, result_sha256, prev)  # fmt: skip
+        return receipt_hash(dict(zip(SIGNED, fields, strict=True)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def digest(text: str | None) -> str | None:
