@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import anyio
 import httpx2
 import mcp.types as types
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from commitgate.server.core import approvals, budgets, duplicates, errors
 from commitgate.server.core.boundary import CommitBoundary
@@ -158,6 +158,7 @@ class Generation:
     served: Mapping[str, ServedTool]
     meta: frozenset[str]  # the meta tools offered beside them
     listed: tuple[types.Tool, ...]  # what tools/list answers
+    labels: Mapping[str, tuple[str, str]]  # (tool, class) of each name a call may give, for Call.labels
 
     @classmethod
     def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
@@ -167,7 +168,9 @@ class Generation:
         )
         meta = [name for name in META_TOOLS if compensable or name != "compensate_session"]
         exposed = [s.definition for s in served.values() if s.exposed]
-        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)))
+        labels = {name: (name, s.guard.idempotency_class.value) for name, s in served.items() if s.exposed}
+        labels.update((name, (name, "meta")) for name in META_TOOLS)
+        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)), labels)
 
     def offers(self, name: str) -> bool:
         served = self.served.get(name)
@@ -188,18 +191,16 @@ class Call:
     @property
     def labels(self) -> tuple[str, str]:
         """(tool, class) as metrics and logs name them: unknown and hidden tools alike are "(unknown)"."""
-        if self.name in META_TOOLS:
-            return self.name, "meta"
-        served = self.generation.served.get(self.name)
-        if served is None or not served.exposed:
-            return UNKNOWN_TOOL, "none"
-        return self.name, served.guard.idempotency_class.value
+        return self.generation.labels.get(self.name, _UNKNOWN_LABELS)
 
     @property
     def limited(self) -> bool:
         """Counted against `limits.max_concurrent_per_principal`: meta tools are not, so polling stays
         possible while work runs."""
         return self.name not in META_TOOLS
+
+
+_UNKNOWN_LABELS = (UNKNOWN_TOOL, "none")
 
 
 def local_principal() -> str:
@@ -497,7 +498,8 @@ class Gateway:
             raise errors.invalid_arguments(str(exc)) from None
         # Encoded once: this text is what the size limit measures, the fingerprint hashes and the ledger keeps.
         arguments_json = canonical_json(validated)
-        size, limit = len(arguments_json.encode()), generation.policy.server.limits.max_argument_bytes
+        size = len(arguments_json) if arguments_json.isascii() else len(arguments_json.encode())
+        limit = generation.policy.server.limits.max_argument_bytes
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
         return CallRequest(
@@ -605,15 +607,35 @@ def render(answer: Answer) -> types.CallToolResult:
     meta = dict(answer.result.meta or {})  # the tool's own keys, then commitgate's
     if answer.operation:
         meta[OPERATION_META] = operation_meta(answer.operation, answer.replayed)
-    content = list(answer.result.content)
+    content = _blocks(answer.result.content)
     if answer.replayed and answer.operation is not None:
         # Clients such as Claude Desktop show the model the content, not `_meta`: say it in words too.
-        content.append({"type": "text", "text": replay_note(answer.operation)})
-    return types.CallToolResult(
-        content=content,  # validated into content blocks by pydantic
-        structured_content=answer.result.structured,
-        _meta=meta or None,
+        content.append(_text(replay_note(answer.operation)))
+    return types.CallToolResult.model_construct(
+        content=content, structured_content=answer.result.structured, meta=meta or None
     )
+
+
+# Results are built from values already in wire shape: text blocks (nearly every block a tool
+# answers with) are made without validating them again; any other block is validated as the
+# SDK would. The result holds exactly the fields a validated one would, so it dumps the same.
+_ContentBlocks: TypeAdapter[list[types.ContentBlock]] = TypeAdapter(list[types.ContentBlock])
+_TEXT_KEYS = frozenset({"type", "text"})
+
+
+def _text(text: str) -> types.TextContent:
+    return types.TextContent.model_construct(type="text", text=text)
+
+
+def _blocks(content: Sequence[Mapping[str, Any]]) -> list[types.ContentBlock]:
+    blocks: list[types.ContentBlock] = []
+    for block in content:
+        text = block.get("text") if isinstance(block, dict) else None
+        if type(text) is str and block.get("type") == "text" and block.keys() <= _TEXT_KEYS:
+            blocks.append(_text(text))
+        else:
+            blocks.extend(_ContentBlocks.validate_python([block]))
+    return blocks
 
 
 def replay_note(op: Operation) -> str:
@@ -643,8 +665,8 @@ def _not_found_advice(args: Mapping[str, Any], session: str) -> str:
 def render_error(error: GateError, replayed: bool) -> types.CallToolResult:
     op = error.operation
     op_view = operation_meta(op, replayed) if op is not None else None
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=f"[{error.code.value}] {error.message}")],
+    return types.CallToolResult.model_construct(
+        content=[_text(f"[{error.code.value}] {error.message}")],
         structured_content={
             "error": {
                 "code": error.code.value,
@@ -654,7 +676,7 @@ def render_error(error: GateError, replayed: bool) -> types.CallToolResult:
             }
         },
         is_error=True,
-        _meta={OPERATION_META: op_view} if op_view else None,
+        meta={OPERATION_META: op_view} if op_view else None,
     )
 
 
