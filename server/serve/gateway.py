@@ -625,12 +625,14 @@ def _text(text: str) -> types.TextContent:
 
 def _blocks(content: Sequence[Mapping[str, Any]]) -> list[Any]:
     return [
-        _text(block["text"]) if isinstance(block, dict) and _is_text(block) else block for block in content
+        types.TextContent(type="text", text=block["text"])
+        if isinstance(block, dict)
+        and block.keys() <= _TEXT_KEYS
+        and type(block.get("text")) is str
+        and block.get("type") == "text"
+        else block
+        for block in content
     ]
-
-
-def _is_text(block: Mapping[str, Any]) -> bool:
-    return block.get("type") == "text" and type(block.get("text")) is str and block.keys() <= _TEXT_KEYS
 
 
 _TEXT_KEYS = frozenset({"type", "text"})
