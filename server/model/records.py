@@ -12,6 +12,11 @@ from typing import Any
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 
+# Encoders made once: `json.dumps` with any option builds a new JSONEncoder on every call, which
+# cost a guarded call more than encoding its small result. Same options, same text.
+_encode_result = json.JSONEncoder(separators=(",", ":")).encode
+_encode_value = json.JSONEncoder(separators=(",", ":"), default=str, ensure_ascii=False).encode
+
 
 @dataclass(frozen=True, slots=True)
 class ToolResult:
@@ -28,7 +33,7 @@ class ToolResult:
             document: dict[str, Any] = {"content": self.content, "structuredContent": self.structured}
             if self.meta:
                 document["_meta"] = self.meta
-            encoded = json.dumps(document, separators=(",", ":"))
+            encoded = _encode_result(document)
             object.__setattr__(self, "_json", encoded)  # a cache, not a change: the value stays equal
             return encoded
         return self._json
@@ -48,7 +53,7 @@ class ToolResult:
         if isinstance(value, ToolResult):
             return value
         structured = value if isinstance(value, dict) else {"result": value}
-        text = json.dumps(value, separators=(",", ":"), default=str, ensure_ascii=False)
+        text = _encode_value(value)
         return cls(content=[{"type": "text", "text": text}], structured=structured)
 
 

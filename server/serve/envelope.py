@@ -33,6 +33,7 @@ class Generation:
     served: Mapping[str, ServedTool]
     meta: frozenset[str]  # the meta tools offered beside them
     listed: tuple[types.Tool, ...]  # what tools/list answers
+    labels: Mapping[str, tuple[str, str]]  # (tool, class) of each name a call may give, for Call.labels
 
     @classmethod
     def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
@@ -42,7 +43,9 @@ class Generation:
         )
         meta = [name for name in META_TOOLS if compensable or name != "compensate_session"]
         exposed = [s.definition for s in served.values() if s.exposed]
-        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)))
+        labels = {name: (name, s.guard.idempotency_class.value) for name, s in served.items() if s.exposed}
+        labels.update((name, (name, "meta")) for name in META_TOOLS)
+        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)), labels)
 
     def offers(self, name: str) -> bool:
         served = self.served.get(name)
@@ -63,18 +66,16 @@ class Call:
     @property
     def labels(self) -> tuple[str, str]:
         """(tool, class) as metrics and logs name them: unknown and hidden tools alike are "(unknown)"."""
-        if self.name in META_TOOLS:
-            return self.name, "meta"
-        served = self.generation.served.get(self.name)
-        if served is None or not served.exposed:
-            return UNKNOWN_TOOL, "none"
-        return self.name, served.guard.idempotency_class.value
+        return self.generation.labels.get(self.name, _UNKNOWN_LABELS)
 
     @property
     def limited(self) -> bool:
         """Counted against `limits.max_concurrent_per_principal`: meta tools are not, so polling stays
         possible while work runs."""
         return self.name not in META_TOOLS
+
+
+_UNKNOWN_LABELS = (UNKNOWN_TOOL, "none")
 
 
 class Reply(NamedTuple):

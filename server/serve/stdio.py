@@ -128,7 +128,7 @@ async def _deliver(
     if isinstance(screened, SessionMessage):
         await out.send(screened)
     elif screened is not None:
-        writer.write(screened.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n")
+        writer.write(_encoded(screened))
         await writer.drain()
 
 
@@ -195,9 +195,14 @@ def _usable_id(document: Any) -> types.RequestId | None:
 async def _pump_out(writer: asyncio.StreamWriter, source: ContextReceiveStream[SessionMessage]) -> None:
     async with source:
         async for message in source:
-            text = message.message.model_dump_json(by_alias=True, exclude_unset=True)
-            writer.write(text.encode("utf-8") + b"\n")
+            writer.write(_encoded(message.message))
             await writer.drain()  # back-pressure from a slow reader, and an error if it went away
+
+
+def _encoded(message: types.JSONRPCMessage) -> bytes:
+    """One line of the wire: the text `model_dump_json` gives, as the UTF-8 bytes pydantic makes
+    first (no decode to text and encode back per message), and its newline."""
+    return message.__pydantic_serializer__.to_json(message, by_alias=True, exclude_unset=True) + b"\n"
 
 
 @contextlib.asynccontextmanager
