@@ -396,7 +396,7 @@ async def test_a_first_round_that_asks_the_client_is_replied_as_input_required(t
     from commitgate.server.serve.gateway import Gateway
 
     policy = loads_policy(
-        '[tools.r]\nclass = "key-required"\npython = "commitgate.tools.demo:refund"\n'
+        '[tools.r]\nclass = "key-required"\npython = "commitgate.server.demo.tools:refund"\n'
         'approval = { via = ["client"] }\n'
     )
     policy.ledger.url = f"sqlite:///{tmp_path / 'ledger.db'}"

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.http_servers import GATED_ENV, GATED_TOOL, Served, bearer, connect, running, write_policy
 from support.otlp import Span, otlp_receiver
 
-from commitgate.tools import demo
+from commitgate.server.demo import tools as demo
 
 pytestmark = pytest.mark.anyio
 
