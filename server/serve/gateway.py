@@ -28,6 +28,7 @@ from commitgate.server.core.errors import GateError
 from commitgate.server.core.requests import (
     Answer,
     CallRequest,
+    RunSettings,
     canonical_json,
     check_key,
     check_session,
@@ -158,6 +159,7 @@ class Generation:
     served: Mapping[str, ServedTool]
     meta: frozenset[str]  # the meta tools offered beside them
     listed: tuple[types.Tool, ...]  # what tools/list answers
+    settings: RunSettings  # what each call keeps until its outcome is recorded
 
     @classmethod
     def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
@@ -167,7 +169,8 @@ class Generation:
         )
         meta = [name for name in META_TOOLS if compensable or name != "compensate_session"]
         exposed = [s.definition for s in served.values() if s.exposed]
-        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)))
+        listed = (*exposed, *(META_TOOLS[name] for name in meta))
+        return cls(policy, served, frozenset(meta), listed, RunSettings.of(policy.server))
 
     def offers(self, name: str) -> bool:
         served = self.served.get(name)
@@ -299,6 +302,8 @@ class Gateway:
         if self.faults is not None:
             served = self.faults.wrap(served)
         self.generation = Generation.of(policy, served)
+        # The boundary's current settings and tools serve polls and its duties, which no call carries;
+        # a call keeps its generation's (`Call.generation`, `CallRequest.settings`) whatever this changes.
         self.boundary.settings = policy.server
         if self.evidence is not None:  # new [[notify]] entries hear the changes from now on
             follow(self.evidence, policy)
@@ -414,7 +419,7 @@ class Gateway:
                 delay = min(delay * 2, 1.0)
             scope.cancel()  # decided elsewhere (an operator) or expired
 
-        with anyio.move_on_after(self.policy.server.respond_within):
+        with anyio.move_on_after((request.settings or self.generation.settings).respond_within):
             async with anyio.create_task_group() as group:
                 group.start_soon(ask, group.cancel_scope)
                 group.start_soon(watch, group.cancel_scope)
@@ -501,7 +506,14 @@ class Gateway:
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
         return CallRequest(
-            tool, validated, checked, session, principal, arguments_json, confirm_duplicate=confirmed
+            tool,
+            validated,
+            checked,
+            session,
+            principal,
+            arguments_json,
+            confirm_duplicate=confirmed,
+            settings=generation.settings,
         )
 
     # --- meta tools ------------------------------------------------------------------------------
@@ -557,7 +569,9 @@ class Gateway:
 
     async def _compensate_session(self, args: dict[str, Any], session: str, principal: str) -> dict[str, Any]:
         parsed = _parse(_CompensateArgs, args)
-        saga = Saga(self.ledger, self.boundary, self.boundary.tools)
+        generation = self.generation
+        tools = {name: served.guard for name, served in generation.served.items()}
+        saga = Saga(self.ledger, self.boundary, tools, generation.settings)
         return await saga.compensate(
             principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
         )
