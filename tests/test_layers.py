@@ -310,34 +310,3 @@ def test_a_command_that_serves_nothing_imports_neither_the_mcp_sdk_nor_an_http_c
     )
     assert done.returncode == code and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert (tmp_path / "loaded").read_text() == "", done.stdout + done.stderr
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The import cycles of `graph` (module -> the modules it imports): each a path back to its start."""
-    found, done = [], set()
-
-    def visit(module: str, path: list[str]) -> None:
-        for target in sorted(graph.get(module, ())):
-            if target in path:
-                found.append([*path[path.index(target) :], target])
-            elif target not in done:
-                visit(target, [*path, target])
-        done.add(module)
-
-    for module in sorted(graph):
-        if module not in done:
-            visit(module, [module])
-    return found
-
-
-def test_the_serve_modules_import_one_another_without_a_cycle() -> None:
-    """Type-only imports count: a cycle is a circle a reader has to walk, whenever it is resolved."""
-    serve = "commitgate.server.serve"
-    folders = {serve: FOLDERS["commitgate.server"] / "serve"}
-    names = {module for module, _ in modules(folders)}
-    graph: dict[str, set[str]] = {}
-    for module, path in modules(folders):
-        targets = {t if t in names else t.rpartition(".")[0] for _, t in imports_of(module, path)}
-        graph[module] = {t for t in targets if t in names and t not in (module, serve)}
-    assert cycles(graph) == []
-    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # the check itself sees one

@@ -13,8 +13,10 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -423,6 +425,81 @@ async def test_a_call_in_flight_keeps_the_tool_it_started_with(server: Server) -
         with pytest.raises(MCPError, match="Unknown tool"):
             await client.call_tool("hold", {"label": "b", "idempotency_key": "h-2"})
         assert (server.tmp / "effects.log").read_text() == "a\n"
+
+
+# The settings a call is claimed under, and the edit made while it runs: a longer lease, a shorter
+# respond_within, and a result limit below what `hold` returns.
+CLAIMED_UNDER = """
+lease = "9s"
+respond_within = "30s"
+limits = { max_result_bytes = 65536 }
+"""
+EDITED_TO = """
+lease = "60s"
+respond_within = "1s"
+limits = { max_result_bytes = 16 }
+"""
+
+
+def _lease_left(operation: dict[str, Any]) -> float:
+    return datetime.fromisoformat(operation["lease_expires_at"]).timestamp() - time.time()
+
+
+async def test_a_call_in_flight_keeps_the_settings_it_was_claimed_under(server: Server) -> None:
+    (server.tmp / "cg_gate.py").write_text(GATE_MODULE.format(base=str(server.tmp)))
+    write_policy(server.policy, CLAIMED_UNDER, HOLD)
+    async with server.client("legacy") as client, anyio.create_task_group() as tasks:
+        results: list[Any] = []
+
+        async def hold() -> None:
+            results.append(await client.call_tool("hold", {"label": "a", "idempotency_key": "h-1"}))
+
+        tasks.start_soon(hold)
+        await eventually(_exists(server.tmp / "started-a"), "the call to start")
+
+        write_policy(server.policy, EDITED_TO, HOLD)
+
+        async def applied() -> bool:
+            return "applied: 1 tool(s)" in server.logged()
+
+        await eventually(applied, "the edit to apply")
+        # Past the new respond_within, and past a lease renewal (every 3 s, a third of the lease the
+        # server started with): the lease renewed is still the 9 s one the call was claimed under.
+        with anyio.fail_after(DEADLINE):
+            renewed_after = time.time() + 4.0
+            while time.time() < renewed_after:
+                status = await client.call_tool("get_operation_status", {"idempotency_key": "h-1"})
+                operation = status.structured_content["operation"]
+                assert operation["state"] == "RUNNING"
+                assert _lease_left(operation) <= 9.5
+                await anyio.sleep(0.25)
+        assert results == []  # the old respond_within: no operation_in_progress answer yet
+        (server.tmp / "open-a").touch()
+
+        async def finished() -> bool:
+            return bool(results)
+
+        await eventually(finished, "the call to finish")
+        [result] = results
+        assert not result.is_error
+        assert result.structured_content == {"label": "a", "done": True}  # the old result limit
+        assert result.meta["commitgate/operation"]["state"] == "SUCCEEDED"
+        status = await client.call_tool("get_operation_status", {"idempotency_key": "h-1"})
+        assert (
+            status.structured_content["operation"]["result"]["structuredContent"] == result.structured_content
+        )
+
+        (server.tmp / "open-b").touch()  # a new call follows the new settings
+        later = await client.call_tool("hold", {"label": "b", "idempotency_key": "h-2"})
+        assert later.structured_content["result_too_large"]["limit"] == 16
+        assert (server.tmp / "effects.log").read_text() == "a\nb\n"  # one effect per call
+
+
+def _exists(path: Path) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return path.exists()
+
+    return check
 
 
 STUB_UPSTREAM = '''

@@ -1,4 +1,5 @@
-"""What a guarded call is made of, before the ledger sees it: the tool, the request, the answer.
+"""What a guarded call is made of, before the ledger sees it: the tool, the settings it keeps, the
+request, the answer.
 
 The fingerprint (docs/contract.md#fingerprint), the key and session checks, and the error an
 operation's recorded state answers with live here, beside the records they describe.
@@ -16,7 +17,7 @@ from commitgate.server.core.budgets import Budget
 from commitgate.server.core.errors import GateError
 from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
-from commitgate.server.policy.models import ToolPolicy
+from commitgate.server.policy.models import ServerPolicy, ToolPolicy
 from commitgate.tools.base import ToolSource
 
 
@@ -33,6 +34,28 @@ class GuardedTool:
 
 
 @dataclass(frozen=True, slots=True)
+class RunSettings:
+    """The `[server]` settings a call keeps from its claim to the record of its outcome: those of the
+    policy it was claimed under, whatever a reload changes meanwhile."""
+
+    lease: float
+    respond_within: float
+    in_progress_wait: float
+    retention: float
+    max_result_bytes: int
+
+    @classmethod
+    def of(cls, server: ServerPolicy) -> RunSettings:
+        return cls(
+            server.lease,
+            server.respond_within,
+            server.in_progress_wait,
+            server.retention,
+            server.limits.max_result_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CallRequest:
     tool: GuardedTool
     arguments: dict[str, Any]  # validated, normalised, without the key
@@ -41,6 +64,7 @@ class CallRequest:
     principal: str
     arguments_json: str | None = None  # canonical JSON of `arguments`, when the caller encoded it already
     confirm_duplicate: bool = False  # the caller means a second action like a recent one
+    settings: RunSettings | None = None  # its policy's; None: the boundary's current ones, when it begins
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from commitgate.server.core import errors
 from commitgate.server.core.boundary import CommitBoundary
-from commitgate.server.core.requests import Answer, CallRequest, GuardedTool
+from commitgate.server.core.requests import Answer, CallRequest, GuardedTool, RunSettings
 from commitgate.server.ledger.base import Ledger, OperationFilter, Transition
 from commitgate.server.model.audit import Actor, AuditEvent
 from commitgate.server.model.facts import REFERENCE, IdempotencyClass, State
@@ -71,6 +71,7 @@ class Saga:
     ledger: Ledger
     boundary: CommitBoundary
     tools: Mapping[str, GuardedTool]
+    settings: RunSettings | None = None  # what each compensation keeps (None: the boundary's current)
 
     async def compensate(
         self, principal: str, session: str, keys: list[str] | None, reason: str | None
@@ -139,7 +140,12 @@ class Saga:
                 None, None, False, errors.invalid_arguments(f"compensation of {forward.step}: {exc}")
             )
         request = CallRequest(
-            target, validated, compensation_key(forward), forward.session, forward.principal
+            target,
+            validated,
+            compensation_key(forward),
+            forward.session,
+            forward.principal,
+            settings=self.settings,
         )
         return await self.boundary.call(request)
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import mcp.types as types
 
+from commitgate.server.core.requests import RunSettings
 from commitgate.server.model.events import OK
 from commitgate.server.model.facts import IdempotencyClass
 from commitgate.server.model.records import Operation
@@ -34,6 +35,7 @@ class Generation:
     meta: frozenset[str]  # the meta tools offered beside them
     listed: tuple[types.Tool, ...]  # what tools/list answers
     labels: Mapping[str, tuple[str, str]]  # (tool, class) of each name a call may give, for Call.labels
+    settings: RunSettings  # what each call keeps until its outcome is recorded
 
     @classmethod
     def of(cls, policy: Policy, served: Mapping[str, ServedTool]) -> Generation:
@@ -45,7 +47,8 @@ class Generation:
         exposed = [s.definition for s in served.values() if s.exposed]
         labels = {name: (name, s.guard.idempotency_class.value) for name, s in served.items() if s.exposed}
         labels.update((name, (name, "meta")) for name in META_TOOLS)
-        return cls(policy, served, frozenset(meta), (*exposed, *(META_TOOLS[name] for name in meta)), labels)
+        listed = (*exposed, *(META_TOOLS[name] for name in meta))
+        return cls(policy, served, frozenset(meta), listed, labels, RunSettings.of(policy.server))
 
     def offers(self, name: str) -> bool:
         served = self.served.get(name)

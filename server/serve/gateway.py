@@ -174,6 +174,8 @@ class Gateway:
         if self.faults is not None:
             served = self.faults.wrap(served)
         self.generation = Generation.of(policy, served)
+        # The boundary's current settings and tools serve polls and its duties, which no call carries;
+        # a call keeps its generation's (`Call.generation`, `CallRequest.settings`) whatever this changes.
         self.boundary.settings = policy.server
         if self.evidence is not None:  # new [[notify]] entries hear the changes from now on
             follow(self.evidence, policy)
@@ -296,7 +298,7 @@ class Gateway:
                 delay = min(delay * 2, 1.0)
             scope.cancel()  # decided elsewhere (an operator) or expired
 
-        with anyio.move_on_after(self.policy.server.respond_within):
+        with anyio.move_on_after((request.settings or self.generation.settings).respond_within):
             async with anyio.create_task_group() as group:
                 group.start_soon(ask, group.cancel_scope)
                 group.start_soon(watch, group.cancel_scope)
@@ -384,7 +386,14 @@ class Gateway:
         if size > limit:
             raise errors.invalid_arguments(f"the arguments are {size} bytes; at most {limit} are accepted")
         return CallRequest(
-            tool, validated, checked, session, principal, arguments_json, confirm_duplicate=confirmed
+            tool,
+            validated,
+            checked,
+            session,
+            principal,
+            arguments_json,
+            confirm_duplicate=confirmed,
+            settings=generation.settings,
         )
 
     # --- meta tools ------------------------------------------------------------------------------
@@ -430,12 +439,14 @@ class Gateway:
         where = OperationFilter(principal, parsed.session, parsed.state, parsed.tool, limit=parsed.limit)
         now = time.time()
         found = await self.ledger.find(where)
-        touched = await expiry.touch_all(self.ledger, found, now, self.boundary.tell, self.boundary.leases)
+        touched = await expiry.touch_all(self.ledger, found, now, self.boundary.tell, self.boundary.runs)
         return {"operations": [status_view(op, self._forwards_key(op), now) for op in touched]}
 
     async def _compensate_session(self, args: dict[str, Any], session: str, principal: str) -> dict[str, Any]:
         parsed = _parse(_CompensateArgs, args)
-        saga = Saga(self.ledger, self.boundary, self.boundary.tools)
+        generation = self.generation
+        tools = {name: served.guard for name, served in generation.served.items()}
+        saga = Saga(self.ledger, self.boundary, tools, generation.settings)
         return await saga.compensate(
             principal, parsed.session or session, parsed.idempotency_keys, parsed.reason
         )
