@@ -32,7 +32,7 @@ STAGES: dict[tuple[str, str], str] = {
     ("serve/gateway.py", "_request"): "arguments: key, validation, encoding",
     ("core/boundary.py", "call"): "boundary.call: the caller's side",
     ("ledger/sqlite/__init__.py", "claim"): "ledger claim",
-    ("core/boundary.py", "_execute"): "the operation's work task",
+    ("core/runs.py", "_execute"): "the operation's work task",
     ("tools/python.py", "call"): "running the tool",
     ("ledger/sqlite/__init__.py", "update"): "ledger outcome",
     ("serve/gateway.py", "render"): "rendering the answer",
