@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from commitgate.server.cli.main import build_parser
-from commitgate.server.core.requests import canonical_json, fingerprint
+from commitgate.server.core.requests import fingerprint
+from commitgate.server.model.canonical import canonical_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

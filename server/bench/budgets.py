@@ -29,10 +29,11 @@ from typing import Any
 
 from commitgate.server.core.boundary import CommitBoundary
 from commitgate.server.core.budgets import Budget
-from commitgate.server.core.requests import CallRequest, GuardedTool, canonical_json
+from commitgate.server.core.requests import CallRequest, GuardedTool
 from commitgate.server.ledger.base import BudgetCheck, ClaimRequest, Transition
 from commitgate.server.ledger.sqlite import SQLiteLedger
 from commitgate.server.model.audit import AuditEvent
+from commitgate.server.model.canonical import canonical_json
 from commitgate.server.model.context import OperationContext
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import ToolResult

@@ -28,7 +28,6 @@ from commitgate.server.core.requests import (
     CallRequest,
     GuardedTool,
     RunSettings,
-    canonical_json,
     error_for_state,
     fingerprint,
 )
@@ -48,6 +47,7 @@ from commitgate.server.ledger.base import (
     owner_known_dead,
 )
 from commitgate.server.model.audit import Actor, AuditEvent
+from commitgate.server.model.canonical import canonical_json
 from commitgate.server.model.events import Event
 from commitgate.server.model.facts import ErrorCode, IdempotencyClass, State
 from commitgate.server.model.notes import ErrorRecord, ReconciliationNote

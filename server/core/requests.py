@@ -80,10 +80,6 @@ class Answer:
         return cls(None, error.operation, error.replayed, error)
 
 
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def fingerprint(tool: str, arguments_json: str) -> str:
     """SHA-256 of canonical JSON {"arguments": ..., "tool": ...}: docs/contract.md#fingerprint."""
     document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"

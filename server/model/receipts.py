@@ -21,6 +21,8 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from commitgate.server.model.canonical import canonical_json
+
 # Every field, in the order an export writes them (the hash is over the sorted keys anyway).
 FIELDS = (
     "seq", "writer", "at", "operation_id", "principal", "session", "tool", "transition", "state", "actor",
@@ -31,7 +33,7 @@ GENESIS = "0" * 64  # the `prev` of a chain's first receipt
 
 
 def canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return canonical_json(value).encode()
 
 
 def receipt_hash(receipt: Mapping[str, Any]) -> str:

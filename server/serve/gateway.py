@@ -28,7 +28,6 @@ from commitgate.server.core.errors import GateError
 from commitgate.server.core.requests import (
     Answer,
     CallRequest,
-    canonical_json,
     check_key,
     check_session,
     error_for_state,
@@ -44,6 +43,7 @@ from commitgate.server.ledger import (
     open_ledger,
 )
 from commitgate.server.ledger.evidence import Evidence
+from commitgate.server.model.canonical import canonical_json
 from commitgate.server.model.events import INPUT_REQUIRED, OK, CallAnswered, CallObserver, Observer
 from commitgate.server.model.facts import (
     OPERATION_META,
