@@ -106,6 +106,9 @@ async def test_logs_metrics_and_spans_of_a_call_agree_on_its_code_and_operation(
                     await wait_running(client, "k-held")
                     over = await call("charge_card", {**charge, "idempotency_key": "k-over"})
                     group.cancel_scope.cancel()  # the client gives up on the held call
+                with anyio.fail_after(20):  # the server hears it before the tool can finish
+                    while len(call_lines(served)) < 6:
+                        await anyio.sleep(0.05)
                 gate.touch()  # the keyed call still runs to its recorded outcome, once
                 with anyio.fail_after(20):
                     while not demo.count("tasks", idempotency_key="k-held"):
