@@ -381,15 +381,6 @@ class CommitBoundary(Site):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
 
-    async def _reread(self, op: Operation) -> Operation:
-        try:
-            current = await self.ledger.get_by_id(op.principal, op.operation_id)
-        except LedgerUnavailable as exc:
-            raise unavailable(exc) from None
-        if current is None:  # purged meanwhile; nothing more is known
-            return op
-        return current
-
     async def touch_approval(self, op: Operation) -> Operation:
         return await expiry.expire_approval(self.ledger, op, self.clock(), self.tell)
 

@@ -680,25 +680,8 @@ def _new_operation(request: ClaimRequest, now: float) -> Operation:
 
 
 def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
-    return (
-        op.operation_id,
-        op.principal,
-        op.session,
-        op.step,
-        op.tool,
-        op.idempotency_class.value,
-        op.fingerprint,
-        request.arguments_json,
-        op.lease_owner,
-        op.lease_expires_at,
-        op.retention,
-        op.created_at,
-        op.updated_at,
-        *_budget_columns(request),
-        op.created_at if request.budget is not None else None,  # it runs, so it spends, now
-        op.lease_owner,
-        time.monotonic(),  # the attempt's start (see `attempt_started`)
-    )
+    spent_at = op.created_at if request.budget is not None else None  # it runs, so it spends, now
+    return (*_claimed(op, request), *_budget_columns(request), spent_at, *_attempt(op))
 
 
 def _budget_columns(request: ClaimRequest) -> tuple[str | None, int | None, int | None]:
@@ -709,6 +692,11 @@ def _budget_columns(request: ClaimRequest) -> tuple[str | None, int | None, int 
 
 def _unbudgeted_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
     """`_insert_row` for INSERT_UNBUDGETED: a claim without a budget."""
+    return (*_claimed(op, request), *_attempt(op))
+
+
+def _claimed(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
+    """The columns every new operation fills, in the order both INSERTs name them first."""
     return (
         op.operation_id,
         op.principal,
@@ -723,9 +711,11 @@ def _unbudgeted_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
         op.retention,
         op.created_at,
         op.updated_at,
-        op.lease_owner,
-        time.monotonic(),  # the attempt's start (see `attempt_started`)
     )
+
+
+def _attempt(op: Operation) -> tuple[Any, ...]:
+    return (op.lease_owner, time.monotonic())  # who runs it and the attempt's start (see `attempt_started`)
 
 
 def _claimed_row(op: Operation) -> tuple[Any, ...]:
