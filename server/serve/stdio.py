@@ -40,6 +40,8 @@ from anyio.abc import TaskGroup
 from mcp.shared._context_streams import ContextReceiveStream, ContextSendStream, create_context_streams
 from mcp.shared.message import SessionMessage
 
+from commitgate.server.ledger.threads import name_os_thread
+
 _CHUNK = 1 << 16
 
 log = logging.getLogger("commitgate.stdio")
@@ -227,13 +229,14 @@ class _Lines:
         self._answers: ContextSendStream[SessionMessage] | None = None
         self._ready = anyio.Event()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read, args=(fd, loop), daemon=True, name="stdin lines").start()
+        threading.Thread(target=self._read, args=(fd, loop), daemon=True, name="commitgate-stdin").start()
 
     def answer_on(self, write: ContextSendStream[SessionMessage]) -> None:
         self._answers = write
         self._ready.set()
 
     def _read(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        name_os_thread()
         # The thread owns the descriptor: it is closed after the last read, never under a read.
         with os.fdopen(fd, "rb") as wire, contextlib.suppress(RuntimeError):
             for line in iter(wire.readline, b""):

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from commitgate.server.ledger.base import LedgerUnavailable
 from commitgate.server.ledger.evidence import Evidence, seal_sqlite, watch_sqlite
 from commitgate.server.ledger.sqlite._writes import run_writes
+from commitgate.server.ledger.threads import name_os_thread
 
 T = TypeVar("T")
 # A queued write: the write, the future that answers it, and that future's event loop.
@@ -195,6 +196,7 @@ class Writer(threading.Thread):
         self._queue.put(self._STOP)
 
     def run(self) -> None:
+        name_os_thread()
         try:
             self._take_writes()
         finally:
@@ -317,6 +319,7 @@ class _Checkpointer(threading.Thread):
         self._stopping = threading.Event()
 
     def run(self) -> None:
+        name_os_thread()
         try:
             while not self._stopping.wait(self._every):
                 self.checkpoint()
@@ -365,6 +368,7 @@ class _Syncer(threading.Thread):
             self._paid_through = self._owed_through
 
     def run(self) -> None:
+        name_os_thread()
         try:
             while True:
                 self._due.wait()
