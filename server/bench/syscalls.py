@@ -1,4 +1,5 @@
-"""What a call costs the disk: WAL pages and syncs per call, counted by strace on a real server.
+"""What a call costs the disk: WAL pages and syncs per call, counted by strace on a real server; and
+`counted()`, strace attached for a while to a running server, its system calls counted by kind.
 
     python -m commitgate.server.bench.syscalls [--calls N] [--durability full|claim] [--json]
 
@@ -19,11 +20,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +112,76 @@ def _count(events: list[str]) -> CallIO:
         checkpoint_pages=events.count("db-page"),
         db_syncs=events.count("db-sync"),
     )
+
+
+# The kinds of system call a served call is made of, by strace's names.
+KINDS = {
+    "disk_syncs": ("fdatasync", "fsync"),
+    "reads": ("read", "recvfrom", "recvmsg", "readv", "pread64"),
+    "writes": ("write", "sendto", "sendmsg", "writev", "pwrite64"),
+    "epoll_waits": ("epoll_wait", "epoll_pwait", "epoll_pwait2"),
+    "futex": ("futex",),  # a thread woken or waiting for a lock (the interpreter's among them)
+}
+ATTACH_TIMEOUT = 5.0
+
+
+def summary_counts(text: str) -> dict[str, int]:
+    """Calls by system call from `strace -c`'s table (% time, seconds, usecs/call, calls, [errors,] name)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[-1] != "total" and fields[3].isdigit() and fields[0][0].isdigit():
+            counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+def per_call(counts: dict[str, int], calls: int) -> dict[str, float]:
+    """Each kind's system calls per served call, and all of them."""
+    out = {
+        kind: round(sum(counts.get(name, 0) for name in names) / max(1, calls), 2)
+        for kind, names in KINDS.items()
+    }
+    return {**out, "all": round(sum(counts.values()) / max(1, calls), 2)}
+
+
+def _traced(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return any(line.split()[1:] != ["0"] for line in status.splitlines() if line.startswith("TracerPid:"))
+
+
+@contextmanager
+def counted(pid: int, out: Path) -> Iterator[Path]:
+    """`strace -c -f` attached to process `pid` while the block runs; its table is in the file yielded
+    once the block ends. Raises OSError when strace is missing or may not attach (ptrace is refused
+    to a process that is not an ancestor of the server, unless run as root)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        raise OSError("strace is not installed")
+    with open(out.with_suffix(".err"), "wb") as errors:
+        proc = subprocess.Popen(
+            [strace, "-c", "-f", "-q", "-o", str(out), "-p", str(pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+        )
+    try:
+        deadline = time.monotonic() + ATTACH_TIMEOUT
+        while not _traced(pid):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                reason = out.with_suffix(".err").read_text(errors="replace").strip().splitlines()
+                raise OSError(reason[-1] if reason else "strace did not attach")
+            time.sleep(0.02)
+        yield out
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # detach and write the table
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def count_calls(calls: int = 200, durability: str = "full") -> dict[str, Any]:

@@ -59,6 +59,7 @@ class Scale:
     load_sessions: tuple[int, ...] = (8, 32, 64)  # concurrent MCP sessions per server, over HTTP
     load_rounds: int = 5
     load_calls_per_round: int = 640  # per server and round, shared among its sessions
+    load_bounds_s: float = 5.0  # per server, after the timed rounds: counting system calls, then profiling
 
 
 FULL = Scale()
@@ -87,6 +88,7 @@ QUICK = Scale(
     load_sessions=(2, 4),
     load_rounds=2,
     load_calls_per_round=16,
+    load_bounds_s=1.0,
 )
 
 # --- calls and processes ---------------------------------------------------------------------------------
