@@ -209,6 +209,14 @@ def test_load_section_reports_both_servers_at_each_concurrency(tmp_path: Path) -
     warm_up = sum(level["sessions"] for level in levels)
     guarded_calls = sum(level["per_server"]["guarded"]["calls"] for level in levels)
     assert figures["load"]["guarded_operations_succeeded"] == guarded_calls + warm_up
+    # the server's CPU split by thread, and the untimed block: figures for both servers, or why not
+    threads = levels[-1]["per_server"]["guarded"]["thread_cpu_cores"]
+    assert set(threads) == {"event loop", "ledger writer", "checkpointer", "other threads"}
+    bounds = figures["load"]["bounds"]
+    assert bounds["sessions"] in QUICK.load_sessions
+    for part in ("profile", "syscalls_per_call"):
+        assert "note" in bounds[part] or set(bounds[part]) == {"plain_sdk", "guarded"}, bounds
+    assert "what bounds it" in proc.stdout
 
 
 def test_goals_are_judged_on_the_median_ratio() -> None:

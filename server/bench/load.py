@@ -351,7 +351,7 @@ async def _profiles(bench: Bench, sessions: int) -> dict[str, Any]:
     """Each server's samples by room, from a fresh pair of servers run under py-spy at `sessions` sessions."""
     spy = profile.py_spy()
     if spy is None:
-        return {"note": "no profile: py-spy is not installed (pip install py-spy)"}
+        return {"note": "no profile: py-spy is not installed (pip install py-spy, or commitgate[bench])"}
     outs = {name: bench.root / f"profile-{name}.txt" for name in SERVERS}
     try:
         with _servers(bench, "load-profile", lambda name: profile.record_argv(spy, outs[name])) as servers:

@@ -6,8 +6,9 @@ thread holding the interpreter lock, the one time that a single-process Python s
 overlap; `--nonblocking` reads the server without pausing it.
 
 Each sample goes to the room of the innermost frame that belongs to one: a library the server calls
-(pydantic, json, sqlite3, asyncio) counts for the room that called it. Samples of imports are left
-out: they are the server starting, not serving.
+(pydantic, json, sqlite3) counts for the room that called it, and asyncio's and anyio's code for the
+event loop only when no other room's frame is on the stack. Samples of imports are left out: they
+are the server starting, not serving.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ ROOMS = {
     "commit_boundary": "commit boundary (commitgate's core)",
     "ledger": "ledger (its writer thread and its reads)",
     "receipts": "receipts and outbox events",
-    "other": "other (the event loop idling, start-up, threads of no room)",
+    "event_loop": "event loop (asyncio and anyio scheduling, waking and cancelling tasks)",
+    "other": "other (start-up, and code of no room above)",
 }
 _TRANSPORT = {"uvicorn", "h11", "httptools", "starlette", "sse_starlette", "mcp"}
+# The event loop's own code: its room only when no frame of another room called it (a task's callback).
+_EVENT_LOOP = {"asyncio", "anyio", "selectors.py"}
 # commitgate's folders, most specific first: a path relative to the package or the source tree.
 _COMMITGATE = (
     ("server/ledger/evidence", "receipts"),
@@ -67,7 +71,7 @@ def room_of(file: str) -> str | None:
 
 def room_of_stack(frames: list[str]) -> str | None:
     """The room of one sample (outermost frame first); None for a sample taken during an import."""
-    room = "other"
+    room, fallback = None, "other"
     for frame in frames:
         match = _FRAME_FILE.search(frame)
         if match is None:
@@ -75,7 +79,9 @@ def room_of_stack(frames: list[str]) -> str | None:
         if frame.startswith("_find_and_load "):
             return None
         room = room_of(match["file"]) or room
-    return room
+        if match["file"].split("/", 1)[0] in _EVENT_LOOP:
+            fallback = "event_loop"
+    return room or fallback
 
 
 def shares(raw: Iterable[str]) -> dict[str, object]:

@@ -12,6 +12,14 @@ from typing import Any
 
 from rich.table import Table
 
+from commitgate.server.bench.bounds import (
+    level_bound,
+    rooms_text,
+    syscalls_text,
+    thread_text,
+    untimed_reading,
+)
+
 # --- goals and correctness checks ------------------------------------------------------------------------------
 
 
@@ -62,31 +70,34 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
             "met": ledger["ops_per_s"] >= 20_000 and ledger["p99_us"] <= 8_000,
         }
     if "load" in results:
-        out["cost_under_load"] = load_goal(results["load"])
+        out["cost_under_load"] = load_goal(results["load"], results.get("meta", {}).get("cpus"))
     return out
 
 
-def load_goal(load: dict[str, Any]) -> dict[str, Any]:
+def load_goal(load: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
     """Under load, at every concurrency: guarded durable calls/s ≥ the plain SDK server's, and the
-    guarded p99 ≤ the plain server's p99."""
+    guarded p99 ≤ the plain server's p99. Each level missed says what bounds it (`cpus`: the
+    machine's cores), and the untimed block where the guarded server's time went."""
     levels = []
     for level in load["levels"]:
         plain, guarded = level["per_server"]["plain_sdk"], level["per_server"]["guarded"]
         ratio = level["guarded_over_plain"]["median"]
-        levels.append(
-            {
-                "sessions": level["sessions"],
-                "ratio": ratio,
-                "p99_ms": {"plain_sdk": plain["p99_ms"], "guarded": guarded["p99_ms"]},
-                "met": ratio >= 1.0 and guarded["p99_ms"] <= plain["p99_ms"],
-            }
-        )
+        judged: dict[str, Any] = {
+            "sessions": level["sessions"],
+            "ratio": ratio,
+            "p99_ms": {"plain_sdk": plain["p99_ms"], "guarded": guarded["p99_ms"]},
+            "met": ratio >= 1.0 and guarded["p99_ms"] <= plain["p99_ms"],
+        }
+        if not judged["met"]:
+            judged["bounded_by"] = level_bound(level, cpus)
+        levels.append(judged)
     return {
         "measure": "guarded durable calls/s ÷ plain SDK no-op calls/s, and p99 guarded vs plain, over "
         "streamable HTTP at each concurrency",
         "levels": levels,
         "goal": ">= 1.0 at each concurrency, guarded p99 <= plain p99",
         "met": all(level["met"] for level in levels),
+        "what_bounds_it": untimed_reading(load.get("bounds", {})),
     }
 
 
@@ -178,7 +189,7 @@ def missed_notes(results: dict[str, Any]) -> list[str]:
         "disk sync per batch), which takes turns with the event loop's Python under the interpreter lock, and "
         "its 99th percentile by the checkpoint, which competes for the disk; both share the machine with "
         "whatever else runs on it.",
-        "cost_under_load": _load_bounds(results.get("load", {})),
+        "cost_under_load": _load_bounds(targets.get("cost_under_load", {})),
     }
     lines = [
         f"[bold]{TARGET_ROWS[name]}[/] missed its target ({target['goal']}): {why[name]}{busy}"
@@ -694,10 +705,12 @@ def plot(results: dict[str, Any], raw: dict[str, Any], path: Path) -> str:
 
 def _rows_load(results: dict[str, Any]) -> list[Row]:
     """One row per concurrency: both servers' calls per second and p99, the ratio and its verdict;
-    then where the CPU went."""
+    then where the CPU went, by process and by thread, and what each call asked of the kernel; then
+    the untimed block's profile and system calls."""
     rows: list[Row] = []
+    load = results["load"]
     judged = {level["sessions"]: level for level in results["goals"]["cost_under_load"]["levels"]}
-    for level in results["load"]["levels"]:
+    for level in load["levels"]:
         plain, guarded = level["per_server"]["plain_sdk"], level["per_server"]["guarded"]
         ratio = level["guarded_over_plain"]
         rows.append(
@@ -711,44 +724,75 @@ def _rows_load(results: dict[str, Any]) -> list[Row]:
                 _verdict(judged[level["sessions"]]["met"]),
             )
         )
-    for level in results["load"]["levels"]:
+    for level in load["levels"]:
         plain, guarded = level["per_server"]["plain_sdk"], level["per_server"]["guarded"]
         rows.append(
             (
                 "under load",
-                f"{level['sessions']} sessions: CPU cores busy (client process / server process) and "
-                "server CPU per call, plain SDK; guarded",
+                f"{level['sessions']} sessions: CPU cores busy (client process / server process), server CPU "
+                "per call, and the server's cores by thread, plain SDK; guarded",
                 f"{plain['client_cpu_cores']:.2f} / {plain['server_cpu_cores']:.2f} cores, "
-                f"{plain['server_cpu_us_per_call']:.0f} µs; {guarded['client_cpu_cores']:.2f} / "
-                f"{guarded['server_cpu_cores']:.2f} cores, {guarded['server_cpu_us_per_call']:.0f} µs",
-                "a process near 1.0 core bounds its figure",
+                f"{plain['server_cpu_us_per_call']:.0f} µs ({thread_text(plain)}); {guarded['client_cpu_cores']:.2f} / "
+                f"{guarded['server_cpu_cores']:.2f} cores, {guarded['server_cpu_us_per_call']:.0f} µs "
+                f"({thread_text(guarded)})",
+                "a process or thread near 1.0 core bounds its figure",
                 "—",
             )
         )
-    return rows
+    for level in load["levels"]:
+        plain, guarded = level["per_server"]["plain_sdk"], level["per_server"]["guarded"]
+        rows.append(
+            (
+                "under load",
+                f"{level['sessions']} sessions: per call, the server's context switches (a thread put to sleep "
+                "or pre-empted) and its reads / writes of files (from /proc; sockets not counted), plain SDK; guarded",
+                f"{_kernel_text(plain)}; {_kernel_text(guarded)}",
+                "each is a trip through the kernel: fewer is cheaper",
+                "—",
+            )
+        )
+    return rows + _rows_untimed(load.get("bounds", {}))
 
 
-def _load_bounds(load: dict[str, Any]) -> str:
-    """What bounds the guarded server's throughput where it fell shortest, from the CPU the processes used."""
-    worst = min(load.get("levels", []), key=lambda level: level["guarded_over_plain"]["median"], default=None)
-    if worst is None:
-        return ""
-    plain, guarded = worst["per_server"]["plain_sdk"], worst["per_server"]["guarded"]
-    bound = (
-        "neither process kept even half a core busy, so the calls mostly waited: for the ledger's disk syncs, "
-        "or for a machine busy with other work"
-        if max(guarded["client_cpu_cores"], guarded["server_cpu_cores"]) < 0.5
-        else "the client process was the busier one, so the client bounds this figure as much as the server does"
-        if guarded["client_cpu_cores"] >= guarded["server_cpu_cores"]
-        else "the server was the busier process: it is bound by its own Python (one event loop; the "
-        "ledger's writer thread takes turns with it under the interpreter lock)"
-    )
+def _kernel_text(figures: dict[str, Any]) -> str:
     return (
-        f"at {worst['sessions']} sessions the guarded server spent {guarded['server_cpu_us_per_call']:.0f} µs of "
-        f"CPU per call against the plain server's {plain['server_cpu_us_per_call']:.0f} µs, with "
-        f"{guarded['server_cpu_cores']:.2f} cores busy in the server and {guarded['client_cpu_cores']:.2f} in the "
-        f"client; {bound}. Both servers spend most of a call in the MCP SDK's streamable HTTP machinery "
-        "(request parsing, dispatch, serialising the answer), the guarded one its claim, outcome and larger "
-        "answer besides. To see where its time goes: `py-spy record --pid PID` on the server during "
-        "`commitgate bench --only load`."
+        f"{figures['context_switches_per_call']:.1f} switches, {figures['read_syscalls_per_call']:.1f} / "
+        f"{figures['write_syscalls_per_call']:.1f}"
     )
+
+
+def _rows_untimed(bounds: dict[str, Any]) -> list[Row]:
+    """The untimed block: each server's profile by room and its system calls per call."""
+    if not bounds:
+        return []
+    profile, counted, sessions = bounds["profile"], bounds["syscalls_per_call"], bounds["sessions"]
+    where = f"{sessions} sessions, untimed"
+    return [
+        (
+            "what bounds it",
+            f"where each server's Python time went ({where}; py-spy's samples of the thread holding the "
+            "interpreter lock, by the part of the call's path they were in), plain SDK; guarded",
+            profile["note"]
+            if "note" in profile
+            else f"{rooms_text(profile['plain_sdk'])}; {rooms_text(profile['guarded'])}",
+            "the largest part is where a call's time goes",
+            "—",
+        ),
+        (
+            "what bounds it",
+            f"system calls per call ({where}; strace attached, which slows the server), plain SDK; guarded",
+            counted["note"]
+            if "note" in counted
+            else f"{syscalls_text(counted['plain_sdk'])}; {syscalls_text(counted['guarded'])}",
+            "a durable call needs its disk syncs; the rest is transport and thread hand-offs",
+            "—",
+        ),
+    ]
+
+
+def _load_bounds(goal: dict[str, Any]) -> str:
+    """Each concurrency missed, by how much and what bounds it; then where the time went, untimed."""
+    sentences = [level["bounded_by"] for level in goal.get("levels", []) if "bounded_by" in level]
+    if goal.get("what_bounds_it"):
+        sentences.append(goal["what_bounds_it"])
+    return " ".join(sentence[0].upper() + sentence[1:] for sentence in sentences)
