@@ -9,7 +9,7 @@ import pytest
 from commitgate.server.bench import report
 from commitgate.server.bench.bounds import level_bound, untimed_reading
 from commitgate.server.bench.procstat import Sample, Tally
-from commitgate.server.bench.profile import room_of, shares
+from commitgate.server.bench.profile import ROOMS, room_of, shares
 from commitgate.server.bench.syscalls import per_call, summary_counts
 
 # --- the profile, by room ---------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_the_profile_gives_each_sample_to_the_innermost_room_on_its_stack() -> N
 
 
 def test_an_empty_profile_has_no_shares() -> None:
-    assert shares([]) == {"samples": 0, "rooms": dict.fromkeys(shares([])["rooms"], 0.0)}
+    assert shares([]) == {"samples": 0, "rooms": dict.fromkeys(ROOMS, 0.0)}
 
 
 # --- system calls and /proc counters ----------------------------------------------------------------------------
@@ -119,7 +119,9 @@ def test_tally_sums_each_blocks_difference_by_thread() -> None:
 # --- the sentences ------------------------------------------------------------------------------------------------
 
 
-def _server(calls: float, p99: float, server: float, client: float, loop: float, writer: float) -> dict[str, Any]:
+def _server(
+    calls: float, p99: float, server: float, client: float, loop: float, writer: float
+) -> dict[str, Any]:
     return {
         "calls_per_s": calls,
         "p99_ms": p99,
@@ -127,7 +129,12 @@ def _server(calls: float, p99: float, server: float, client: float, loop: float,
         "client_cpu_cores": client,
         "server_cpu_us_per_call": server / calls * 1e6,
         "context_switches_per_call": 3.0,
-        "thread_cpu_cores": {"event loop": loop, "ledger writer": writer, "checkpointer": 0.0, "other threads": 0.0},
+        "thread_cpu_cores": {
+            "event loop": loop,
+            "ledger writer": writer,
+            "checkpointer": 0.0,
+            "other threads": 0.0,
+        },
     }
 
 
@@ -170,7 +177,9 @@ def test_the_untimed_block_is_read_room_by_room_and_syscall_by_syscall() -> None
     bounds = {
         "sessions": 64,
         "profile": {
-            "plain_sdk": shares(["starlette/applications.py (starlette/applications.py:1) 9", "x (x.py:1) 1"]),
+            "plain_sdk": shares(
+                ["starlette/applications.py (starlette/applications.py:1) 9", "x (x.py:1) 1"]
+            ),
             "guarded": {
                 "samples": 500,
                 "rooms": {"http_transport": 0.4, "commit_boundary": 0.3, "ledger": 0.27, "other": 0.03},
@@ -198,7 +207,11 @@ def test_the_missed_load_target_is_explained_with_every_level_missed_and_in_the_
             _level(1.1, _server(1100.0, 30.0, 0.9, 0.6, 0.8, 0.1), sessions=8),
             _level(0.7, _server(700.0, 80.0, 0.95, 0.5, 0.85, 0.1), sessions=64),
         ],
-        "bounds": {"sessions": 64, "profile": {"note": "no profile"}, "syscalls_per_call": {"note": "no strace"}},
+        "bounds": {
+            "sessions": 64,
+            "profile": {"note": "no profile"},
+            "syscalls_per_call": {"note": "no strace"},
+        },
     }
     results: dict[str, Any] = {"meta": {"cpus": 4}, "load": load}
     results["goals"] = report.goals(results)

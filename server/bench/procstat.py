@@ -12,6 +12,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from commitgate.server.ledger.threads import os_thread_name
 
@@ -82,7 +83,7 @@ class Tally:
         self.read_syscalls += after.read_syscalls - before.read_syscalls
         self.write_syscalls += after.write_syscalls - before.write_syscalls
 
-    def figures(self, wall_s: float, calls: int) -> dict[str, object]:
+    def figures(self, wall_s: float, calls: int) -> dict[str, Any]:
         """Cores busy by thread over `wall_s`, and the counters per call."""
         per_call = max(1, calls)
         return {

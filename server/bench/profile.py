@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # The rooms of a call's path, in the order a call meets them.
 ROOMS = {
@@ -84,7 +85,7 @@ def room_of_stack(frames: list[str]) -> str | None:
     return room or fallback
 
 
-def shares(raw: Iterable[str]) -> dict[str, object]:
+def shares(raw: Iterable[str]) -> dict[str, Any]:
     """py-spy's raw lines (`frame;frame;... count`) as each room's share of the samples kept."""
     counts: Counter[str] = Counter()
     for line in raw:

@@ -7,6 +7,7 @@ so "commitgate-" becomes "cg-" and the rest is cut: "commitgate-ledger-writer" -
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -34,7 +35,5 @@ def name_os_thread() -> None:
     """Give the calling thread its Python name at OS level (Linux only; elsewhere nothing happens)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no libc to load: the thread keeps the process's name
         _libc().prctl(_PR_SET_NAME, os_thread_name(threading.current_thread().name).encode(), 0, 0, 0)
-    except (OSError, AttributeError):  # no libc to load: the thread keeps the process's name
-        pass
