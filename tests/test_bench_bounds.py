@@ -101,8 +101,8 @@ def test_strace_table_is_read_into_kinds_per_call() -> None:
 
 def test_tally_sums_each_blocks_difference_by_thread() -> None:
     tally = Tally()
-    before = Sample({"event loop": 1.0, "ledger writer": 0.5}, 100, 10, 20)
-    after = Sample({"event loop": 1.8, "ledger writer": 0.7, "other threads": 0.1}, 300, 30, 60)
+    before = Sample({"event loop": 1.0, "ledger writer": 0.5}, 100, 10, 20, machine_busy_s=100.0)
+    after = Sample({"event loop": 1.8, "ledger writer": 0.7, "other threads": 0.1}, 300, 30, 60, 103.0)
     tally.add(before, after)
     tally.add(before, after)
     figures = tally.figures(wall_s=2.0, calls=40)
@@ -112,6 +112,7 @@ def test_tally_sums_each_blocks_difference_by_thread() -> None:
         "checkpointer": 0.0,
         "other threads": 0.1,
     }
+    assert figures["machine_cpu_cores"] == 3.0  # 2 × 3 s of the machine's CPU in 2 s
     assert figures["context_switches_per_call"] == 10.0
     assert (figures["read_syscalls_per_call"], figures["write_syscalls_per_call"]) == (1.0, 2.0)
 
@@ -161,6 +162,11 @@ def test_a_missed_level_says_by_how_much() -> None:
         (_server(600.0, 40.0, 0.6, 0.9, 0.5, 0.1), 4, "the client is the busier process"),
         (_server(600.0, 40.0, 0.3, 0.2, 0.25, 0.05), 4, "neither process kept half a core busy"),
         (_server(600.0, 40.0, 1.1, 0.8, 0.7, 0.4), 2, "together they filled the machine's 2 cores"),
+        (
+            {**_server(600.0, 40.0, 0.3, 0.2, 0.25, 0.05), "machine_cpu_cores": 1.9},
+            2,
+            "and other processes 1.40: the machine's 2 cores were full, so its other work bounds",
+        ),
         (_server(600.0, 40.0, 0.7, 0.4, 0.3, 0.4), 4, "the ledger writer (the busier of the two)"),
     ],
 )

@@ -15,6 +15,7 @@ from commitgate.server.bench.profile import ROOMS
 
 BUSY = 0.8  # cores: a process or thread this busy is what its figure waits for
 IDLE = 0.5  # cores: below this in both processes, the calls mostly waited
+FULL = 0.85  # share of the machine's cores: busier than this, the machine's CPU is what everyone waits for
 SHOWN_SHARE = 0.05  # rooms below this share of a profile are left out of the sentence
 SYSCALL_WORDS = {
     "disk_syncs": "disk syncs",
@@ -52,8 +53,10 @@ def level_bound(level: dict[str, Any], cpus: int | None) -> str:
 
 
 def bounded_by(guarded: dict[str, Any], cpus: int | None) -> str:
-    """Which process or thread bounds the guarded server's figure, from the cores each kept busy."""
+    """Which process or thread bounds the guarded server's figure, from the cores each kept busy and
+    the cores the whole machine kept busy meanwhile."""
     server, client = guarded["server_cpu_cores"], guarded["client_cpu_cores"]
+    machine = guarded.get("machine_cpu_cores", server + client)
     threads = guarded.get("thread_cpu_cores", {})
     loop = threads.get(EVENT_LOOP, server)
     split = ", ".join(f"{role} {threads.get(role, 0.0):.2f}" for role in THREAD_ROLES if role in threads)
@@ -62,14 +65,22 @@ def bounded_by(guarded: dict[str, Any], cpus: int | None) -> str:
         + (f" ({split})" if split else "")
         + f", the client {client:.2f}"
     )
-    if cpus and server + client >= 0.85 * cpus:
-        return f"{held}: together they filled the machine's {cpus} cores, so the CPU of both bounds it"
+    if cpus and machine >= FULL * cpus:
+        if server + client >= FULL * cpus:
+            return f"{held}: together they filled the machine's {cpus} cores, so the CPU of both bounds it"
+        return (
+            f"{held}, and other processes {machine - server - client:.2f}: the machine's {cpus} cores were "
+            "full, so its other work bounds this figure, not the server"
+        )
     if loop >= BUSY:
         return f"{held}: the event loop's thread is near a whole core, so the server's Python on it bounds it"
     if client >= BUSY and client >= server:
         return f"{held}: the client is the busier process, so the client bounds it as much as the server"
     if max(server, client) < IDLE:
-        return f"{held}: neither process kept half a core busy, so the calls mostly waited (for the disk's syncs, or for a machine busy with other work)"
+        return (
+            f"{held}, with cores to spare: neither process kept half a core busy, so the calls mostly "
+            "waited, for the disk's syncs and the hand-offs between threads"
+        )
     writer = threads.get("ledger writer", 0.0)
     return (
         f"{held}: no one thread is near a whole core; the event loop and the ledger writer"

@@ -34,6 +34,7 @@ class Sample:
     context_switches: int = 0  # voluntary and involuntary, all threads
     read_syscalls: int = 0  # read(2) and its kin: syscr of /proc/PID/io
     write_syscalls: int = 0  # write(2) and its kin: syscw
+    machine_busy_s: float = 0.0  # every process's CPU time on every core (and the host's steal)
 
 
 def role_of(pid: int, tid: int, name: str) -> str:
@@ -53,7 +54,17 @@ def sample(pid: int) -> Sample:
                 cpu[role] += (int(fields[11]) + int(fields[12])) / tick
                 switches += _context_switches((task / "status").read_text())
     io = _io_counters(pid)
-    return Sample(cpu, switches, io.get("syscr", 0), io.get("syscw", 0))
+    return Sample(cpu, switches, io.get("syscr", 0), io.get("syscw", 0), _machine_busy_s(tick))
+
+
+def _machine_busy_s(tick: int) -> float:
+    """CPU seconds the whole machine was busy since boot: all but idle and waiting for I/O."""
+    with contextlib.suppress(OSError, ValueError):
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        )
+        return (user + nice + system + irq + softirq + steal) / tick
+    return 0.0
 
 
 def _context_switches(status: str) -> int:
@@ -75,6 +86,7 @@ class Tally:
     context_switches: int = 0
     read_syscalls: int = 0
     write_syscalls: int = 0
+    machine_busy_s: float = 0.0
 
     def add(self, before: Sample, after: Sample) -> None:
         for role, seconds in after.cpu_by_role.items():
@@ -82,11 +94,13 @@ class Tally:
         self.context_switches += after.context_switches - before.context_switches
         self.read_syscalls += after.read_syscalls - before.read_syscalls
         self.write_syscalls += after.write_syscalls - before.write_syscalls
+        self.machine_busy_s += after.machine_busy_s - before.machine_busy_s
 
     def figures(self, wall_s: float, calls: int) -> dict[str, Any]:
-        """Cores busy by thread over `wall_s`, and the counters per call."""
+        """Cores busy by thread and in the whole machine over `wall_s`, and the counters per call."""
         per_call = max(1, calls)
         return {
+            "machine_cpu_cores": round(self.machine_busy_s / (wall_s or 1.0), 2),
             "thread_cpu_cores": {role: round(s / (wall_s or 1.0), 2) for role, s in self.cpu_by_role.items()},
             "context_switches_per_call": round(self.context_switches / per_call, 2),
             "read_syscalls_per_call": round(self.read_syscalls / per_call, 2),

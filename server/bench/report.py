@@ -729,13 +729,10 @@ def _rows_load(results: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 "under load",
-                f"{level['sessions']} sessions: CPU cores busy (client process / server process), server CPU "
-                "per call, and the server's cores by thread, plain SDK; guarded",
-                f"{plain['client_cpu_cores']:.2f} / {plain['server_cpu_cores']:.2f} cores, "
-                f"{plain['server_cpu_us_per_call']:.0f} µs ({thread_text(plain)}); {guarded['client_cpu_cores']:.2f} / "
-                f"{guarded['server_cpu_cores']:.2f} cores, {guarded['server_cpu_us_per_call']:.0f} µs "
-                f"({thread_text(guarded)})",
-                "a process or thread near 1.0 core bounds its figure",
+                f"{level['sessions']} sessions: CPU cores busy (client process / server process / the whole "
+                "machine), server CPU per call, and the server's cores by thread, plain SDK; guarded",
+                f"{_cores_text(plain)}; {_cores_text(guarded)}",
+                "a process or thread near 1.0 core bounds its figure, a machine with every core busy all of them",
                 "—",
             )
         )
@@ -752,6 +749,14 @@ def _rows_load(results: dict[str, Any]) -> list[Row]:
             )
         )
     return rows + _rows_untimed(load.get("bounds", {}))
+
+
+def _cores_text(figures: dict[str, Any]) -> str:
+    return (
+        f"{figures['client_cpu_cores']:.2f} / {figures['server_cpu_cores']:.2f} / "
+        f"{figures.get('machine_cpu_cores', 0.0):.2f} cores, {figures['server_cpu_us_per_call']:.0f} µs "
+        f"({thread_text(figures)})"
+    )
 
 
 def _kernel_text(figures: dict[str, Any]) -> str:
