@@ -7,6 +7,7 @@ counted in the sandbox store by the bench itself).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -38,7 +39,7 @@ from commitgate.server.bench.overhead import (
     shuffle_apart,
 )
 from commitgate.server.bench.report import goals, missed_notes
-from commitgate.server.bench.run import cpu_jiffies, stolen_share
+from commitgate.server.bench.run import SECTIONS, add_arguments, cpu_jiffies, options_from, stolen_share
 from commitgate.server.bench.stats import quantile, spread
 from commitgate.server.bench.workspace import FULL, QUICK
 from commitgate.server.ledger.base import OperationFilter
@@ -169,27 +170,12 @@ def test_quantile_and_spread() -> None:
     assert figure == {"median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 100.0}
 
 
-@pytest.mark.timeout(240)
-def test_load_section_reports_both_servers_at_each_concurrency(tmp_path: Path) -> None:
-    """`--only load` at the quick scale: both servers answered every call at every concurrency, and
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_load_section_reports_both_servers_at_each_concurrency(quick_run: dict[str, Any]) -> None:
+    """The load section of the quick run: both servers answered every call at every concurrency, and
     the table has one row per concurrency with both servers' figures (timings are not judged)."""
-    out = tmp_path / "load.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
-    env.pop("COMMITGATE_SANDBOX", None)
-    command = [
-        sys.executable,
-        "-m",
-        "commitgate.server.cli",
-        "bench",
-        "--quick",
-        "--only",
-        "load",
-        "--json",
-        str(out),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=220, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    figures = json.loads(out.read_text())
+    figures = quick_run
     levels = figures["load"]["levels"]
     assert [level["sessions"] for level in levels] == list(QUICK.load_sessions)
     for level in levels:
@@ -203,8 +189,8 @@ def test_load_section_reports_both_servers_at_each_concurrency(tmp_path: Path) -
     judged = figures["goals"]["cost_under_load"]
     assert [level["sessions"] for level in judged["levels"]] == list(QUICK.load_sessions)
     assert judged["met"] == all(level["met"] for level in judged["levels"])
-    table_rows = [line for line in proc.stdout.splitlines() if "sessions at once" in line]
-    assert len(table_rows) == len(QUICK.load_sessions), proc.stdout
+    table_rows = [line for line in figures["printed"].splitlines() if "sessions at once" in line]
+    assert len(table_rows) == len(QUICK.load_sessions), figures["printed"]
     # every guarded call is one operation its server recorded (the warm-up made one per session)
     warm_up = sum(level["sessions"] for level in levels)
     guarded_calls = sum(level["per_server"]["guarded"]["calls"] for level in levels)
@@ -216,7 +202,16 @@ def test_load_section_reports_both_servers_at_each_concurrency(tmp_path: Path) -
     assert bounds["sessions"] in QUICK.load_sessions
     for part in ("profile", "syscalls_per_call"):
         assert "note" in bounds[part] or set(bounds[part]) == {"plain_sdk", "guarded"}, bounds
-    assert "what bounds it" in proc.stdout
+    assert "what bounds it" in figures["printed"]
+
+
+def test_only_runs_the_named_sections_and_refuses_an_unknown_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from(parser.parse_args(["--quick"])).only == SECTIONS
+    assert options_from(parser.parse_args(["--only", "load, saga"])).only == ("load", "saga")
+    with pytest.raises(SystemExit, match=r"unknown section\(s\) lode; known: double_charge"):
+        options_from(parser.parse_args(["--only", "load,lode"]))
 
 
 def test_goals_are_judged_on_the_median_ratio() -> None:
