@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,7 +23,8 @@ import pytest
 from support.e2e import Deployment, serve
 from support.http_servers import free_port
 
-from commitgate.server.ledger.evidence import Evidenced
+from commitgate.server.ledger import open_ledger
+from commitgate.server.ledger.evidence import Evidenced, OutboxItem
 from commitgate.server.policy.loading import analyse_data, load_policy
 from commitgate.server.serve.evidence import target
 from commitgate.server.serve.gateway import Gateway
@@ -117,9 +118,12 @@ def signed(headers: dict[str, str], body: bytes) -> bool:
     return hmac.compare_digest(expected, headers["Commitgate-Signature"])
 
 
-async def until(condition: Callable[[], bool], within: float = 30.0) -> None:
+async def until(condition: Callable[[], bool | Awaitable[bool]], within: float = 30.0) -> None:
     with anyio.fail_after(within):
-        while not condition():
+        while True:
+            met = condition()
+            if await met if isinstance(met, Awaitable) else met:
+                return
             await anyio.sleep(0.05)
 
 
@@ -143,8 +147,26 @@ def notifications(root: Path, d: Deployment) -> list[dict[str, Any]]:
     return list(json.loads(run.stdout)["notifications"])
 
 
+async def undelivered(d: Deployment) -> list[OutboxItem]:
+    """What `ops notifications` lists, read in this process: cheap enough to poll, where each CLI run
+    would start a Python process."""
+    ledger = await open_ledger(f"sqlite:///{d.ledger}", read_only=True)
+    try:
+        return await cast(Evidenced, ledger).undelivered()
+    finally:
+        await ledger.close()
+
+
 def charge(key: str, amount: int = 2500) -> dict[str, Any]:
     return {"card": CARD, "amount_cents": amount, "idempotency_key": key}
+
+
+async def _none_left(d: Deployment) -> bool:
+    return await undelivered(d) == []
+
+
+async def _tried(d: Deployment) -> bool:
+    return any(item.attempts >= 1 for item in await undelivered(d))
 
 
 async def test_events_are_signed_retried_under_one_id_masked_and_shaped_for_slack(tmp_path: Path) -> None:
@@ -158,7 +180,8 @@ async def test_events_are_signed_retried_under_one_id_masked_and_shaped_for_slac
             await until(
                 lambda: len(receiver.requests("/json")) >= 3 and len(receiver.requests("/slack")) >= 1
             )
-            await until(lambda: notifications(tmp_path, d) == [])  # every delivery recorded as done
+            await until(lambda: _none_left(d))  # every delivery recorded as done
+            assert notifications(tmp_path, d) == []
         tries = receiver.requests("/json")
         assert len(tries) == 3  # 500, then a redirect (not followed), then 200: each a retry of one event
         ids = {headers["Commitgate-Event-Id"] for headers, _ in tries}
@@ -188,7 +211,7 @@ async def test_an_event_from_while_the_receiver_was_down_arrives_after_a_sigkill
     d = deployment(tmp_path, port)
     async with serve(d, env=env(tmp_path)) as server:
         await server.call("charge_card", charge("while-down"), session="s")
-        await until(lambda: any(n["attempts"] >= 1 for n in notifications(tmp_path, d)))
+        await until(lambda: _tried(d))
         server.kill9()
     pending = notifications(tmp_path, d)
     assert {n["status"] for n in pending} == {"pending"} and len(pending) == 2  # json and slack: kept
