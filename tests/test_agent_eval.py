@@ -149,8 +149,9 @@ def test_the_plugin_loads_by_its_entry_point_in_a_users_suite(tmp_path: Path, sa
         )
     )
     env = {**os.environ, "PYTHONPATH": ""}
+    quiet = ["-q", "-p", "no:cacheprovider", "-p", "no:langsmith_plugin"]  # as in pyproject.toml
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"],
+        [sys.executable, "-m", "pytest", *quiet, "test_user.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
