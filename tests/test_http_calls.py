@@ -29,7 +29,7 @@ from support.http_servers import (
     bearer,
     connect,
     operation_of,
-    running,
+    running_together,
     write_policy,
 )
 
@@ -56,10 +56,12 @@ def _start(workdir: Path, policy: Path, path: str, args: list[str]) -> dict[str,
 
 @contextlib.contextmanager
 def _pair(workdir: Path, args: list[str]) -> Iterator[dict[str, Served]]:
+    """Both servers started at once (their imports overlap), each given time on a busy machine."""
     policy = write_policy(workdir, extra_tools=GATED_TOOL)
-    with contextlib.ExitStack() as stack:  # one after the other, each given time on a busy machine
-        stack.enter_context(pytest.MonkeyPatch.context()).setattr(http_servers, "READY_TIMEOUT", 120.0)
-        yield {path: stack.enter_context(running(**_start(workdir, policy, path, args))) for path in PATHS}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(http_servers, "READY_TIMEOUT", 120.0)
+        with running_together(*(_start(workdir, policy, path, args) for path in PATHS)) as servers:
+            yield dict(zip(PATHS, servers, strict=True))
 
 
 @pytest.fixture(scope="module")
