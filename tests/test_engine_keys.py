@@ -8,7 +8,6 @@ import re
 import pytest
 
 from commitgate.client import CommitgateError, OperationFailed, PossibleDuplicate
-from commitgate.client import dbos as cg_dbos
 from commitgate.client import langgraph as cg_langgraph
 from commitgate.client.errors import error_for
 from commitgate.client.keys import step_key
@@ -47,6 +46,9 @@ def test_an_empty_key_is_refused() -> None:
 
 
 def test_dbos_identity_needs_a_running_step() -> None:
+    from commitgate.client import dbos as cg_dbos  # here: DBOS takes half a second of CPU to import,
+    # and every pytest worker collects this module
+
     with pytest.raises(RuntimeError, match=r"@DBOS.step\(\)"):
         cg_dbos.identity("ship")
 
