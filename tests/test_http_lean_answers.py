@@ -131,7 +131,7 @@ async def test_each_call_switches_by_its_own_clock(monkeypatch: pytest.MonkeyPat
 
 async def test_a_client_leaving_cancels_its_call_at_once() -> None:
     """Pings accepted (every call here accepts SSE): the call still ends as the client leaves."""
-    client, ran = Client(), []
+    client, ran = Client(), list[str]()
     client.read = True
 
     async def leave() -> None:

@@ -124,6 +124,9 @@ class LeanCalls:
         self._verdicts: dict[tuple[str | None, ...], bool] = {}  # see _admitted
         self._declared: dict[int, tuple[Mapping[str, Any], bool]] = {}  # see _declares_param_headers
         self._silences = _Silences()
+        # The server's identity is fixed at construction, and an answer is encoded as soon as it is
+        # shaped (nothing edits it on the way): one stamp serves every answer, not a deep copy each.
+        self._stamp = server.server_info_stamp
         plain = all(_idle_for_lean_calls(m) for m in server.middleware)
         switched_off = os.environ.get(OFF_ENV) == "1"
         self.on = calls is not None and plain and "tools/call" not in server.cache_hints and not switched_off
@@ -287,9 +290,9 @@ class LeanCalls:
         dumped.setdefault("resultType", "complete")
         meta = dumped.get("_meta")
         if meta is None:
-            dumped["_meta"] = {SERVER_INFO_META_KEY: self.server.server_info_stamp}
+            dumped["_meta"] = {SERVER_INFO_META_KEY: self._stamp}
         elif isinstance(meta, dict) and meta.get(SERVER_INFO_META_KEY) is None:
-            dumped["_meta"] = {**meta, SERVER_INFO_META_KEY: self.server.server_info_stamp}
+            dumped["_meta"] = {**meta, SERVER_INFO_META_KEY: self._stamp}
         return dumped
 
 
