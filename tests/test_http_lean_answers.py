@@ -4,7 +4,7 @@ Its answer is JSON when the call is quick, and an SSE stream (keepalive comments
 as an event) once the call has been silent for the ping interval, each call by its own clock. A
 client leaving cancels its call at once, pings accepted or not. The checks of Host/Origin,
 Content-Type and Accept are made once per set of those headers, and a request that fails them is
-still left to the SDK however many passed before it.
+still left to the SDK however many passed before it. Host and Origin reach those checks in lower case.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from commitgate.server.ledger import OperationFilter
 from commitgate.server.policy.loading import loads_policy
 from commitgate.server.serve import http_calls
 from commitgate.server.serve.gateway import Gateway
-from commitgate.server.serve.http import MCP_PATH, max_body_bytes, security_settings
+from commitgate.server.serve.http import MCP_PATH, _HostCase, max_body_bytes, security_settings
 from commitgate.server.serve.http_calls import LeanCalls, _Silences, answered
 from commitgate.server.serve.surface import build_server
 
@@ -238,3 +238,19 @@ async def test_param_headers_are_compared_only_where_the_schema_declares_one(gat
     assert app._declares_param_headers(plain) is False
     assert app._declares_param_headers(declared) is True
     assert app._declares_param_headers(plain) is False  # each schema by its own verdict
+
+
+async def test_host_and_origin_reach_the_checks_in_lower_case_and_a_lower_case_scope_is_not_copied() -> None:
+    seen: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope)
+
+    plain: Scope = {"type": "http", "headers": [(b"host", b"localhost:80"), (b"accept", b"A/B")]}
+    cased: Scope = {"type": "http", "headers": [(b"host", b"LocalHost:80"), (b"origin", b"http://LOCALHOST")]}
+    client = Client()
+    for scope in (plain, cased):
+        await _HostCase(app)(scope, client.receive, client.send)
+    assert seen[0] is plain  # nothing to lower: passed on as it is
+    assert seen[1]["headers"] == [(b"host", b"localhost:80"), (b"origin", b"http://localhost")]
+    assert cased["headers"][0] == (b"host", b"LocalHost:80")  # the server's own scope is left alone
