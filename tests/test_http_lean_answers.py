@@ -9,6 +9,7 @@ still left to the SDK however many passed before it. Host and Origin reach those
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -143,6 +144,16 @@ async def test_a_client_leaving_cancels_its_call_at_once() -> None:
             group.start_soon(leave)
             await answered(slow(60, ran=ran), client.receive, client.send, _Silences())
     assert ran == ["cancelled"] and client.sent == []
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the task serving it goes on, uncancelled
+
+
+async def test_a_cancellation_from_elsewhere_is_not_taken_for_the_client_leaving() -> None:
+    client, ran = Client(), list[str]()
+    client.read = True
+    with anyio.move_on_after(0.1) as stopping:  # as the server stopping would
+        await answered(slow(60, ran=ran), client.receive, client.send, _Silences())
+    assert stopping.cancelled_caught and ran == ["cancelled"] and client.sent == []
 
 
 # --- the checks of the request, through LeanCalls ----------------------------------------------

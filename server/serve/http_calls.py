@@ -37,7 +37,6 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import mcp.types as types
 from mcp import MCPError
 from mcp.server import Server
@@ -299,17 +298,25 @@ class LeanCalls:
 async def answered(
     reply: Coroutine[Any, Any, dict[str, Any]], receive: Receive, send: Send, silences: _Silences
 ) -> None:
-    """Send what `reply` comes to, unless the client leaves first: then the call is cancelled."""
+    """Send what `reply` comes to, unless the client leaves first: then the call is cancelled.
+
+    The client leaving cancels this task itself (asyncio's own cancellation, counted by
+    `Task.cancelling`), which costs far less than an anyio cancel scope per call. Nothing below
+    the handler on this path runs a tool in this task: a guarded tool's work has a task of its
+    own in the commit boundary, so the cancellation only stops the wait for its answer."""
     keepalive = _Keepalive(send, silences)
-    answer: dict[str, Any] | None = None
-    with anyio.CancelScope() as scope:
-        keepalive.start(receive, scope)
+    try:
+        keepalive.start(receive)
         try:
             answer = await reply
         finally:
             await keepalive.stop()
-    if answer is not None:  # None: the client left and its call was cancelled
-        await keepalive.finish(answer)
+    except asyncio.CancelledError:
+        if not keepalive.cancelled_alone():
+            raise  # cancelled from elsewhere too (the server stopping): that goes on up
+        return  # the client left; its call is cancelled and there is no one to answer
+    keepalive.cancelled_alone()  # a call that ran on past its cancellation: the count is taken back
+    await keepalive.finish(answer)
 
 
 class _Silences:
@@ -356,37 +363,42 @@ class _Keepalive:
         self.send, self.silences = send, silences
         self.committed = False
         self.failed: BaseException | None = None
-        self._scope: anyio.CancelScope | None = None
+        self._call: asyncio.Task[Any] | None = None  # the task answering, while it runs
+        self._cancelled = False  # the call was cancelled here (its client left, or a ping failed)
         self._watcher: asyncio.Task[None] | None = None
         self._pinger: asyncio.Task[None] | None = None
 
-    def start(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        self._scope = scope
+    def start(self, receive: Receive) -> None:
+        self._call = asyncio.current_task()
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         self.silences.add(self)  # every call on this path accepts SSE
 
     async def stop(self) -> None:
         """The call is over: stop watching and pinging (a ping being sent is sent whole first)."""
-        self._scope = None
+        self._call = None  # before any await: a departure noticed from now on cancels nothing
         self.silences.remove(self)
         if self._watcher is not None:
             self._watcher.cancel()
         pinger = self._pinger
         if pinger is not None:
             pinger.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait([pinger])
+            await asyncio.wait([pinger])
         if self.failed is not None:
             raise self.failed
 
+    def cancelled_alone(self) -> bool:
+        """The call's cancellation was this one's alone (then it is taken back: the task goes on)."""
+        task = asyncio.current_task()
+        return self._cancelled and task is not None and task.uncancel() == 0
+
     def start_pings(self) -> None:
-        if self._scope is not None:
+        if self._call is not None:
             self._pinger = asyncio.get_running_loop().create_task(self._ping())
 
     def _cancel_call(self) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
-            self._scope = None
+        if self._call is not None:
+            self._call.cancel()
+            self._call, self._cancelled = None, True
 
     async def _watch(self, receive: Receive) -> None:
         try:
