@@ -181,13 +181,19 @@ class _HostCase:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            headers = [
-                (name, value.lower() if name in (b"host", b"origin") else value)
-                for name, value in scope.get("headers", [])
-            ]
+        if scope["type"] in ("http", "websocket") and _cased(scope.get("headers", [])):
+            headers = [(name, value.lower() if name in _CASED else value) for name, value in scope["headers"]]
             scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
+
+
+_CASED = (b"host", b"origin")
+
+
+def _cased(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """A Host or Origin with an upper-case letter (clients nearly always send them lower case:
+    the scope is then passed on as it is, not copied on every request)."""
+    return any(name in _CASED and value != value.lower() for name, value in headers)
 
 
 class _HeaderTimeoutH11(H11Protocol):

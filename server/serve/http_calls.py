@@ -29,14 +29,14 @@ and keeps the connection alive with comments, as the SDK does, when the client a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import mcp.types as types
 from mcp import MCPError
 from mcp.server import Server
@@ -48,6 +48,7 @@ from mcp.shared.inbound import (
     ERROR_CODE_HTTP_STATUS,
     MCP_PARAM_HEADER_PREFIX,
     MCP_PROTOCOL_VERSION_HEADER,
+    X_MCP_HEADER_KEY,
     InboundLadderRejection,
     classify_inbound_request,
     find_duplicated_routing_header,
@@ -88,6 +89,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 # Declared by a client that can be asked something mid-call: its calls take the SDK's path.
 _ASKABLE = ("elicitation", "sampling", "roots")
 _PARAM_PREFIX = MCP_PARAM_HEADER_PREFIX.lower()
+_VERDICTS_KEPT = 256  # distinct header sets whose check is remembered (a client sends one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,6 @@ class _Lean:
     request_id: types.RequestId
     version: str
     params: types.CallToolRequestParams
-    sse_ok: bool
 
 
 class LeanCalls:
@@ -119,6 +120,12 @@ class LeanCalls:
         self.server, self.gateway, self.calls = server, gateway, calls
         self.path, self.max_body, self.stateless = path, max_body, stateless
         self.security = TransportSecurityMiddleware(settings)
+        self._verdicts: dict[tuple[str | None, ...], bool] = {}  # see _admitted
+        self._declared: dict[int, tuple[Mapping[str, Any], bool]] = {}  # see _declares_param_headers
+        self._silences = _Silences()
+        # The server's identity is fixed at construction, and an answer is encoded as soon as it is
+        # shaped (nothing edits it on the way): one stamp serves every answer, not a deep copy each.
+        self._stamp = server.server_info_stamp
         plain = all(_idle_for_lean_calls(m) for m in server.middleware)
         switched_off = os.environ.get(OFF_ENV) == "1"
         self.on = calls is not None and plain and "tools/call" not in server.cache_hints and not switched_off
@@ -128,7 +135,7 @@ class LeanCalls:
             await self.app(scope, receive, send)
             return
         body, early = await _read_body(receive)
-        lean = None if early is not None else await self._screen(scope, body)
+        lean = None if early is not None else await self._screen(scope, Headers(scope=scope), body)
         if lean is None:
             await self.app(scope, _replay(body, early, receive), send)
             return
@@ -148,12 +155,8 @@ class LeanCalls:
 
     # --- the checks: any refusal is left to the SDK, which answers it with its own error -----------
 
-    async def _screen(self, scope: Scope, body: bytes) -> _Lean | None:
-        request = Request(scope)
-        if await self.security.validate_request(request, is_post=True) is not None:
-            return None
-        has_json, has_sse = check_accept_headers(request)
-        if not (has_json and has_sse):  # what the SDK asks of a POST in either era (not JSON-only mode)
+    async def _screen(self, scope: Scope, headers: Headers, body: bytes) -> _Lean | None:
+        if not await self._admitted(scope, headers):
             return None
         try:
             decoded = json.loads(body)
@@ -162,8 +165,8 @@ class LeanCalls:
         if not _one_call(decoded):
             return None
         params: dict[str, Any] = decoded["params"]
-        version = self._version(request, decoded)
-        if version is None or not await self._passes_param_headers(request, params):
+        version = self._version(headers, decoded)
+        if version is None or not await self._passes_param_headers(headers, params):
             return None
         try:
             methods.validate_client_request("tools/call", version, params)
@@ -172,32 +175,68 @@ class LeanCalls:
             return None
         if not self._needs_no_stream(typed):
             return None
-        return _Lean(decoded["id"], version, typed, has_sse)
+        return _Lean(decoded["id"], version, typed)
 
-    def _version(self, request: Request, decoded: dict[str, Any]) -> str | None:
+    async def _admitted(self, scope: Scope, headers: Headers) -> bool:
+        """Host/Origin, Content-Type and Accept pass the SDK's checks of a POST.
+
+        The verdict depends on those four headers alone, which a client sends the same on every
+        call: it is kept per set of values, so the checks run once per client, not once per call."""
+        seen = (
+            headers.get("content-type"),
+            headers.get("host"),
+            headers.get("origin"),
+            headers.get("accept"),
+        )
+        verdict = self._verdicts.get(seen)
+        if verdict is None:
+            request = Request(scope)
+            has_json, has_sse = check_accept_headers(request)
+            # Both, as the SDK asks of a POST in either era (not JSON-only mode).
+            verdict = (
+                has_json and has_sse and await self.security.validate_request(request, is_post=True) is None
+            )
+            if len(self._verdicts) >= _VERDICTS_KEPT:
+                self._verdicts.clear()
+            self._verdicts[seen] = verdict
+        return verdict
+
+    def _version(self, headers: Headers, decoded: dict[str, Any]) -> str | None:
         """The request's protocol version as the SDK settles it; None where it refuses or asks more."""
-        header = request.headers.get(MCP_PROTOCOL_VERSION_HEADER)
+        header = headers.get(MCP_PROTOCOL_VERSION_HEADER)
         if header is not None and header not in HANDSHAKE_PROTOCOL_VERSIONS:
-            if find_duplicated_routing_header(request.headers.items()) is not None:
+            if find_duplicated_routing_header(headers.items()) is not None:
                 return None
-            route = classify_inbound_request(decoded, headers=dict(request.headers))
+            route = classify_inbound_request(decoded, headers=dict(headers))
             if isinstance(route, InboundLadderRejection) or _askable(route.client_capabilities):
                 return None
             return route.protocol_version
         if "_meta" in decoded["params"] and _has_envelope(decoded["params"]["_meta"]):
             return None  # a 2026-07-28 envelope on a handshake-era request: the SDK decides
-        if not _json_content(request.headers.get("content-type", "")):
+        if not _json_content(headers.get("content-type", "")):
             return None  # the handshake-era transport's own check, stricter than the Host/Origin one
         return header if header is not None else DEFAULT_NEGOTIATED_VERSION
 
-    async def _passes_param_headers(self, request: Request, params: dict[str, Any]) -> bool:
+    async def _passes_param_headers(self, headers: Headers, params: dict[str, Any]) -> bool:
         """`Mcp-Param-*` headers agree with the arguments, as the SDK checks before dispatch."""
         arguments = params.get("arguments") or {}
-        if not arguments and not any(name.startswith(_PARAM_PREFIX) for name in request.headers):
+        if not arguments and not any(name.startswith(_PARAM_PREFIX) for name in headers):
             return True
         lookup = self.server.get_tool_input_schema
         schema = lookup(params["name"]) if lookup is not None else None
-        return schema is None or validate_mcp_param_headers(schema, arguments, request.headers) is None
+        if schema is None or not self._declares_param_headers(schema):
+            return True  # no argument is mirrored in a header: the SDK's check finds nothing to compare
+        return validate_mcp_param_headers(schema, arguments, headers) is None
+
+    def _declares_param_headers(self, schema: Mapping[str, Any]) -> bool:
+        """`x-mcp-header` appears somewhere in `schema` (known once per schema, not walked per call)."""
+        kept = self._declared.get(id(schema))
+        if kept is None or kept[0] is not schema:  # the schema itself is kept, so its id is not reused
+            if len(self._declared) >= _VERDICTS_KEPT:
+                self._declared.clear()
+            kept = (schema, f'"{X_MCP_HEADER_KEY}"' in json.dumps(schema))
+            self._declared[id(schema)] = kept
+        return kept[1]
 
     def _needs_no_stream(self, params: types.CallToolRequestParams) -> bool:
         """Served by a tool that says nothing to the client while it runs, asked nothing of it."""
@@ -216,14 +255,7 @@ class LeanCalls:
 
     async def _serve(self, lean: _Lean, receive: Receive, send: Send) -> None:
         """Run the call; the client closing the response cancels it, as on the SDK's path."""
-        reply: list[dict[str, Any]] = []
-        streaming = _Keepalive(send, lean.sse_ok)
-        async with anyio.create_task_group() as group:
-            group.start_soon(streaming.run, receive, group.cancel_scope)
-            reply.append(await self._reply(lean))
-            group.cancel_scope.cancel()
-        if reply:
-            await streaming.finish(reply[0])
+        await answered(self._reply(lean), receive, send, self._silences)
 
     async def _reply(self, lean: _Lean) -> dict[str, Any]:
         params = lean.params
@@ -257,36 +289,138 @@ class LeanCalls:
         dumped.setdefault("resultType", "complete")
         meta = dumped.get("_meta")
         if meta is None:
-            dumped["_meta"] = {SERVER_INFO_META_KEY: self.server.server_info_stamp}
+            dumped["_meta"] = {SERVER_INFO_META_KEY: self._stamp}
         elif isinstance(meta, dict) and meta.get(SERVER_INFO_META_KEY) is None:
-            dumped["_meta"] = {**meta, SERVER_INFO_META_KEY: self.server.server_info_stamp}
+            dumped["_meta"] = {**meta, SERVER_INFO_META_KEY: self._stamp}
         return dumped
+
+
+async def answered(
+    reply: Coroutine[Any, Any, dict[str, Any]], receive: Receive, send: Send, silences: _Silences
+) -> None:
+    """Send what `reply` comes to, unless the client leaves first: then the call is cancelled.
+
+    The client leaving cancels this task itself (asyncio's own cancellation, counted by
+    `Task.cancelling`), which costs far less than an anyio cancel scope per call. Nothing below
+    the handler on this path runs a tool in this task: a guarded tool's work has a task of its
+    own in the commit boundary, so the cancellation only stops the wait for its answer."""
+    keepalive = _Keepalive(send, silences)
+    try:
+        keepalive.start(receive)
+        try:
+            answer = await reply
+        finally:
+            await keepalive.stop()
+    except asyncio.CancelledError:
+        if not keepalive.cancelled_alone():
+            raise  # cancelled from elsewhere too (the server stopping): that goes on up
+        return  # the client left; its call is cancelled and there is no one to answer
+    keepalive.cancelled_alone()  # a call that ran on past its cancellation: the count is taken back
+    await keepalive.finish(answer)
+
+
+class _Silences:
+    """The lean calls in flight, oldest first, with the time each must start pinging; one loop
+    timer, set for the oldest's time, serves them all (a timer per call cost more than this)."""
+
+    def __init__(self) -> None:
+        self._due: dict[_Keepalive, float] = {}  # in the order the calls began
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the timer's (an app may outlive a loop)
+
+    def add(self, call: _Keepalive) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + PING_INTERVAL
+        self._due[call] = due
+        if self._timer is None or self._loop is not loop:
+            self._timer, self._loop = loop.call_at(due, self._wake), loop
+
+    def remove(self, call: _Keepalive) -> None:
+        self._due.pop(call, None)
+
+    def _wake(self) -> None:
+        """Start the pings of every call past its time; sleep until the next one's."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._due:
+            call, due = next(iter(self._due.items()))
+            if due > now:
+                self._timer = loop.call_at(due, self._wake)
+                return
+            del self._due[call]
+            call.start_pings()
 
 
 class _Keepalive:
     """Beside a running call: notices the client leaving, and past the ping interval commits the
-    response to SSE and sends keepalive comments (so a proxy's idle timeout cannot cut it)."""
+    response to SSE and sends keepalive comments (so a proxy's idle timeout cannot cut it).
 
-    def __init__(self, send: Send, sse_ok: bool) -> None:
-        self.send, self.sse_ok = send, sse_ok
+    One plain task waits for the client to leave, and `_Silences` starts the pings: a task group
+    (and its cancel scopes) and a timer per call cost more CPU than the rest of the transport."""
+
+    def __init__(self, send: Send, silences: _Silences) -> None:
+        self.send, self.silences = send, silences
         self.committed = False
+        self.failed: BaseException | None = None
+        self._call: asyncio.Task[Any] | None = None  # the task answering, while it runs
+        self._cancelled = False  # the call was cancelled here (its client left, or a ping failed)
+        self._watcher: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
 
-    async def run(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._ping)
+    def start(self, receive: Receive) -> None:
+        self._call = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self.silences.add(self)  # every call on this path accepts SSE
+
+    async def stop(self) -> None:
+        """The call is over: stop watching and pinging (a ping being sent is sent whole first)."""
+        self._call = None  # before any await: a departure noticed from now on cancels nothing
+        self.silences.remove(self)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        pinger = self._pinger
+        if pinger is not None:
+            pinger.cancel()
+            await asyncio.wait([pinger])
+        if self.failed is not None:
+            raise self.failed
+
+    def cancelled_alone(self) -> bool:
+        """The call's cancellation was this one's alone (then it is taken back: the task goes on)."""
+        task = asyncio.current_task()
+        return self._cancelled and task is not None and task.uncancel() == 0
+
+    def start_pings(self) -> None:
+        if self._call is not None:
+            self._pinger = asyncio.get_running_loop().create_task(self._ping())
+
+    def _cancel_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call, self._cancelled = None, True
+
+    async def _watch(self, receive: Receive) -> None:
+        try:
             while (await receive())["type"] != "http.disconnect":
                 pass
-        scope.cancel()  # the client is gone: so is its call
+        except Exception as exc:  # the connection broke under us: as good as gone
+            self.failed = exc
+        self.silences.remove(self)
+        if self._pinger is not None:
+            self._pinger.cancel()
+        self._cancel_call()  # the client is gone: so is its call
 
     async def _ping(self) -> None:
-        if not self.sse_ok:
-            return
-        await anyio.sleep(PING_INTERVAL)
         self.committed = True  # before the send: once begun, the answer must follow as an event
-        await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        while True:
-            await self.send({"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True})
-            await anyio.sleep(PING_INTERVAL)
+        try:
+            await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            while True:
+                await self.send({"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True})
+                await asyncio.sleep(PING_INTERVAL)
+        except Exception as exc:
+            self.failed = exc
+            self._cancel_call()
 
     async def finish(self, reply: dict[str, Any]) -> None:
         data = json.dumps(reply, separators=(",", ":"))
