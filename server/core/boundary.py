@@ -78,7 +78,7 @@ class CommitBoundary(Site):
         """Every refusal or failure below is raised as a GateError where it is found; this is where a
         call's raised error becomes its answer (and the runs do the same for a task's)."""
         try:
-            if not request.tool.idempotency_class.keyed:
+            if not request.tool.keyed:
                 return await self.runs.unguarded(request)
             return await self._guarded(request, request.settings or RunSettings.of(self.settings))
         except GateError as exc:
@@ -129,7 +129,7 @@ class CommitBoundary(Site):
             lease_seconds=settings.lease,
             # A budget adds up its window: every record in it must still be there.
             retention_seconds=max(retention, budget.policy.window) if budget is not None else retention,
-            duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
+            duplicates=tool.duplicate_checks[request.confirm_duplicate],
             approval=approval,
             budget=budgets.check_for(budget, amount, tool.policy, now) if budget is not None else None,
         )
