@@ -48,7 +48,7 @@ class _Run:
     settings: RunSettings
 
 
-class _Due:
+class DueAnswers:
     """The callers waiting for their work's answer, by the moment their respond_within runs out,
     rounded up to DUE_GRID: one timer per moment with callers, not one per call (a timer of its
     own cost every call a heap push and a cancel on the event loop)."""
@@ -82,7 +82,7 @@ class Runs:
     _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
     leases: dict[str, Held] = field(default_factory=dict)  # operation_id -> what the renewal extends
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
-    _due: _Due = field(default_factory=_Due)
+    _due: DueAnswers = field(default_factory=DueAnswers)
 
     def owns(self, operation_id: str) -> bool:
         """Whether this process is running the operation right now."""
@@ -324,7 +324,8 @@ class Runs:
 
     def _bounded(self, result: ToolResult, op: Operation, limit: int) -> ToolResult:
         """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
-        size = len(result.to_json().encode())
+        encoded = result.to_json()
+        size = len(encoded) if encoded.isascii() else len(encoded.encode())
         if size <= limit:
             return result
         self.site.emit(Event.RESULT_TOO_LARGE, op.tool, op.idempotency_class, operation_id=op.operation_id)
