@@ -78,3 +78,15 @@ def test_an_operators_resolution_names_the_operator(tmp_path: Path) -> None:
     resolved = ops(deployment, "resolve", op_id, "--failed", "--reason", "not in the outbox", "--by", "olga")
     assert resolved.returncode == 0, resolved.stderr
     assert history(deployment, op_id)[-1] == ("resolved", "olga", "operator")
+
+
+def test_an_actor_is_stored_as_its_role_and_name_and_read_back() -> None:
+    from commitgate.server.model.audit import COMMITGATE, Actor, AuditEvent
+
+    assert (str(Actor.principal("alice")), str(Actor.operator("bob")), str(COMMITGATE)) == (
+        "principal:alice",
+        "operator:bob",
+        "commitgate",
+    )
+    for actor in (Actor.principal("alice"), Actor.operator("bob"), COMMITGATE):
+        assert Actor.of_record(str(actor), AuditEvent.SUCCEEDED, "alice") == actor

@@ -75,26 +75,25 @@ class CommitBoundary(Site):
     # --- entry point ---------------------------------------------------------------
 
     async def call(self, request: CallRequest) -> Answer:
-        """Every refusal or failure below is raised as a GateError where it is found; this is where a
-        call's raised error becomes its answer (and the runs do the same for a task's)."""
-        try:
-            if not request.tool.idempotency_class.keyed:
-                return await self.runs.unguarded(request)
-            return await self._guarded(request, request.settings or RunSettings.of(self.settings))
-        except GateError as exc:
-            return Answer.refused(exc)
-
-    async def _guarded(self, request: CallRequest, settings: RunSettings) -> Answer:
         """Claim, then answer from what the claim found. A budgeted re-run of a failed operation
         claims once more (the claim is what checks the budget), so this loops at most twice.
-        `settings` are the call's from here to the record of its outcome."""
-        while True:
-            found = await self._claimed(request, settings)
-            if isinstance(found, Answer):
-                return found
-            answer = await self._on_existing(request, settings, found, claimed=True)
-            if answer is not _CLAIM_AGAIN:
-                return answer
+
+        Every refusal or failure below is raised as a GateError where it is found; this is where a
+        call's raised error becomes its answer (and the runs do the same for a task's). One frame
+        for both: every resumption of a waiting call passes through each frame of its chain."""
+        try:
+            if not request.tool.keyed:
+                return await self.runs.unguarded(request)
+            settings = request.settings or RunSettings.of(self.settings)  # the call's, to its outcome
+            while True:
+                found = await self._claimed(request, settings)
+                if isinstance(found, Answer):
+                    return found
+                answer = await self._on_existing(request, settings, found, claimed=True)
+                if answer is not _CLAIM_AGAIN:
+                    return answer
+        except GateError as exc:
+            return Answer.refused(exc)
 
     async def _claimed(self, request: CallRequest, settings: RunSettings) -> Answer | Operation:
         """Claim the call's key: an Answer when this call ran it, else the operation recorded before."""
@@ -129,7 +128,7 @@ class CommitBoundary(Site):
             lease_seconds=settings.lease,
             # A budget adds up its window: every record in it must still be there.
             retention_seconds=max(retention, budget.policy.window) if budget is not None else retention,
-            duplicates=duplicates.check_for(tool.policy, request.confirm_duplicate),
+            duplicates=tool.duplicate_checks[request.confirm_duplicate],
             approval=approval,
             budget=budgets.check_for(budget, amount, tool.policy, now) if budget is not None else None,
         )

@@ -7,14 +7,16 @@ operation's recorded state answers with live here, beside the records they descr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from commitgate.server.core import errors
+from commitgate.server.core import duplicates, errors
 from commitgate.server.core.budgets import Budget
 from commitgate.server.core.errors import GateError
+from commitgate.server.ledger.base import DuplicateCheck
 from commitgate.server.model.facts import KEY_MAX_LENGTH, KEY_PATTERN, ErrorCode, IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
 from commitgate.server.policy.models import ServerPolicy, ToolPolicy
@@ -27,10 +29,20 @@ class GuardedTool:
     policy: ToolPolicy
     source: ToolSource
     budget: Budget | None = None  # the declared budget its calls spend from
+    # Read several times by every call, so kept as plain attributes: a tool's policy never changes
+    # (a reload builds new tools).
+    idempotency_class: IdempotencyClass = field(init=False, repr=False, compare=False)
+    keyed: bool = field(init=False, repr=False, compare=False)
+    # What its claims look for under other keys, indexed by the call's confirm_duplicate.
+    duplicate_checks: tuple[DuplicateCheck | None, DuplicateCheck | None] = field(
+        init=False, repr=False, compare=False
+    )
 
-    @property
-    def idempotency_class(self) -> IdempotencyClass:
-        return self.policy.idempotency_class
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "idempotency_class", self.policy.idempotency_class)
+        object.__setattr__(self, "keyed", self.policy.idempotency_class.keyed)
+        checks = (duplicates.check_for(self.policy, False), duplicates.check_for(self.policy, True))
+        object.__setattr__(self, "duplicate_checks", checks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +94,19 @@ class Answer:
 
 def fingerprint(tool: str, arguments_json: str) -> str:
     """SHA-256 of canonical JSON {"arguments": ..., "tool": ...}: docs/contract.md#fingerprint."""
-    document = '{"arguments":' + arguments_json + ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
+    document = '{"arguments":' + arguments_json + _tool_tail(tool)
     return hashlib.sha256(document.encode("utf-8")).hexdigest()
 
 
+@functools.lru_cache(maxsize=1024)
+def _tool_tail(tool: str) -> str:
+    """The fingerprint's text after the arguments: the same for every call of a tool, encoded once
+    (`json.dumps` with an option builds an encoder on every call)."""
+    return ',"tool":' + json.dumps(tool, ensure_ascii=False) + "}"
+
+
 def check_key(key: object, tool: GuardedTool) -> str | None:
-    if not tool.idempotency_class.keyed:
+    if not tool.keyed:
         return None
     if key is None or key == "":
         raise errors.key_required(tool.name)

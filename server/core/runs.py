@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 import commitgate.server.core.tracing as tracing
@@ -35,6 +36,9 @@ log = logging.getLogger("commitgate.boundary")
 
 Held = tuple[int, float]  # the fence a run holds, and the lease (seconds) each renewal grants it
 
+# respond_within runs out on this grid (seconds): an answer is due at most this much later.
+DUE_GRID = 0.01
+
 
 @dataclass(frozen=True, slots=True)
 class _Run:
@@ -44,12 +48,41 @@ class _Run:
     settings: RunSettings
 
 
+class DueAnswers:
+    """The callers waiting for their work's answer, by the moment their respond_within runs out,
+    rounded up to DUE_GRID: one timer per moment with callers, not one per call (a timer of its
+    own cost every call a heap push and a cancel on the event loop)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._by_moment: dict[float, set[asyncio.Future[Answer | None]]] = {}
+
+    def add(
+        self, loop: asyncio.AbstractEventLoop, answered: asyncio.Future[Answer | None], within: float
+    ) -> set[asyncio.Future[Answer | None]]:
+        """Answer `answered` with None once `within` seconds have passed; the set it waits in."""
+        if loop is not self._loop:  # the timers of another (closed) loop will never fire here
+            self._loop, self._by_moment = loop, {}
+        moment = math.ceil((loop.time() + within) / DUE_GRID) * DUE_GRID
+        waiting = self._by_moment.get(moment)
+        if waiting is None:
+            waiting = self._by_moment[moment] = set()
+            loop.call_at(moment, self._expire, moment)
+        waiting.add(answered)
+        return waiting
+
+    def _expire(self, moment: float) -> None:
+        for answered in self._by_moment.pop(moment, ()):
+            settle(answered, None)
+
+
 @dataclass
 class Runs:
     site: Site
     _inflight: dict[str, asyncio.Task[Answer | None]] = field(default_factory=dict)
     leases: dict[str, Held] = field(default_factory=dict)  # operation_id -> what the renewal extends
     final: FinalOutcomes = field(default_factory=FinalOutcomes)  # replays answered without a ledger read
+    _due: DueAnswers = field(default_factory=DueAnswers)
 
     def owns(self, operation_id: str) -> bool:
         """Whether this process is running the operation right now."""
@@ -87,11 +120,11 @@ class Runs:
         self._inflight[op.operation_id] = loop.create_task(
             self._work(run, op, maybe_applied, answered, taken_at), name=f"commitgate:{op.operation_id}"
         )
-        timer = loop.call_later(settings.respond_within, settle, answered, None)
+        waiting = self._due.add(loop, answered, settings.respond_within)
         try:
             answer = await answered
         finally:
-            timer.cancel()
+            waiting.discard(answered)
         if answer is None:
             raise errors.in_progress(op)
         return answer
@@ -126,7 +159,6 @@ class Runs:
     async def _execute(self, run: _Run, op: Operation, maybe_applied: bool, taken_at: float) -> Answer:
         request, site = run.request, self.site
         tool, policy = request.tool, request.tool.policy
-        backoff = Backoff(policy.retry, site.rng)
         deadline = site.monotonic() + policy.retry.deadline
         last_attempt = op.attempts + policy.retry.attempts - 1  # every call gets the full retry budget
         self.leases[op.operation_id] = (op.fence, run.settings.lease)
@@ -192,7 +224,7 @@ class Runs:
                     return await self._finish(
                         run, op, State.UNKNOWN, AuditEvent.AMBIGUOUS, None, attempt.error, actor
                     )
-                retried = await self._next_attempt(run, op, attempt, backoff, deadline, last_attempt)
+                retried = await self._next_attempt(run, op, attempt, deadline, last_attempt)
                 if retried is None:
                     state = exhausted_state(attempt.outcome, maybe_applied=maybe_applied)
                     return await self._finish(
@@ -212,13 +244,14 @@ class Runs:
         return await attempt_of(run.request.tool, run.request.arguments, ctx)
 
     async def _next_attempt(
-        self, run: _Run, op: Operation, attempt: Attempt, backoff: Backoff, deadline: float, last_attempt: int
+        self, run: _Run, op: Operation, attempt: Attempt, deadline: float, last_attempt: int
     ) -> tuple[Operation, float] | None:
         """Sleep the backoff and take the next attempt in the ledger (with the moment of the take);
         None when out of attempts or time."""
         site = self.site
         if op.attempts >= last_attempt:
             return None
+        backoff = Backoff(run.request.tool.policy.retry, site.rng)
         delay = 0.0 if attempt.immediate else backoff.delay(op.attempts, attempt.retry_after)
         if site.monotonic() + delay > deadline:
             return None
@@ -291,7 +324,8 @@ class Runs:
 
     def _bounded(self, result: ToolResult, op: Operation, limit: int) -> ToolResult:
         """A result over `limits.max_result_bytes` is not stored; the effect happened, so say so instead."""
-        size = len(result.to_json().encode())
+        encoded = result.to_json()
+        size = len(encoded) if encoded.isascii() else len(encoded.encode())
         if size <= limit:
             return result
         self.site.emit(Event.RESULT_TOO_LARGE, op.tool, op.idempotency_class, operation_id=op.operation_id)

@@ -91,7 +91,8 @@ class Actor:
         return cls(ActorRole.OPERATOR, name)
 
     def __str__(self) -> str:
-        return self.name if self.role is ActorRole.COMMITGATE else f"{self.role.value}:{self.name}"
+        # A StrEnum formats as its value without the Python call `.value` costs: once per write.
+        return self.name if self.role is ActorRole.COMMITGATE else f"{self.role}:{self.name}"
 
     @property
     def shown(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -101,7 +102,21 @@ def iso(ts: float | None) -> str | None:
     """Timestamps cross the wire as ISO 8601 UTC with milliseconds.
 
     Cached: a replay shows the same few timestamps of its operation every time, and formatting
-    one costs more than the rest of the operation block (a server answering replays spent 4 % of its time here)."""
+    one costs more than the rest of the operation block (a server answering replays spent 4 % of its time here).
+    A new one formats its whole second once (the calls of one second share it) and adds the
+    milliseconds: the text of `datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")`,
+    in half the time."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    fraction, whole = math.modf(ts)
+    micros = round(fraction * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
+    if micros >= 1_000_000:
+        micros, whole = micros - 1_000_000, whole + 1
+    elif micros < 0:
+        micros, whole = micros + 1_000_000, whole - 1
+    return f"{_second(int(whole))}.{micros // 1000:03d}Z"  # isoformat cuts to milliseconds
+
+
+@functools.lru_cache(maxsize=64)
+def _second(whole: int) -> str:
+    return datetime.fromtimestamp(whole, UTC).isoformat()[:19]  # YYYY-MM-DDTHH:MM:SS
