@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -81,7 +80,8 @@ class Writer(threading.Thread):
             # commit's pages) SQLite spilled it to a new temporary file, one per batch.
             conn.execute("PRAGMA temp_store = MEMORY")
         self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline write
-        self._checkpointer = _Checkpointer(path, synchronous, self._lock)
+        self.commits = 0  # transactions committed (batches and inline writes): what grew the WAL
+        self._checkpointer = _Checkpointer(path, synchronous, self._lock, lambda: self.commits)
         self.batches = 0
         self._in_batch = False
         self.writes = 0
@@ -168,6 +168,7 @@ class Writer(threading.Thread):
     def _committed(self, lazy: bool, changes_before: int, conn: sqlite3.Connection) -> None:
         """After a commit, under the write lock: a synced commit synced every earlier one too (if it
         wrote anything: a commit without changes writes no WAL frame and syncs nothing)."""
+        self.commits += 1
         if lazy:
             self._syncer.owe()
         elif self.lazy_outcomes and conn.total_changes != changes_before:
@@ -306,13 +307,24 @@ class _Checkpointer(threading.Thread):
     checkpoint from a connection of its own never blocks writers (it copies what readers allow
     and leaves the rest for next time); the writers keep a far larger automatic threshold only
     as a backstop. Several processes on one file each run one; SQLite lets one at a time work.
+    It works only when this process committed since its last complete checkpoint (`commits`, a
+    count): an idle server leaves the write lock alone.
     """
 
-    def __init__(self, path: Path, synchronous: str, write_lock: threading.Lock, every: float = 0.25) -> None:
+    def __init__(
+        self,
+        path: Path,
+        synchronous: str,
+        write_lock: threading.Lock,
+        commits: Callable[[], int],
+        every: float = 0.25,
+    ) -> None:
         super().__init__(name="commitgate-ledger-checkpoint", daemon=True)
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
         self._write_lock = write_lock
+        self._commits = commits
+        self._done_through: int | None = None  # the commit count its last complete checkpoint covered
         self._every = every
         self._stopping = threading.Event()
 
@@ -324,10 +336,18 @@ class _Checkpointer(threading.Thread):
             self._conn.close()
 
     def checkpoint(self) -> None:
-        with contextlib.suppress(sqlite3.Error):  # another process's checkpointer is at work: next time
+        commits = self._commits()
+        if commits == self._done_through:
+            return
+        try:
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()  # the bulk, beside the writers
             with self._write_lock:  # what they committed meanwhile: usually a few frames
-                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                commits = self._commits()
+                busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:  # another process's checkpointer is at work: next time
+            return
+        # A reader that held frames back leaves some to copy: then the next tick tries again.
+        self._done_through = commits if busy == 0 and copied == frames else None
 
     def stop(self) -> None:
         self._stopping.set()
