@@ -118,6 +118,7 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
         "due (many)": (evidence._SQLITE_DUE.format(marks="(?, ?), (?, ?)"), ["op", 1, "op", 2]),
         "writer": (evidence._SQLITE_WRITER, ["w"]),
         "head": (evidence._SQLITE_HEAD, [1]),
+        "next receipt": (evidence._SQLITE_NEXT_RECEIPT, [2, 1, *["x"] * 10, "00", "00", "00"]),
         "spent": (evidence._SQLITE_SPENT, ["op"]),
         "sum": (evidence._SQLITE_SUM, ["pay", "p", "p", None, None, 0.0, 1.0]),
     }
@@ -125,5 +126,43 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
         for name, (sql, params) in plans.items():
             steps = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
             assert not [
-                s for s in steps if s.startswith("SCAN") and "CONSTANT ROWS" not in s and s != "SCAN v"
+                s for s in steps if s.startswith("SCAN") and "CONSTANT ROW" not in s and s != "SCAN v"
             ], (name, steps)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_transaction_sealed_then_rolled_back_leaves_no_gap_in_its_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    """The writer keeps each chain's head between transactions; one that built its receipts and then
+    did not commit (a failed COMMIT) leaves that head ahead of the file, and the next receipt must
+    still follow the file's last one."""
+    from commitgate.server.ledger.sqlite import _writer
+
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    signer = Signer.load(tmp_path / "key.pem", create=True)
+    ledger.attach(Evidence(signer))
+    seal, failures = _writer.seal_sqlite, [1]
+
+    def seal_then_fail(conn: sqlite3.Connection, *args: Any) -> None:
+        seal(conn, *args)
+        if failures and (conn is ledger._writer._conn) is batched:
+            failures.pop()
+            raise sqlite3.OperationalError("disk I/O error")
+
+    try:
+        await call(ledger, 0)
+        monkeypatch.setattr(_writer, "seal_sqlite", seal_then_fail)
+        if batched:  # a group commit: its writes run again, each on its own, and commit
+            await asyncio.gather(*(call(ledger, n) for n in range(1, 9)))
+            assert not failures
+        else:  # a write run inline: it fails, the next one commits
+            with pytest.raises(Exception, match="disk I/O error"):
+                await call(ledger, 1)
+            await call(ledger, 2)
+        receipts = await ledger.receipts()
+        verdict = check_chains(receipts, {signer.public_hex})
+        assert verdict.whole, verdict.problem
+        assert len(receipts) == sum((await ledger.counts()).events.values())
+    finally:
+        await ledger.close()

@@ -288,6 +288,14 @@ _SQLITE_DUE = (
 _SQLITE_WRITER = "SELECT id FROM receipt_writers WHERE writer = ?"
 _SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer_id = ? ORDER BY seq DESC LIMIT 1"
 _SQLITE_RECEIPT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS.replace('writer', 'writer_id', 1)}) VALUES ({', '.join('?' * 15)})"
+# A transaction's first receipt, written only if it goes right after its chain's head as the file has
+# it (the head a writer keeps may be stale: a COMMIT that failed after its receipts were built). Two
+# seeks of the primary key, on the page the insert writes anyway.
+_SQLITE_NEXT_RECEIPT = (
+    _SQLITE_RECEIPT.split(" VALUES ")[0] + f" SELECT {', '.join(f'?{n}' for n in range(1, 16))}"
+    " WHERE NOT EXISTS (SELECT 1 FROM receipts WHERE writer_id = ?2 AND seq = ?1)"
+    " AND (?1 = 1 OR EXISTS (SELECT 1 FROM receipts WHERE writer_id = ?2 AND seq = ?1 - 1 AND hash = ?13))"
+)
 _HEX = (10, 11, 12, 13, 14)  # the digests, prev, hash and sig: stored as bytes (`_stored`)
 SQLITE_RECEIPTS = (
     f"SELECT {_RECEIPT_COLUMNS.replace('writer', 'w.writer', 1)} FROM receipts JOIN receipt_writers w"
@@ -305,10 +313,17 @@ def watch_sqlite(conn: sqlite3.Connection, due: list[tuple[str, int]]) -> None:
     )
 
 
-def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[str, int]]) -> None:
+def seal_sqlite(
+    conn: sqlite3.Connection,
+    evidence: Evidence,
+    due: list[tuple[str, int]],
+    heads: dict[str, tuple[int, str]],
+) -> None:
     """Before a commit: the receipts and events of the audit entries this transaction wrote.
 
-    `due` may also name entries a rolled-back write had made: the join finds only those that exist."""
+    `due` may also name entries a rolled-back write had made: the join finds only those that exist.
+    `heads`: each chain's last receipt (seq, hash) as this file's writer last wrote it, kept across
+    transactions instead of read in each; the first insert checks it against the file."""
     if not due:
         return
     keys = list(dict.fromkeys(due))
@@ -324,22 +339,30 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
         )
         rows += conn.execute(sql, [v for key in chunk for v in key]).fetchall()
     rows.sort(key=lambda row: order[(row[0], row[11])])
-    writer, writer_id, seq, prev = "", 0, 0, GENESIS
+    writer, writer_id, head = "", 0, (0, GENESIS)
     if evidence.signer is not None:
         writer = evidence.writer()
         writer_id = _writer_id(conn, evidence, writer)
-        head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
-        if head is not None:
-            seq, prev = head[0], head[1].hex()
+        head = heads.get(writer) or _sqlite_head(conn, writer_id)
     entries = [row[:11] for row in rows]
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
-    receipts, outbox, _, _ = evidence.build(entries, writer, seq, prev, near)
-    if len(receipts) == 1:
-        conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
-    elif receipts:
-        conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts])
+    receipts, outbox, *last = evidence.build(entries, writer, *head, near)
+    if receipts:
+        if conn.execute(_SQLITE_NEXT_RECEIPT, _stored(receipts[0], writer_id)).rowcount != 1:
+            # The kept head was not the file's: build again on the file's own, signing anew.
+            receipts, outbox, *last = evidence.build(entries, writer, *_sqlite_head(conn, writer_id), near)
+            conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
+        if len(receipts) > 1:
+            conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts[1:]])
+        heads[writer] = (last[0], last[1])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
+
+
+def _sqlite_head(conn: sqlite3.Connection, writer_id: int) -> tuple[int, str]:
+    """The chain's last receipt in the file, (seq, hash); (0, GENESIS) for a chain not begun."""
+    head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
+    return (0, GENESIS) if head is None else (head[0], head[1].hex())
 
 
 def _writer_id(conn: sqlite3.Connection, evidence: Evidence, writer: str) -> int:

@@ -93,6 +93,8 @@ class Writer(threading.Thread):
         self._accepting = False
         self._evidence: Evidence | None = None  # receipts and events added to every transaction
         self._due: dict[sqlite3.Connection, list[tuple[str, int]]] = {}
+        # Each receipt chain's head as this file last took it, for both connections (`seal_sqlite`).
+        self._heads: dict[str, tuple[int, str]] = {}
 
     def attach(self, evidence: Evidence) -> None:
         """From now on every transaction writes the receipts and events of its audit entries."""
@@ -104,7 +106,7 @@ class Writer(threading.Thread):
 
     def _seal(self, conn: sqlite3.Connection) -> None:
         if self._evidence is not None:
-            seal_sqlite(conn, self._evidence, self._due[conn])
+            seal_sqlite(conn, self._evidence, self._due[conn], self._heads)
 
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
