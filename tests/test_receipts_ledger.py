@@ -118,7 +118,6 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
         "due (many)": (evidence._SQLITE_DUE.format(marks="(?, ?), (?, ?)"), ["op", 1, "op", 2]),
         "writer": (evidence._SQLITE_WRITER, ["w"]),
         "head": (evidence._SQLITE_HEAD, [1]),
-        "next receipt": (evidence._SQLITE_NEXT_RECEIPT, [2, 1, *["x"] * 10, "00", "00", "00"]),
         "spent": (evidence._SQLITE_SPENT, ["op"]),
         "sum": (evidence._SQLITE_SUM, ["pay", "p", "p", None, None, 0.0, 1.0]),
     }
@@ -134,9 +133,9 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
 async def test_a_transaction_sealed_then_rolled_back_leaves_no_gap_in_its_chain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool
 ) -> None:
-    """The writer keeps each chain's head between transactions; one that built its receipts and then
-    did not commit (a failed COMMIT) leaves that head ahead of the file, and the next receipt must
-    still follow the file's last one."""
+    """The writer keeps each chain's head between transactions, taken on from a transaction only once
+    it committed: one that built its receipts and then did not commit (a failed COMMIT) must not
+    move it, or the next receipt would leave a gap."""
     from commitgate.server.ledger.sqlite import _writer
 
     ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
@@ -164,5 +163,27 @@ async def test_a_transaction_sealed_then_rolled_back_leaves_no_gap_in_its_chain(
         verdict = check_chains(receipts, {signer.public_hex})
         assert verdict.whole, verdict.problem
         assert len(receipts) == sum((await ledger.counts()).events.values())
+    finally:
+        await ledger.close()
+
+
+async def test_a_kept_chain_head_behind_the_file_is_read_again(tmp_path: Path) -> None:
+    """A head kept from before the file's last receipt of the chain (another writer of the chain on
+    the file) would repeat a `seq`: the writer reads the file's head and signs again."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    signer = Signer.load(tmp_path / "key.pem", create=True)
+    ledger.attach(Evidence(signer))
+    try:
+        await call(ledger, 0)
+        heads = ledger._writer._heads
+        (chain, _), *_ = heads.items()
+        stale = dict(heads)
+        await call(ledger, 1)
+        heads.update(stale)
+        await call(ledger, 2)
+        receipts = await ledger.receipts()
+        verdict = check_chains(receipts, {signer.public_hex})
+        assert verdict.whole, verdict.problem
+        assert [r["seq"] for r in receipts if r["writer"] == chain] == list(range(1, 7))
     finally:
         await ledger.close()

@@ -288,14 +288,6 @@ _SQLITE_DUE = (
 _SQLITE_WRITER = "SELECT id FROM receipt_writers WHERE writer = ?"
 _SQLITE_HEAD = "SELECT seq, hash FROM receipts WHERE writer_id = ? ORDER BY seq DESC LIMIT 1"
 _SQLITE_RECEIPT = f"INSERT INTO receipts ({_RECEIPT_COLUMNS.replace('writer', 'writer_id', 1)}) VALUES ({', '.join('?' * 15)})"
-# A transaction's first receipt, written only if it goes right after its chain's head as the file has
-# it (the head a writer keeps may be stale: a COMMIT that failed after its receipts were built). Two
-# seeks of the primary key, on the page the insert writes anyway.
-_SQLITE_NEXT_RECEIPT = (
-    _SQLITE_RECEIPT.split(" VALUES ")[0] + f" SELECT {', '.join(f'?{n}' for n in range(1, 16))}"
-    " WHERE NOT EXISTS (SELECT 1 FROM receipts WHERE writer_id = ?2 AND seq = ?1)"
-    " AND (?1 = 1 OR EXISTS (SELECT 1 FROM receipts WHERE writer_id = ?2 AND seq = ?1 - 1 AND hash = ?13))"
-)
 _HEX = (10, 11, 12, 13, 14)  # the digests, prev, hash and sig: stored as bytes (`_stored`)
 SQLITE_RECEIPTS = (
     f"SELECT {_RECEIPT_COLUMNS.replace('writer', 'w.writer', 1)} FROM receipts JOIN receipt_writers w"
@@ -317,15 +309,16 @@ def seal_sqlite(
     conn: sqlite3.Connection,
     evidence: Evidence,
     due: list[tuple[str, int]],
-    heads: dict[str, tuple[int, str]],
-) -> None:
+    heads: Mapping[str, tuple[int, str]],
+) -> tuple[str, tuple[int, str]] | None:
     """Before a commit: the receipts and events of the audit entries this transaction wrote.
 
     `due` may also name entries a rolled-back write had made: the join finds only those that exist.
-    `heads`: each chain's last receipt (seq, hash) as this file's writer last wrote it, kept across
-    transactions instead of read in each; the first insert checks it against the file."""
+    `heads`: each chain's last receipt (seq, hash) as of the last commit, kept by the caller instead
+    of read in every transaction. Returns the chain and its head once this transaction commits (the
+    caller keeps it only then: a head ahead of the file would leave a gap)."""
     if not due:
-        return
+        return None
     keys = list(dict.fromkeys(due))
     due.clear()
     order = {key: i for i, key in enumerate(keys)}
@@ -348,15 +341,18 @@ def seal_sqlite(
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
     receipts, outbox, *last = evidence.build(entries, writer, *head, near)
     if receipts:
-        if conn.execute(_SQLITE_NEXT_RECEIPT, _stored(receipts[0], writer_id)).rowcount != 1:
-            # The kept head was not the file's: build again on the file's own, signing anew.
+        try:
+            conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
+        except sqlite3.IntegrityError:
+            # The kept head is behind the file (another writer of this chain on the file, or a
+            # COMMIT that reported failure yet was kept): build again on the file's own head.
             receipts, outbox, *last = evidence.build(entries, writer, *_sqlite_head(conn, writer_id), near)
             conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
         if len(receipts) > 1:
             conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts[1:]])
-        heads[writer] = (last[0], last[1])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
+    return (writer, (last[0], last[1])) if receipts else None
 
 
 def _sqlite_head(conn: sqlite3.Connection, writer_id: int) -> tuple[int, str]:

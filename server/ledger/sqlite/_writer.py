@@ -93,7 +93,7 @@ class Writer(threading.Thread):
         self._accepting = False
         self._evidence: Evidence | None = None  # receipts and events added to every transaction
         self._due: dict[sqlite3.Connection, list[tuple[str, int]]] = {}
-        # Each receipt chain's head as this file last took it, for both connections (`seal_sqlite`).
+        # Each receipt chain's head as of this file's last commit, for both connections (`seal_sqlite`).
         self._heads: dict[str, tuple[int, str]] = {}
 
     def attach(self, evidence: Evidence) -> None:
@@ -104,9 +104,11 @@ class Writer(threading.Thread):
                 watch_sqlite(conn, self._due[conn])
             self._evidence = evidence
 
-    def _seal(self, conn: sqlite3.Connection) -> None:
-        if self._evidence is not None:
-            seal_sqlite(conn, self._evidence, self._due[conn], self._heads)
+    def _seal(self, conn: sqlite3.Connection) -> tuple[str, tuple[int, str]] | None:
+        """Receipts and events into the open transaction; the receipt chain's head it will leave."""
+        if self._evidence is None:
+            return None
+        return seal_sqlite(conn, self._evidence, self._due[conn], self._heads)
 
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -136,13 +138,13 @@ class Writer(threading.Thread):
                 return False, None  # locked by another process: let the writer wait for it
             try:
                 value = write(conn)
-                self._seal(conn)
+                head = self._seal(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            self._committed(lazy, changes, conn)
+            self._committed(lazy, changes, conn, head)
             return True, value
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"ledger write failed: {exc}") from exc
@@ -167,10 +169,19 @@ class Writer(threading.Thread):
             self._modes[conn] = lazy
         return lazy
 
-    def _committed(self, lazy: bool, changes_before: int, conn: sqlite3.Connection) -> None:
-        """After a commit, under the write lock: a synced commit synced every earlier one too (if it
-        wrote anything: a commit without changes writes no WAL frame and syncs nothing)."""
+    def _committed(
+        self,
+        lazy: bool,
+        changes_before: int,
+        conn: sqlite3.Connection,
+        head: tuple[str, tuple[int, str]] | None = None,
+    ) -> None:
+        """After a commit, under the write lock: the receipt chain's new head is the file's now; a
+        synced commit synced every earlier one too (if it wrote anything: a commit without changes
+        writes no WAL frame and syncs nothing)."""
         self.commits += 1
+        if head is not None:
+            self._heads[head[0]] = head[1]
         if lazy:
             self._syncer.owe()
         elif self.lazy_outcomes and conn.total_changes != changes_before:
@@ -273,12 +284,12 @@ class Writer(threading.Thread):
         conn.execute("BEGIN IMMEDIATE")
         try:
             outcomes = [(True, value) for value in run_writes(conn, writes)]
-            self._seal(conn)
+            head = self._seal(conn)
         except Exception:
             conn.execute("ROLLBACK")
             return None
         conn.execute("COMMIT")
-        self._committed(lazy, changes, conn)
+        self._committed(lazy, changes, conn, head)
         return outcomes
 
     def _isolated(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
@@ -295,9 +306,9 @@ class Writer(threading.Thread):
                 conn.execute("ROLLBACK TO step")
                 outcomes.append((False, _as_ledger_failure(exc)))
             conn.execute("RELEASE step")
-        self._seal(conn)
+        head = self._seal(conn)
         conn.execute("COMMIT")
-        self._committed(lazy, changes, conn)
+        self._committed(lazy, changes, conn, head)
         return outcomes
 
 
