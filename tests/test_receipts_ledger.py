@@ -141,7 +141,7 @@ async def test_a_transaction_sealed_then_rolled_back_leaves_no_gap_in_its_chain(
     ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
     signer = Signer.load(tmp_path / "key.pem", create=True)
     ledger.attach(Evidence(signer))
-    seal, failures = _writer.seal_sqlite, [1]
+    seal, failures = evidence.seal_sqlite, [1]
 
     def seal_then_fail(conn: sqlite3.Connection, *args: Any) -> None:
         seal(conn, *args)

@@ -339,20 +339,22 @@ def seal_sqlite(
         head = heads.get(writer) or _sqlite_head(conn, writer_id)
     entries = [row[:11] for row in rows]
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
-    receipts, outbox, *last = evidence.build(entries, writer, *head, near)
+    receipts, outbox, seq, prev = evidence.build(entries, writer, *head, near)
     if receipts:
         try:
             conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
         except sqlite3.IntegrityError:
             # The kept head is behind the file (another writer of this chain on the file, or a
             # COMMIT that reported failure yet was kept): build again on the file's own head.
-            receipts, outbox, *last = evidence.build(entries, writer, *_sqlite_head(conn, writer_id), near)
+            receipts, outbox, seq, prev = evidence.build(
+                entries, writer, *_sqlite_head(conn, writer_id), near
+            )
             conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
         if len(receipts) > 1:
             conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts[1:]])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
-    return (writer, (last[0], last[1])) if receipts else None
+    return (writer, (seq, prev)) if receipts else None
 
 
 def _sqlite_head(conn: sqlite3.Connection, writer_id: int) -> tuple[int, str]:
