@@ -135,8 +135,45 @@ async def test_the_sqlite_lookup_uses_its_index(tmp_path: Path) -> None:
             (DUPLICATE_IN_PRINCIPAL, ("alice", "fp", 0, 0, "s1", "k")),
         ):
             plan = " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-            assert "USING INDEX operations_duplicates" in plan, plan
+            assert "USING INDEX operations_duplicates (principal=? AND <expr>=?" in plan, plan
             assert "SCAN" not in plan, plan
+
+
+@pytest.mark.anyio
+async def test_fingerprints_that_share_their_indexed_prefix_are_different_actions(ledger: Ledger) -> None:
+    """SQLite indexes a fingerprint's first 16 characters: the whole fingerprint still decides."""
+    await claimed(ledger, "k1", fingerprint="a" * 16 + "1")
+    await claimed(ledger, "k2", fingerprint="a" * 16 + "2")
+    together = await asyncio.gather(
+        *(ledger.claim(checked(f"b{i}", fingerprint="b" * 16 + str(i)), T0) for i in range(4))
+    )
+    assert {c.kind for c in together} == {ClaimKind.NEW}
+    assert (await ledger.claim(checked("k3", fingerprint="a" * 16 + "1"), T0 + 1)).kind is ClaimKind.DUPLICATE
+
+
+@pytest.mark.anyio
+async def test_a_ledger_indexed_by_whole_fingerprints_is_migrated_and_its_operations_still_count(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = await SQLiteLedger.open(path)
+    first = await claimed(ledger, "k1")
+    await ledger.close()
+    with sqlite3.connect(path) as conn:  # the index as version 11 left it
+        conn.execute("DROP INDEX operations_duplicates")
+        conn.execute(
+            "CREATE INDEX operations_duplicates ON operations (principal, fingerprint, session, created_at)"
+        )
+        conn.execute("DELETE FROM schema_version WHERE version > 11")
+    ledger = await SQLiteLedger.open(path)
+    try:
+        again = await ledger.claim(checked("k2"), T0 + 1)
+        assert again.kind is ClaimKind.DUPLICATE and again.operation.operation_id == first.operation_id
+    finally:
+        await ledger.close()
+    with sqlite3.connect(path) as conn:
+        (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'operations_duplicates'").fetchone()
+    assert "substr(fingerprint, 1, 16)" in sql, sql
 
 
 @pytest.mark.anyio

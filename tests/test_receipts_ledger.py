@@ -125,5 +125,65 @@ async def test_sealing_a_transaction_reads_by_key_never_by_scanning(tmp_path: Pa
         for name, (sql, params) in plans.items():
             steps = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
             assert not [
-                s for s in steps if s.startswith("SCAN") and "CONSTANT ROWS" not in s and s != "SCAN v"
+                s for s in steps if s.startswith("SCAN") and "CONSTANT ROW" not in s and s != "SCAN v"
             ], (name, steps)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_transaction_sealed_then_rolled_back_leaves_no_gap_in_its_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    """The writer keeps each chain's head between transactions, taken on from a transaction only once
+    it committed: one that built its receipts and then did not commit (a failed COMMIT) must not
+    move it, or the next receipt would leave a gap."""
+    from commitgate.server.ledger.sqlite import _writer
+
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    signer = Signer.load(tmp_path / "key.pem", create=True)
+    ledger.attach(Evidence(signer))
+    seal, failures = evidence.seal_sqlite, [1]
+
+    def seal_then_fail(conn: sqlite3.Connection, *args: Any) -> None:
+        seal(conn, *args)
+        if failures and (conn is ledger._writer._conn) is batched:
+            failures.pop()
+            raise sqlite3.OperationalError("disk I/O error")
+
+    try:
+        await call(ledger, 0)
+        monkeypatch.setattr(_writer, "seal_sqlite", seal_then_fail)
+        if batched:  # a group commit: its writes run again, each on its own, and commit
+            await asyncio.gather(*(call(ledger, n) for n in range(1, 9)))
+            assert not failures
+        else:  # a write run inline: it fails, the next one commits
+            with pytest.raises(Exception, match="disk I/O error"):
+                await call(ledger, 1)
+            await call(ledger, 2)
+        receipts = await ledger.receipts()
+        verdict = check_chains(receipts, {signer.public_hex})
+        assert verdict.whole, verdict.problem
+        assert len(receipts) == sum((await ledger.counts()).events.values())
+    finally:
+        await ledger.close()
+
+
+async def test_a_kept_chain_head_behind_the_file_is_read_again(tmp_path: Path) -> None:
+    """A head kept from before the file's last receipt of the chain (another writer of the chain on
+    the file) would repeat a `seq`: the writer reads the file's head and signs again."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    signer = Signer.load(tmp_path / "key.pem", create=True)
+    ledger.attach(Evidence(signer))
+    try:
+        await call(ledger, 0)
+        heads = ledger._writer._heads
+        (chain, _), *_ = heads.items()
+        stale = dict(heads)
+        await call(ledger, 1)
+        heads.update(stale)
+        await call(ledger, 2)
+        receipts = await ledger.receipts()
+        verdict = check_chains(receipts, {signer.public_hex})
+        assert verdict.whole, verdict.problem
+        assert [r["seq"] for r in receipts if r["writer"] == chain] == list(range(1, 7))
+    finally:
+        await ledger.close()

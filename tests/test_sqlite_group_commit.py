@@ -294,6 +294,29 @@ async def test_the_wal_is_copied_back_off_the_commit_path(tmp_path: Path) -> Non
         await ledger.close()
 
 
+@pytest.mark.anyio
+async def test_the_checkpointer_leaves_an_idle_ledger_alone(tmp_path: Path) -> None:
+    """It checkpoints only when this process committed since its last complete checkpoint: an idle
+    server neither runs statements every quarter second nor takes the write lock for them."""
+    ledger = await SQLiteLedger.open(tmp_path / "ledger.db")
+    statements: list[str] = []
+    checkpointer = ledger._writer._checkpointer
+    try:
+        await ledger.claim(claim("k1"), T0)
+        await anyio.sleep(0.6)  # two ticks: the claim is copied back
+        checkpointer._conn.set_trace_callback(statements.append)
+        await anyio.sleep(0.6)
+        assert statements == []
+        await ledger.claim(claim("k2"), T0)
+        deadline = time.monotonic() + 5
+        while not statements and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+        assert any("wal_checkpoint" in sql for sql in statements), statements
+    finally:
+        checkpointer._conn.set_trace_callback(None)
+        await ledger.close()
+
+
 def _wal_restarts(wal: Path) -> int:
     """The WAL header's checkpoint sequence number: +1 each time writers start the WAL over."""
     with wal.open("rb") as file:

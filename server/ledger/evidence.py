@@ -305,12 +305,20 @@ def watch_sqlite(conn: sqlite3.Connection, due: list[tuple[str, int]]) -> None:
     )
 
 
-def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[str, int]]) -> None:
+def seal_sqlite(
+    conn: sqlite3.Connection,
+    evidence: Evidence,
+    due: list[tuple[str, int]],
+    heads: Mapping[str, tuple[int, str]],
+) -> tuple[str, tuple[int, str]] | None:
     """Before a commit: the receipts and events of the audit entries this transaction wrote.
 
-    `due` may also name entries a rolled-back write had made: the join finds only those that exist."""
+    `due` may also name entries a rolled-back write had made: the join finds only those that exist.
+    `heads`: each chain's last receipt (seq, hash) as of the last commit, kept by the caller instead
+    of read in every transaction. Returns the chain and its head once this transaction commits (the
+    caller keeps it only then: a head ahead of the file would leave a gap)."""
     if not due:
-        return
+        return None
     keys = list(dict.fromkeys(due))
     due.clear()
     order = {key: i for i, key in enumerate(keys)}
@@ -324,22 +332,35 @@ def seal_sqlite(conn: sqlite3.Connection, evidence: Evidence, due: list[tuple[st
         )
         rows += conn.execute(sql, [v for key in chunk for v in key]).fetchall()
     rows.sort(key=lambda row: order[(row[0], row[11])])
-    writer, writer_id, seq, prev = "", 0, 0, GENESIS
+    writer, writer_id, head = "", 0, (0, GENESIS)
     if evidence.signer is not None:
         writer = evidence.writer()
         writer_id = _writer_id(conn, evidence, writer)
-        head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
-        if head is not None:
-            seq, prev = head[0], head[1].hex()
+        head = heads.get(writer) or _sqlite_head(conn, writer_id)
     entries = [row[:11] for row in rows]
     near = _sqlite_near(conn, evidence, evidence.spending(entries))
-    receipts, outbox, _, _ = evidence.build(entries, writer, seq, prev, near)
-    if len(receipts) == 1:
-        conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
-    elif receipts:
-        conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts])
+    receipts, outbox, seq, prev = evidence.build(entries, writer, *head, near)
+    if receipts:
+        try:
+            conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
+        except sqlite3.IntegrityError:
+            # The kept head is behind the file (another writer of this chain on the file, or a
+            # COMMIT that reported failure yet was kept): build again on the file's own head.
+            receipts, outbox, seq, prev = evidence.build(
+                entries, writer, *_sqlite_head(conn, writer_id), near
+            )
+            conn.execute(_SQLITE_RECEIPT, _stored(receipts[0], writer_id))
+        if len(receipts) > 1:
+            conn.executemany(_SQLITE_RECEIPT, [_stored(receipt, writer_id) for receipt in receipts[1:]])
     if outbox:
         conn.executemany(_SQLITE_OUTBOX, outbox)
+    return (writer, (seq, prev)) if receipts else None
+
+
+def _sqlite_head(conn: sqlite3.Connection, writer_id: int) -> tuple[int, str]:
+    """The chain's last receipt in the file, (seq, hash); (0, GENESIS) for a chain not begun."""
+    head = conn.execute(_SQLITE_HEAD, (writer_id,)).fetchone()
+    return (0, GENESIS) if head is None else (head[0], head[1].hex())
 
 
 def _writer_id(conn: sqlite3.Connection, evidence: Evidence, writer: str) -> int:

@@ -16,6 +16,10 @@ from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.notes import ApprovalRecord, ErrorRecord, ReconciliationNote
 from commitgate.server.model.records import Operation, ToolResult
 
+# What the duplicate lookup's index keeps of a fingerprint (migration 12). A lookup names this very
+# expression, else SQLite cannot use the index.
+FINGERPRINT_KEY = "substr(fingerprint, 1, 16)"
+
 MIGRATIONS: list[str] = [
     # 1: operations + audit trail
     """
@@ -146,6 +150,14 @@ MIGRATIONS: list[str] = [
     ALTER TABLE operations ADD COLUMN attempt_started REAL;
     UPDATE operations SET budget_spent_at = NULL
         WHERE budget IS NOT NULL AND state = 'FAILED_FINAL' AND attempts = 0;
+    """,
+    # 12: the duplicate lookup's index keys a fingerprint by its first 16 characters (64 bits of a
+    # hex SHA-256), not all 64: its entries, inserted at a random place by every claim, were the
+    # largest of any index and half of the bytes a claim wrote. Equal prefixes are told apart by the
+    # full fingerprint in the row. Built over the rows already there, so earlier operations count.
+    f"""
+    DROP INDEX IF EXISTS operations_duplicates;
+    CREATE INDEX operations_duplicates ON operations (principal, {FINGERPRINT_KEY}, session, created_at);
     """,
 ]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -82,7 +81,8 @@ class Writer(threading.Thread):
             # commit's pages) SQLite spilled it to a new temporary file, one per batch.
             conn.execute("PRAGMA temp_store = MEMORY")
         self._lock = threading.Lock()  # one write in flight in this process: a batch or an inline write
-        self._checkpointer = _Checkpointer(path, synchronous, self._lock)
+        self.commits = 0  # transactions committed (batches and inline writes): what grew the WAL
+        self._checkpointer = _Checkpointer(path, synchronous, self._lock, lambda: self.commits)
         self.batches = 0
         self._in_batch = False
         self.writes = 0
@@ -94,6 +94,8 @@ class Writer(threading.Thread):
         self._accepting = False
         self._evidence: Evidence | None = None  # receipts and events added to every transaction
         self._due: dict[sqlite3.Connection, list[tuple[str, int]]] = {}
+        # Each receipt chain's head as of this file's last commit, for both connections (`seal_sqlite`).
+        self._heads: dict[str, tuple[int, str]] = {}
 
     def attach(self, evidence: Evidence) -> None:
         """From now on every transaction writes the receipts and events of its audit entries."""
@@ -103,9 +105,11 @@ class Writer(threading.Thread):
                 watch_sqlite(conn, self._due[conn])
             self._evidence = evidence
 
-    def _seal(self, conn: sqlite3.Connection) -> None:
-        if self._evidence is not None:
-            seal_sqlite(conn, self._evidence, self._due[conn])
+    def _seal(self, conn: sqlite3.Connection) -> tuple[str, tuple[int, str]] | None:
+        """Receipts and events into the open transaction; the receipt chain's head it will leave."""
+        if self._evidence is None:
+            return None
+        return seal_sqlite(conn, self._evidence, self._due[conn], self._heads)
 
     def submit(self, write: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -135,13 +139,13 @@ class Writer(threading.Thread):
                 return False, None  # locked by another process: let the writer wait for it
             try:
                 value = write(conn)
-                self._seal(conn)
+                head = self._seal(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            self._committed(lazy, changes, conn)
+            self._committed(lazy, changes, conn, head)
             return True, value
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"ledger write failed: {exc}") from exc
@@ -166,9 +170,19 @@ class Writer(threading.Thread):
             self._modes[conn] = lazy
         return lazy
 
-    def _committed(self, lazy: bool, changes_before: int, conn: sqlite3.Connection) -> None:
-        """After a commit, under the write lock: a synced commit synced every earlier one too (if it
-        wrote anything: a commit without changes writes no WAL frame and syncs nothing)."""
+    def _committed(
+        self,
+        lazy: bool,
+        changes_before: int,
+        conn: sqlite3.Connection,
+        head: tuple[str, tuple[int, str]] | None = None,
+    ) -> None:
+        """After a commit, under the write lock: the receipt chain's new head is the file's now; a
+        synced commit synced every earlier one too (if it wrote anything: a commit without changes
+        writes no WAL frame and syncs nothing)."""
+        self.commits += 1
+        if head is not None:
+            self._heads[head[0]] = head[1]
         if lazy:
             self._syncer.owe()
         elif self.lazy_outcomes and conn.total_changes != changes_before:
@@ -272,12 +286,12 @@ class Writer(threading.Thread):
         conn.execute("BEGIN IMMEDIATE")
         try:
             outcomes = [(True, value) for value in run_writes(conn, writes)]
-            self._seal(conn)
+            head = self._seal(conn)
         except Exception:
             conn.execute("ROLLBACK")
             return None
         conn.execute("COMMIT")
-        self._committed(lazy, changes, conn)
+        self._committed(lazy, changes, conn, head)
         return outcomes
 
     def _isolated(self, writes: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
@@ -294,9 +308,9 @@ class Writer(threading.Thread):
                 conn.execute("ROLLBACK TO step")
                 outcomes.append((False, _as_ledger_failure(exc)))
             conn.execute("RELEASE step")
-        self._seal(conn)
+        head = self._seal(conn)
         conn.execute("COMMIT")
-        self._committed(lazy, changes, conn)
+        self._committed(lazy, changes, conn, head)
         return outcomes
 
 
@@ -308,13 +322,24 @@ class _Checkpointer(threading.Thread):
     checkpoint from a connection of its own never blocks writers (it copies what readers allow
     and leaves the rest for next time); the writers keep a far larger automatic threshold only
     as a backstop. Several processes on one file each run one; SQLite lets one at a time work.
+    It works only when this process committed since its last complete checkpoint (`commits`, a
+    count): an idle server leaves the write lock alone.
     """
 
-    def __init__(self, path: Path, synchronous: str, write_lock: threading.Lock, every: float = 0.25) -> None:
+    def __init__(
+        self,
+        path: Path,
+        synchronous: str,
+        write_lock: threading.Lock,
+        commits: Callable[[], int],
+        every: float = 0.25,
+    ) -> None:
         super().__init__(name="commitgate-ledger-checkpoint", daemon=True)
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
         self._write_lock = write_lock
+        self._commits = commits
+        self._done_through: int | None = None  # the commit count its last complete checkpoint covered
         self._every = every
         self._stopping = threading.Event()
 
@@ -327,10 +352,18 @@ class _Checkpointer(threading.Thread):
             self._conn.close()
 
     def checkpoint(self) -> None:
-        with contextlib.suppress(sqlite3.Error):  # another process's checkpointer is at work: next time
+        commits = self._commits()
+        if commits == self._done_through:
+            return
+        try:
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()  # the bulk, beside the writers
             with self._write_lock:  # what they committed meanwhile: usually a few frames
-                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                commits = self._commits()
+                busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:  # another process's checkpointer is at work: next time
+            return
+        # A reader that held frames back leaves some to copy: then the next tick tries again.
+        self._done_through = commits if busy == 0 and copied == frames else None
 
     def stop(self) -> None:
         self._stopping.set()

@@ -39,6 +39,7 @@ from commitgate.server.ledger.sqlite._schema import (
     AUDIT,
     AUDIT_CLAIMED,
     EXPIRES_AT,
+    FINGERPRINT_KEY,
     INSERT,
     INSERT_AWAITING,
     INSERT_UNBUDGETED,
@@ -487,9 +488,14 @@ def _duplicate_of(
     principal: str, fingerprint: str, scope: str, since: str, now: str, session: str, step: str
 ) -> str:
     """The conditions an earlier operation meets to be a duplicate of a claim (docs/contract.md#duplicates), over
-    SQL expressions for the claim's values; `scope` narrows it to the claim's session, or not."""
+    SQL expressions for the claim's values; `scope` narrows it to the claim's session, or not. The
+    fingerprint's key in the index (its prefix) finds the candidates, the whole one decides; its `+`
+    keeps SQLite from substituting the claim's value into the key's expression, which the index
+    would then no longer match."""
+    key = FINGERPRINT_KEY.replace("fingerprint", fingerprint)
     return (
-        f"principal = {principal} AND fingerprint = {fingerprint} {scope} AND created_at > {since}"
+        f"principal = {principal} AND {FINGERPRINT_KEY} = {key} AND +fingerprint = {fingerprint} {scope}"
+        f" AND created_at > {since}"
         f" AND state IN ({sql_states(DUPLICATE_STATES)})"
         f" AND (expires_at IS NULL OR expires_at > {now}) AND NOT (session = {session} AND step = {step})"
     )
@@ -499,11 +505,12 @@ _DUPLICATE_LOOKUP = (
     # INDEXED BY: without statistics SQLite may prefer (principal, created_at), all of a busy
     # principal's recent operations, over the few rows of one fingerprint.
     f"{SELECT} INDEXED BY operations_duplicates WHERE "
-    + _duplicate_of("?", "?", "{session}", "?", "?", "?", "?")
+    + _duplicate_of("?1", "?2", "{session}", "?{p}", "?{p1}", "?{p2}", "?{p3}")
     + " ORDER BY created_at DESC LIMIT 1"
 )
-DUPLICATE_IN_SESSION = _DUPLICATE_LOOKUP.format(session="AND session = ?")
-DUPLICATE_IN_PRINCIPAL = _DUPLICATE_LOOKUP.format(session="")
+# Numbered parameters: the fingerprint appears twice. (principal, fingerprint[, session], since, now, session, step)
+DUPLICATE_IN_SESSION = _DUPLICATE_LOOKUP.format(session="AND session = ?3", p=4, p1=5, p2=6, p3=7)
+DUPLICATE_IN_PRINCIPAL = _DUPLICATE_LOOKUP.format(session="", p=3, p1=4, p2=5, p3=6)
 
 
 def find_duplicate(conn: sqlite3.Connection, request: ClaimRequest, now: float) -> Operation | None:
