@@ -41,12 +41,11 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlsplit
 
 import anyio.to_thread
 import httpx2
-import jsonschema.validators
 
 from commitgate.server.model import traces
 from commitgate.server.model.context import OperationContext
@@ -57,6 +56,9 @@ from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheck
 from commitgate.server.policy.rules import url_argument_problem
 from commitgate.tools.base import Collaborators, DeclarationError, InvalidArguments
 from commitgate.tools.python import load_callable
+
+if TYPE_CHECKING:
+    import jsonschema
 
 log = logging.getLogger("commitgate.tools.http")
 
@@ -380,6 +382,10 @@ class SchemaValidator:
     """jsonschema validation whose message names each failing field."""
 
     def __init__(self, schema: Mapping[str, Any], where: str) -> None:
+        # Imported here: about 35 ms of every server start-up, for policies most of which declare
+        # no schema tool (jsonschema brings referencing, attrs and rpds with it).
+        import jsonschema.validators
+
         cls = jsonschema.validators.validator_for(schema)
         try:
             cls.check_schema(schema)
