@@ -8,6 +8,7 @@ one back unnoticed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,11 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from commitgate.server.ledger import open_ledger
+
 # Loaded where they are used: a schema tool (jsonschema), [auth.oauth] (PyJWT), the first HTTP request
 # of an http tool (httpcore2 and its TLS context), a WebSocket nobody serves (websockets).
 DEFERRED_BY_SERVE = ("jsonschema", "referencing", "jwt", "httpcore2", "websockets")
 # `--help` and a mistyped command: the policy's models, the ledger's records, the MCP SDK.
 DEFERRED_BY_HELP = ("pydantic", "commitgate.server.policy.models", "commitgate.server.ledger.base", "mcp")
+
+# `ops`: what writes a policy (tomlkit) and the server stack.
+DEFERRED_BY_OPS = ("tomlkit", "mcp", "commitgate.server.serve.gateway")
 
 # Runs the command as the console script does and writes the names of the loaded modules at exit.
 RUN_AND_LIST = """
@@ -61,6 +67,20 @@ def test_help_imports_no_policy_models_nor_the_sdk(tmp_path: Path) -> None:
     modules = json.loads(out.read_text())
     assert "commitgate.server.cli.main" in modules
     assert loaded(modules, DEFERRED_BY_HELP) == []
+
+
+def test_ops_list_imports_neither_policy_writing_nor_the_server(tmp_path: Path) -> None:
+    ledger = f"sqlite:///{tmp_path / 'ledger.db'}"
+    asyncio.run(created(ledger))
+    process, out = start_listing(tmp_path, ["ops", "list", "--json", "--ledger", ledger])
+    assert json.loads(process.communicate(timeout=60)[0]) == {"operations": []}
+    modules = json.loads(out.read_text())
+    assert "commitgate.server.cli.ops" in modules
+    assert loaded(modules, DEFERRED_BY_OPS) == []
+
+
+async def created(url: str) -> None:
+    await (await open_ledger(url)).close()
 
 
 @pytest.mark.slow
