@@ -25,8 +25,8 @@ DEFERRED_BY_SERVE = ("jsonschema", "referencing", "jwt", "httpcore2", "websocket
 # `--help` and a mistyped command: the policy's models, the ledger's records, the MCP SDK.
 DEFERRED_BY_HELP = ("pydantic", "commitgate.server.policy.models", "commitgate.server.ledger.base", "mcp")
 
-# `ops`: what writes a policy (tomlkit) and the server stack.
-DEFERRED_BY_OPS = ("tomlkit", "mcp", "commitgate.server.serve.gateway")
+# `ops ... --json`: what writes a policy (tomlkit), what draws tables (rich) and the server stack.
+DEFERRED_BY_OPS = ("tomlkit", "rich", "mcp", "commitgate.server.serve.gateway")
 
 # Runs the command as the console script does and writes the names of the loaded modules at exit.
 RUN_AND_LIST = """
