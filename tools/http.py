@@ -38,15 +38,14 @@ import logging
 import re
 import time
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlsplit
 
 import anyio.to_thread
 import httpx2
-import jsonschema.validators
 
 from commitgate.server.model import traces
 from commitgate.server.model.context import OperationContext
@@ -57,6 +56,9 @@ from commitgate.server.policy.models import HttpRequestSpec, Policy, StatusCheck
 from commitgate.server.policy.rules import url_argument_problem
 from commitgate.tools.base import Collaborators, DeclarationError, InvalidArguments
 from commitgate.tools.python import load_callable
+
+if TYPE_CHECKING:
+    import jsonschema
 
 log = logging.getLogger("commitgate.tools.http")
 
@@ -78,11 +80,37 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.\-]*)\}")
 
 def pooled_client() -> httpx2.AsyncClient:
     """The client a server lends its http sources (see Collaborators); timeouts are set per request."""
-    return httpx2.AsyncClient(
+    return _PooledClient(
         timeout=httpx2.Timeout(30.0, connect=CONNECT_TIMEOUT),  # never httpx2's 5 s default read
         limits=httpx2.Limits(max_connections=100, max_keepalive_connections=20),
         follow_redirects=False,  # a redirected POST would be a second request nobody declared
     )
+
+
+class _PooledClient(httpx2.AsyncClient):
+    """httpx2's client whose connection pool is built when its first request goes out: the pool's TLS
+    context reads the system's trust store, which with httpcore2's import is some 35 ms of every
+    server start, and most servers never send a request. Proxies from the environment are mounted
+    as httpx2 mounts them."""
+
+    def _init_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
+        build = super()._init_transport
+        return _OnFirstRequest(lambda: build(*args, **kwargs))
+
+
+class _OnFirstRequest(httpx2.AsyncBaseTransport):
+    def __init__(self, build: Callable[[], httpx2.AsyncBaseTransport]) -> None:
+        self._build = build
+        self._built: httpx2.AsyncBaseTransport | None = None
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if self._built is None:  # no await before it is set: one pool, however many requests start
+            self._built = self._build()
+        return await self._built.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        if self._built is not None:
+            await self._built.aclose()
 
 
 def _client(using: Collaborators, where: str) -> httpx2.AsyncClient:
@@ -380,6 +408,10 @@ class SchemaValidator:
     """jsonschema validation whose message names each failing field."""
 
     def __init__(self, schema: Mapping[str, Any], where: str) -> None:
+        # Imported here: about 35 ms of every server start-up, for policies most of which declare
+        # no schema tool (jsonschema brings referencing, attrs and rpds with it).
+        import jsonschema.validators
+
         cls = jsonschema.validators.validator_for(schema)
         try:
             cls.check_schema(schema)

@@ -18,8 +18,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from rich.table import Table
-
 from commitgate.server.cli.shown import cell, console, json_text
 from commitgate.server.ledger import open_ledger
 from commitgate.server.ledger.evidence import Evidence, Evidenced
@@ -264,6 +262,8 @@ async def notifications(args: argparse.Namespace, url: str) -> int:
     if not views:
         print("no notifications pending or failed")
         return 0
+    from rich.table import Table  # only here: most commands that import this module draw no table
+
     table = Table(title="notifications not delivered")
     for column in ("event_id", "event", "operation_id", "status", "attempts", "next_at", "last_error"):
         table.add_column(column)

@@ -7,13 +7,13 @@ import atexit
 import gc
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from commitgate.server import __version__
 from commitgate.server.cli.commands import CommandParser
-from commitgate.server.ledger.base import LedgerUnavailable
-from commitgate.server.model.errors import UserFacingError
-from commitgate.server.policy.problems import PolicyError, Problem
-from commitgate.tools.base import ToolBuildError
+
+if TYPE_CHECKING:
+    from commitgate.server.policy.problems import Problem
 
 # At exit the interpreter's last collections walk every object of the process only to free memory
 # the OS takes back anyway: 0.6 s of CPU for a server, which its client waits out before it can go on.
@@ -85,6 +85,13 @@ _COMMANDS = (
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The errors main reports are imported once a command is chosen: their modules bring the policy's
+    # models and the ledger's records (pydantic and all), which `--help` and a mistyped command skip.
+    from commitgate.server.ledger.base import LedgerUnavailable
+    from commitgate.server.model.errors import UserFacingError
+    from commitgate.server.policy.problems import PolicyError
+    from commitgate.tools.base import ToolBuildError
+
     try:
         return int(args.func(args) or 0)
     except PolicyError as exc:

@@ -17,11 +17,9 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
-from rich.table import Table
-from rich.text import Text
 
 from commitgate.server.cli import evidence
 from commitgate.server.cli.deciders import NotAnOperator, Operators
@@ -29,6 +27,9 @@ from commitgate.server.cli.evidence import add_evidence_arguments, evidence_of
 from commitgate.server.cli.ledgers import ledger_choice, say_ledger
 from commitgate.server.cli.served import policy_path
 from commitgate.server.cli.shown import cell, console, json_text
+
+if TYPE_CHECKING:  # rich is imported where a table is drawn: `--json` draws none
+    from rich.table import Table
 from commitgate.server.core import approvals, expiry
 from commitgate.server.core.budgets import budget_report
 from commitgate.server.core.resolutions import (
@@ -305,6 +306,8 @@ def op_view(op: Operation, now: float, *, details: bool = False) -> dict[str, An
 
 
 def operations_table(ops: list[Operation], now: float, title: str) -> Table:
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     for column in ("operation", "tool", "state", "principal", "session", "key", "attempts", "changed"):
         table.add_column(column, overflow="fold")
@@ -391,6 +394,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             return 0
         # On screen, as on the console: credentials hidden, card numbers cut to their last four
         # digits. --json keeps every value as recorded, for scripts.
+        from rich.table import Table
+        from rich.text import Text
+
         out = console()
         out.print(operations_table([op], now, f"operation {op.operation_id}"))
         secrets = secret_values(view)  # a credential in the arguments is hidden in the result's text too
@@ -567,6 +573,8 @@ def cmd_budgets(args: argparse.Namespace) -> int:
 
 
 def budgets_table(report: list[dict[str, Any]]) -> Table:
+    from rich.table import Table
+
     table = Table(title="budgets: spent within the window, per scope", title_justify="left")
     for column in ("budget", "per", "scope", "spent", "limit", "left", "window", "operations", "tools"):
         table.add_column(
@@ -757,6 +765,8 @@ def _read_metrics_text(url: str, headers: dict[str, str]) -> str:
 
 
 def _print_stats(summary: dict[str, Any], stale: list[Operation], now: float, after: float | None) -> None:
+    from rich.table import Table
+
     out = console()
     states = Table(title="operations by state", title_justify="left")
     states.add_column("state")

@@ -13,12 +13,14 @@ import copy
 import tomllib
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import tomlkit
-from tomlkit.items import Item
+from typing import TYPE_CHECKING, Any, Literal
 
 from commitgate.server.model.errors import UserFacingError
+
+# tomlkit is imported by the functions that write: every `ops` command imports this module (for
+# `one_line`, through cli/client_configs.py) and none writes a policy.
+if TYPE_CHECKING:
+    from tomlkit.items import Item
 
 
 class PolicyWriteError(UserFacingError):
@@ -41,6 +43,8 @@ def one_line(text: str) -> str:
 
 
 def comments_text(lines: list[str]) -> str:
+    import tomlkit
+
     document = tomlkit.document()
     for line in lines:
         document.add(tomlkit.comment(one_line(line)))
@@ -48,6 +52,8 @@ def comments_text(lines: list[str]) -> str:
 
 
 def block_text(block: Block) -> str:
+    import tomlkit
+
     document = tomlkit.document()
     for line in block.comments:
         document.add(tomlkit.comment(one_line(line)))
@@ -62,6 +68,8 @@ def block_text(block: Block) -> str:
 
 
 def _item(value: Any) -> Item:
+    import tomlkit
+
     if isinstance(value, dict):
         inline = tomlkit.inline_table()
         inline.update(value)

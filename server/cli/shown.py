@@ -8,10 +8,12 @@ shown as Python escapes (`\\x1b`), and table cells are `Text` objects, never par
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.text import Text
+# rich is imported when something is drawn on screen: output for scripts (`--json`) needs none of it.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
 
 
 def _escape(ch: str) -> str:
@@ -25,6 +27,8 @@ def plain(text: str) -> str:
 
 def cell(text: str | None) -> Text:
     """A table cell that shows `text` literally."""
+    from rich.text import Text
+
     return Text(plain(text or ""))
 
 
@@ -44,6 +48,8 @@ def json_text(value: Any, *, indent: int | None = 2) -> str:
 
 
 def console() -> Console:
+    from rich.console import Console
+
     out = Console(highlight=False)
     if not out.is_terminal:
         out.width = max(out.width, 200)  # piped output: do not fold tables at 80 columns

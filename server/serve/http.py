@@ -442,6 +442,7 @@ async def serve_http(
         timeout_graceful_shutdown=shutdown_grace,
         server_header=False,
         http=_HeaderTimeoutH11,
+        ws="none",  # MCP has no WebSocket transport; uvicorn's default imports `websockets` at start
         timeout_keep_alive=IDLE_KEEP_ALIVE,
     )
     server = uvicorn.Server(config)

@@ -22,25 +22,20 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx2
-import jwt
-from jwt.exceptions import (
-    ExpiredSignatureError,
-    ImmatureSignatureError,
-    InvalidAudienceError,
-    InvalidIssuerError,
-    InvalidSignatureError,
-    MissingRequiredClaimError,
-    PyJWKError,
-    PyJWTError,
-)
 
 from commitgate.server.policy.oauth import OAuthPolicy
 from commitgate.server.policy.tokens import Role
 from commitgate.server.serve.logs import extra
+
+# PyJWT (and the X.509 half of cryptography it brings) is imported where a key or a token is read:
+# every server imports this module for `Caller` and `Refused`, few have an [auth.oauth] to check.
+if TYPE_CHECKING:
+    import jwt
+    from jwt.exceptions import PyJWTError
 
 log = logging.getLogger("commitgate.auth")
 
@@ -213,6 +208,9 @@ class PublishedKey:
 
 
 def parse_keys(document: Mapping[str, Any]) -> dict[str | None, PublishedKey]:
+    import jwt
+    from jwt.exceptions import PyJWKError, PyJWTError
+
     keys: dict[str | None, PublishedKey] = {}
     raw = document.get("keys")
     for entry in raw if isinstance(raw, list) else []:
@@ -288,6 +286,9 @@ class OAuthVerifier:
     async def _claims(self, token: str, audience: str) -> dict[str, Any]:
         if len(token) > MAX_TOKEN_CHARS:
             raise Refused(f"token longer than {MAX_TOKEN_CHARS} characters")
+        import jwt
+        from jwt.exceptions import PyJWTError
+
         try:
             header = jwt.get_unverified_header(token)
         except PyJWTError:
@@ -313,6 +314,15 @@ class OAuthVerifier:
 
     def _why(self, exc: PyJWTError, kid: object, audience: str) -> str:
         """The one-line reason for a token PyJWT refused."""
+        from jwt.exceptions import (
+            ExpiredSignatureError,
+            ImmatureSignatureError,
+            InvalidAudienceError,
+            InvalidIssuerError,
+            InvalidSignatureError,
+            MissingRequiredClaimError,
+        )
+
         if isinstance(exc, ExpiredSignatureError):
             return "expired (exp is past)"
         if isinstance(exc, ImmatureSignatureError):
