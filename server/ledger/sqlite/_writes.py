@@ -664,26 +664,17 @@ def _retake(lease: Lease) -> Transition:
 
 
 def _new_operation(request: ClaimRequest, now: float) -> Operation:
-    """The RUNNING operation a claim of a new key creates (not yet written)."""
+    """The RUNNING operation a claim of a new key creates (not yet written). Every field passed in
+    the order of Operation's own: a keyword per field took a third of a claim's time on the caller."""
+    arguments = request.arguments
     return Operation(
-        operation_id=new_operation_id(),
-        principal=request.principal,
-        session=request.session,
-        step=request.step,
-        tool=request.tool,
-        idempotency_class=request.idempotency_class,
-        fingerprint=request.fingerprint,
-        state=State.RUNNING,
-        attempts=1,
-        fence=1,
-        arguments=request.arguments if request.arguments is not None else json.loads(request.arguments_json),
-        created_at=now,
-        updated_at=now,
-        lease_owner=request.owner,
-        lease_expires_at=now + request.lease_seconds,
-        retention=request.retention_seconds,
-        arguments_json=request.arguments_json,
-    )
+        new_operation_id(), request.principal, request.session, request.step, request.tool,
+        request.idempotency_class, request.fingerprint, State.RUNNING, 1, 1,  # attempts, fence
+        arguments if arguments is not None else json.loads(request.arguments_json),
+        now, now, request.owner, now + request.lease_seconds,  # created, updated, the lease
+        None, None, None, None, None,  # completed_at, expires_at, result, error, reconciliation
+        request.retention_seconds, None, request.arguments_json,  # retention, approval, arguments_json
+    )  # fmt: skip
 
 
 def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
