@@ -231,7 +231,9 @@ def _is_plain_outcome(change: Transition) -> bool:
     )
 
 
-def _outcome_rows(operation_id: str, change: Transition, now: float) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+def _outcome_rows(
+    operation_id: str, change: Transition, now: float
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """`_PLAIN_OUTCOME`'s parameters and `AUDIT`'s for such a change. (Absent values are tested here,
     not in a call each: these run for every outcome.)"""
     state, fence, result, error, actor, detail = (
