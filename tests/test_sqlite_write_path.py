@@ -225,3 +225,21 @@ async def test_the_audit_trail_of_an_earlier_schema_keeps_its_order(tmp_path: Pa
         assert conn.execute("SELECT max(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS)
         indexes = [row[1] for row in conn.execute("PRAGMA index_list(audit)") if row[3] != "pk"]
         assert indexes == []  # the entries are found by their key alone
+
+
+def test_the_operations_a_claim_and_its_outcome_hand_back_are_the_ones_written(
+    conn: sqlite3.Connection,
+) -> None:
+    """Both are built on the caller's side, not read back: each field must be what the file holds."""
+    from commitgate.server.ledger.sqlite._schema import SELECT, decode
+
+    def stored(operation_id: str) -> Operation:
+        return decode(conn.execute(f"{SELECT} WHERE operation_id = ?", (operation_id,)).fetchone())
+
+    claim = new_claim(conn, request("x", arguments={"amount_cents": 500, "order": "A-1"}))
+    assert claim.operation == stored(claim.operation.operation_id)
+    assert claim.operation.lease_owner == "elsewhere:1:aaaa" and claim.operation.lease_expires_at == T0 + 30
+    assert (claim.operation.created_at, claim.operation.retention) == (T0, 86400.0)
+    done = finished(conn, claim.operation)
+    assert done == stored(done.operation_id)
+    assert (done.completed_at, done.expires_at, done.lease_owner) == (T0, T0 + 86400.0, None)

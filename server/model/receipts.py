@@ -15,13 +15,13 @@ import json
 import json.encoder
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from commitgate.server.model.canonical import canonical_json
+from commitgate.server.model.records import utc_parts
 
 # Every field, in the order an export writes them (the hash is over the sorted keys anyway).
 FIELDS = (
@@ -84,8 +84,11 @@ def digest(text: str | None) -> str | None:
 
 
 def at_text(ts: float) -> str:
-    """A receipt's time: RFC 3339 UTC with microseconds (a string, so every JSON tool agrees on it)."""
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """A receipt's time: RFC 3339 UTC with microseconds (a string, so every JSON tool agrees on it).
+    The text of `datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds")` with a Z, its
+    whole second formatted once for all the receipts of that second: two per operation."""
+    second, micros = utc_parts(ts)
+    return f"{second}.{micros:06d}Z"
 
 
 def writer_key(writer: str) -> str:

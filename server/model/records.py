@@ -108,13 +108,20 @@ def iso(ts: float | None) -> str | None:
     in half the time."""
     if ts is None:
         return None
+    second, micros = utc_parts(ts)
+    return f"{second}.{micros // 1000:03d}Z"  # isoformat cuts to milliseconds
+
+
+def utc_parts(ts: float) -> tuple[str, int]:
+    """`ts` as its whole second's text (YYYY-MM-DDTHH:MM:SS, UTC) and its microseconds, rounded
+    as `datetime.fromtimestamp` rounds: to the microsecond, half to even."""
     fraction, whole = math.modf(ts)
-    micros = round(fraction * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
+    micros = round(fraction * 1e6)
     if micros >= 1_000_000:
         micros, whole = micros - 1_000_000, whole + 1
     elif micros < 0:
         micros, whole = micros + 1_000_000, whole - 1
-    return f"{_second(int(whole))}.{micros // 1000:03d}Z"  # isoformat cuts to milliseconds
+    return _second(int(whole)), micros
 
 
 @functools.lru_cache(maxsize=64)

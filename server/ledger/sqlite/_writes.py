@@ -184,13 +184,13 @@ class OutcomeWrite:
     ) -> None:
         self.operation_id, self.change, self.now = operation_id, change, now
         self.lazy = False  # may commit without a sync of its own (durability "claim")
-        self.plain_outcome = self._plain_outcome()
+        self.plain_outcome = plain = _is_plain_outcome(change)
         # The operation as the caller holds it at the change's fence: a plain outcome then needs no read.
-        known = current is not None and current.fence == change.expect_fence and self.plain_outcome
-        self.current = current if known else None
+        known = current if plain and current is not None and current.fence == change.expect_fence else None
+        self.current = known
         # The rows and the operation after the change, built here rather than on the writer thread.
-        self.row, self.audit_row = self._row(), self._audit_row()
-        self.after = _outcome(current, change, now) if known and current is not None else None
+        self.row, self.audit_row = _outcome_rows(operation_id, change, now)
+        self.after = _outcome(known, change, now) if known is not None else None
 
     def __call__(self, conn: sqlite3.Connection) -> Operation | OverBudget | None:
         if self.current is None:
@@ -201,35 +201,6 @@ class OutcomeWrite:
             return None
         conn.execute(AUDIT, self.audit_row)
         return self.after
-
-    def _row(self) -> tuple[Any, ...]:
-        change, now = self.change, self.now
-        result = change.result.to_json() if change.result is not None else None
-        return (
-            change.to_state.value,
-            result,
-            dump_record(change.error),
-            now,
-            self.operation_id,
-            change.expect_fence,
-        )
-
-    def _audit_row(self) -> tuple[Any, ...]:
-        change = self.change
-        return (self.operation_id, self.now, change.event, "RUNNING", change.to_state.value,
-                change.expect_fence, recorded_actor(change.actor), dump(change.detail))  # fmt: skip
-
-    def _plain_outcome(self) -> bool:
-        """RUNNING to a final state, fenced, taking no lease: what `run_many` writes in one statement."""
-        change = self.change
-        return (
-            change.expect_states == _RUNNING_ONLY
-            and change.expect_fence is not None
-            and change.lease is None
-            and change.to_state.terminal
-            and change.reconciliation is None
-            and (change.error is not None or change.to_state is State.SUCCEEDED)
-        )
 
     @staticmethod
     def run_many(conn: sqlite3.Connection, writes: Sequence[OutcomeWrite]) -> list[Operation | None] | None:
@@ -246,6 +217,33 @@ class OutcomeWrite:
                 return [s.after for s in writes if s.after is not None]
             rows = {row[0]: row for chunk in _chunks([(i,) for i in ids]) for row in _read_ids(conn, chunk)}
         return [decode(rows[operation_id]) for operation_id in ids]
+
+
+def _is_plain_outcome(change: Transition) -> bool:
+    """RUNNING to a final state, fenced, taking no lease: what `OutcomeWrite.run_many` writes in one statement."""
+    return (
+        change.expect_fence is not None
+        and change.lease is None
+        and change.reconciliation is None
+        and change.expect_states == _RUNNING_ONLY
+        and change.to_state.terminal
+        and (change.error is not None or change.to_state is State.SUCCEEDED)
+    )
+
+
+def _outcome_rows(
+    operation_id: str, change: Transition, now: float
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """`_PLAIN_OUTCOME`'s parameters and `AUDIT`'s for such a change. (Absent values are tested here,
+    not in a call each: these run for every outcome.)"""
+    state, fence, result, error, actor, detail = (
+        change.to_state.value, change.expect_fence, change.result, change.error, change.actor, change.detail
+    )  # fmt: skip
+    row = (state, None if result is None else result.to_json(), None if error is None else dump_record(error),
+           now, operation_id, fence)  # fmt: skip
+    audit = (operation_id, now, change.event, "RUNNING", state, fence,
+             None if actor is None else recorded_actor(actor), None if detail is None else dump(detail))  # fmt: skip
+    return row, audit
 
 
 @contextlib.contextmanager
@@ -664,26 +662,17 @@ def _retake(lease: Lease) -> Transition:
 
 
 def _new_operation(request: ClaimRequest, now: float) -> Operation:
-    """The RUNNING operation a claim of a new key creates (not yet written)."""
+    """The RUNNING operation a claim of a new key creates (not yet written). Every field passed in
+    the order of Operation's own: a keyword per field took a third of a claim's time on the caller."""
+    arguments = request.arguments
     return Operation(
-        operation_id=new_operation_id(),
-        principal=request.principal,
-        session=request.session,
-        step=request.step,
-        tool=request.tool,
-        idempotency_class=request.idempotency_class,
-        fingerprint=request.fingerprint,
-        state=State.RUNNING,
-        attempts=1,
-        fence=1,
-        arguments=request.arguments if request.arguments is not None else json.loads(request.arguments_json),
-        created_at=now,
-        updated_at=now,
-        lease_owner=request.owner,
-        lease_expires_at=now + request.lease_seconds,
-        retention=request.retention_seconds,
-        arguments_json=request.arguments_json,
-    )
+        new_operation_id(), request.principal, request.session, request.step, request.tool,
+        request.idempotency_class, request.fingerprint, State.RUNNING, 1, 1,  # attempts, fence
+        arguments if arguments is not None else json.loads(request.arguments_json),
+        now, now, request.owner, now + request.lease_seconds,  # created, updated, the lease
+        None, None, None, None, None,  # completed_at, expires_at, result, error, reconciliation
+        request.retention_seconds, None, request.arguments_json,  # retention, approval, arguments_json
+    )  # fmt: skip
 
 
 def _insert_row(op: Operation, request: ClaimRequest) -> tuple[Any, ...]:
