@@ -243,3 +243,20 @@ def test_the_operations_a_claim_and_its_outcome_hand_back_are_the_ones_written(
     done = finished(conn, claim.operation)
     assert done == stored(done.operation_id)
     assert (done.completed_at, done.expires_at, done.lease_owner) == (T0, T0 + 86400.0, None)
+
+
+def test_an_outcome_that_carries_a_decision_writes_it(conn: sqlite3.Connection) -> None:
+    """The one-statement outcome writes no approval record: a change carrying one takes the full path,
+    so what the caller is handed back is what the file holds."""
+    import dataclasses
+
+    from commitgate.server.ledger.sqlite._schema import SELECT, decode
+    from commitgate.server.model.notes import ApprovalRecord, ApprovalState
+
+    claim = new_claim(conn, request("decided"))
+    decision = ApprovalRecord(ApprovalState.APPROVED, by="ops", via="operator", reason="ok", decided_at=T0)
+    change = dataclasses.replace(succeeded(claim.operation), approval=decision)
+    done = in_transaction(conn, OutcomeWrite(claim.operation.operation_id, change, T0, claim.operation))
+    row = conn.execute(f"{SELECT} WHERE operation_id = ?", (claim.operation.operation_id,)).fetchone()
+    assert isinstance(done, Operation) and done.approval == decision
+    assert decode(row) == done

@@ -225,6 +225,7 @@ def _is_plain_outcome(change: Transition) -> bool:
         change.expect_fence is not None
         and change.lease is None
         and change.reconciliation is None
+        and change.approval is None  # a decision's record is written by `_apply`, not by the one statement
         and change.expect_states == _RUNNING_ONLY
         and change.to_state.terminal
         and (change.error is not None or change.to_state is State.SUCCEEDED)
