@@ -31,7 +31,13 @@ from commitgate.server.ledger.base import (
     Transition,
     this_owner,
 )
-from commitgate.server.ledger.postgres import MIGRATION_LOCK, SCHEMA_VERSION, PostgresLedger, migrate
+from commitgate.server.ledger.postgres import (
+    MIGRATION_LOCK,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    PostgresLedger,
+    migrate,
+)
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
@@ -208,6 +214,71 @@ async def test_a_schema_newer_than_this_code_is_refused() -> None:
     for attempt in (migrate(url), PostgresLedger.open(url)):
         with pytest.raises(LedgerUnavailable, match="newer"):
             await attempt
+
+
+# What a schema holds, its name left out: functions, columns, indexes, constraints, triggers.
+_SCHEMA_OBJECTS = """
+SELECT array_agg(replace(item, current_schema() || '.', '') ORDER BY item) FROM (
+    SELECT 'function ' || pg_get_functiondef(p.oid) FROM pg_proc p
+        WHERE p.pronamespace = current_schema()::regnamespace
+    UNION ALL SELECT concat_ws(' ', 'column', c.relname, a.attnum, a.attname,
+            format_type(a.atttypid, a.atttypmod), a.attnotnull, pg_get_expr(d.adbin, d.adrelid))
+        FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE c.relnamespace = current_schema()::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
+    UNION ALL SELECT 'index ' || pg_get_indexdef(i.indexrelid) FROM pg_index i
+        JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relnamespace = current_schema()::regnamespace
+    UNION ALL SELECT concat_ws(' ', 'constraint', conrelid::regclass, conname, pg_get_constraintdef(oid))
+        FROM pg_constraint WHERE connamespace = current_schema()::regnamespace
+    UNION ALL SELECT 'trigger ' || pg_get_triggerdef(t.oid) FROM pg_trigger t
+        JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = current_schema()::regnamespace
+) AS objects(item)
+"""
+
+
+async def test_a_ledger_brought_up_from_any_older_version_is_the_same_as_a_new_one() -> None:
+    new = await fresh_url()
+    assert await migrate(new) == SCHEMA_VERSION
+    expected = await scalar(new, _SCHEMA_OBJECTS)
+    for older in (1, SCHEMA_VERSION // 2, SCHEMA_VERSION - 1):
+        url = await fresh_url()
+        conn = await asyncpg.connect(url)
+        try:  # version `older`, as a commitgate of that version made it: a statement at a time
+            await conn.execute(
+                "CREATE TABLE commitgate_schema_version (version integer PRIMARY KEY,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for version in range(1, older + 1):
+                await conn.execute(MIGRATIONS[version - 1])
+                await conn.execute("INSERT INTO commitgate_schema_version (version) VALUES ($1)", version)
+        finally:
+            await conn.close()
+        assert await migrate(url) == SCHEMA_VERSION - older
+        assert await scalar(url, _SCHEMA_OBJECTS) == expected
+        versions = await scalar(
+            url, "SELECT array_agg(version ORDER BY version) FROM commitgate_schema_version"
+        )
+        assert versions == list(range(1, SCHEMA_VERSION + 1))
+
+
+async def test_a_new_ledger_is_made_in_five_round_trips_whatever_the_number_of_migrations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A remote database's latency is paid per round trip, at every first start of a replica."""
+    url, sent = await fresh_url(), list[str]()
+    for method in ("execute", "fetchval"):
+        original = getattr(asyncpg.Connection, method)
+
+        async def counted(
+            self: asyncpg.Connection, query: str, *args: Any, _original: Any = original, **kwargs: Any
+        ) -> Any:
+            sent.append(query)
+            return await _original(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.Connection, method, counted)
+    assert await migrate(url) == SCHEMA_VERSION
+    # BEGIN; the lock and the version table; the version found; every migration; COMMIT
+    assert len(sent) == 5, sent
 
 
 # --- claims and fencing across replicas ----------------------------------------------------
