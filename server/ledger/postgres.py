@@ -902,14 +902,14 @@ async def _apply_migrations(conn: asyncpg.Connection) -> int:
     async with conn.transaction():
         # The lock is held to commit: concurrent starters queue here.
         await conn.execute(f"{MIGRATION_LOCK};\n{_VERSION_TABLE}")
-        current = await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version")
+        current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version"))
         if current > SCHEMA_VERSION:
             raise LedgerUnavailable(
                 f"ledger schema version {current} is newer than this commitgate ({SCHEMA_VERSION}); upgrade commitgate"
             )
         if current < SCHEMA_VERSION:
             await conn.execute(_pending_migrations(current))
-        return int(SCHEMA_VERSION - current)
+        return SCHEMA_VERSION - current
 
 
 def _pending_migrations(current: int) -> str:
