@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 from support.ledgers import OUTCOME_EVENTS
-from support.postgres import fresh_url
+from support.postgres import SCHEMA_OBJECTS, fresh_url, private_ledger
 
 from commitgate.server.bench.pgledger import run_pg_bench
 from commitgate.server.ledger import open_ledger
@@ -216,30 +216,10 @@ async def test_a_schema_newer_than_this_code_is_refused() -> None:
             await attempt
 
 
-# What a schema holds, its name left out: functions, columns, indexes, constraints, triggers.
-_SCHEMA_OBJECTS = """
-SELECT array_agg(replace(item, current_schema() || '.', '') ORDER BY item) FROM (
-    SELECT 'function ' || pg_get_functiondef(p.oid) FROM pg_proc p
-        WHERE p.pronamespace = current_schema()::regnamespace
-    UNION ALL SELECT concat_ws(' ', 'column', c.relname, a.attnum, a.attname,
-            format_type(a.atttypid, a.atttypmod), a.attnotnull, pg_get_expr(d.adbin, d.adrelid))
-        FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-        WHERE c.relnamespace = current_schema()::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
-    UNION ALL SELECT 'index ' || pg_get_indexdef(i.indexrelid) FROM pg_index i
-        JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relnamespace = current_schema()::regnamespace
-    UNION ALL SELECT concat_ws(' ', 'constraint', conrelid::regclass, conname, pg_get_constraintdef(oid))
-        FROM pg_constraint WHERE connamespace = current_schema()::regnamespace
-    UNION ALL SELECT 'trigger ' || pg_get_triggerdef(t.oid) FROM pg_trigger t
-        JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = current_schema()::regnamespace
-) AS objects(item)
-"""
-
-
 async def test_a_ledger_brought_up_from_any_older_version_is_the_same_as_a_new_one() -> None:
     new = await fresh_url()
     assert await migrate(new) == SCHEMA_VERSION
-    expected = await scalar(new, _SCHEMA_OBJECTS)
+    expected = await scalar(new, SCHEMA_OBJECTS)
     for older in (1, SCHEMA_VERSION // 2, SCHEMA_VERSION - 1):
         url = await fresh_url()
         conn = await asyncpg.connect(url)
@@ -254,7 +234,7 @@ async def test_a_ledger_brought_up_from_any_older_version_is_the_same_as_a_new_o
         finally:
             await conn.close()
         assert await migrate(url) == SCHEMA_VERSION - older
-        assert await scalar(url, _SCHEMA_OBJECTS) == expected
+        assert await scalar(url, SCHEMA_OBJECTS) == expected
         versions = await scalar(
             url, "SELECT array_agg(version ORDER BY version) FROM commitgate_schema_version"
         )
@@ -279,6 +259,40 @@ async def test_a_new_ledger_is_made_in_five_round_trips_whatever_the_number_of_m
     assert await migrate(url) == SCHEMA_VERSION
     # BEGIN; the lock and the version table; the version found; every migration; COMMIT
     assert len(sent) == 5, sent
+
+
+# --- the tests' own ledgers (support/postgres.py) -------------------------------------------
+
+
+async def test_a_ledger_a_test_gives_back_comes_to_the_next_one_empty() -> None:
+    async with private_ledger() as ledger:
+        first = ledger.url
+        await new_op(ledger, "k1")
+    async with private_ledger() as ledger:
+        assert ledger.url == first  # the same schema, emptied: the same step is new again
+        operation = await new_op(ledger, "k1")
+        assert operation.fence == 1
+        history = await scalar(ledger.url, "SELECT array_agg(id ORDER BY id) FROM commitgate_audit")
+        assert history[0] == 1  # its sequences start again too
+        assert await scalar(ledger.url, SCHEMA_OBJECTS) == await scalar(
+            await _new_ledger_url(), SCHEMA_OBJECTS
+        )
+
+
+async def test_a_ledger_a_test_changed_is_not_given_to_the_next_one() -> None:
+    async with private_ledger() as ledger:
+        changed = ledger.url
+        await scalar(changed, "ALTER TABLE commitgate_operations DISABLE TRIGGER commitgate_attempt_started")
+    async with private_ledger() as ledger:
+        assert ledger.url != changed
+        async with private_ledger() as inner:  # nor later
+            assert inner.url != changed
+
+
+async def _new_ledger_url() -> str:
+    url = await fresh_url()
+    await migrate(url)
+    return url
 
 
 # --- claims and fencing across replicas ----------------------------------------------------
