@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from support.boundary import SystemOfRecord
-from support.ledgers import BACKENDS, open_backend
+from support.ledgers import BACKENDS, backend
 
 from commitgate.server.ledger.base import Ledger
 
@@ -78,8 +78,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(params=BACKENDS)
 async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
     """A fresh, empty ledger on each backend of support/ledgers.py in turn."""
-    backend = await open_backend(request.param, tmp_path)
-    try:
-        yield backend
-    finally:
-        await backend.close()
+    async with backend(request.param, tmp_path) as opened:
+        yield opened

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +41,7 @@ from support.http_servers import (
     start_server,
     write_policy,
 )
+from support.node import INSPECTOR, NodeMissing, npm_binary
 
 from commitgate.client import Gate
 from commitgate.server.demo import tools as demo
@@ -590,26 +590,18 @@ async def test_debug_unredacted_is_the_only_way_to_see_argument_values(
 
 # --- a client we did not write ------------------------------------------------------------------------
 
-INSPECTOR_PACKAGE = "@modelcontextprotocol/inspector"
-
 
 @functools.cache
 def inspector() -> list[str] | str:
-    """The MCP Inspector's CLI as a command, or why it cannot run here. npx fetches it once; its
-    installed command then runs without npx's few seconds of resolving the package on every call."""
-    if shutil.which("npx") is None:
-        return "npx (Node.js) is not installed"
-    find = ["npx", "-y", "-p", INSPECTOR_PACKAGE, "-c", "command -v mcp-inspector"]
+    """The MCP Inspector's CLI as a command (installed with the tests' other npm packages, then run
+    without npx's few seconds of resolving the package on every call), or why it cannot run here."""
     try:
-        found = subprocess.run(find, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        return f"npx could not fetch {INSPECTOR_PACKAGE} within 180 s"
-    if found.returncode != 0 or not found.stdout.strip():
-        return f"npx could not install {INSPECTOR_PACKAGE}: {found.stderr.strip()[-300:]}"
-    command = [found.stdout.strip().splitlines()[-1], "--cli"]
+        command = [*npm_binary(INSPECTOR, "mcp-inspector"), "--cli"]
+    except (NodeMissing, subprocess.TimeoutExpired) as exc:
+        return f"{INSPECTOR} cannot be installed: {exc}"
     probe = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
-        return f"{INSPECTOR_PACKAGE} does not run: {probe.stderr.strip()[-300:]}"
+        return f"{INSPECTOR} does not run: {probe.stderr.strip()[-300:]}"
     return command
 
 

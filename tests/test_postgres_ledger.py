@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 from support.ledgers import OUTCOME_EVENTS
-from support.postgres import fresh_url
+from support.postgres import SCHEMA_OBJECTS, fresh_url, private_ledger
 
 from commitgate.server.bench.pgledger import run_pg_bench
 from commitgate.server.ledger import open_ledger
@@ -31,7 +31,13 @@ from commitgate.server.ledger.base import (
     Transition,
     this_owner,
 )
-from commitgate.server.ledger.postgres import MIGRATION_LOCK, SCHEMA_VERSION, PostgresLedger, migrate
+from commitgate.server.ledger.postgres import (
+    MIGRATION_LOCK,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    PostgresLedger,
+    migrate,
+)
 from commitgate.server.model.audit import AuditEvent
 from commitgate.server.model.facts import IdempotencyClass, State
 from commitgate.server.model.records import Operation, ToolResult
@@ -208,6 +214,85 @@ async def test_a_schema_newer_than_this_code_is_refused() -> None:
     for attempt in (migrate(url), PostgresLedger.open(url)):
         with pytest.raises(LedgerUnavailable, match="newer"):
             await attempt
+
+
+async def test_a_ledger_brought_up_from_any_older_version_is_the_same_as_a_new_one() -> None:
+    new = await fresh_url()
+    assert await migrate(new) == SCHEMA_VERSION
+    expected = await scalar(new, SCHEMA_OBJECTS)
+    for older in (1, SCHEMA_VERSION // 2, SCHEMA_VERSION - 1):
+        url = await fresh_url()
+        conn = await asyncpg.connect(url)
+        try:  # version `older`, as a commitgate of that version made it: a statement at a time
+            await conn.execute(
+                "CREATE TABLE commitgate_schema_version (version integer PRIMARY KEY,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for version in range(1, older + 1):
+                await conn.execute(MIGRATIONS[version - 1])
+                await conn.execute("INSERT INTO commitgate_schema_version (version) VALUES ($1)", version)
+        finally:
+            await conn.close()
+        assert await migrate(url) == SCHEMA_VERSION - older
+        assert await scalar(url, SCHEMA_OBJECTS) == expected
+        versions = await scalar(
+            url, "SELECT array_agg(version ORDER BY version) FROM commitgate_schema_version"
+        )
+        assert versions == list(range(1, SCHEMA_VERSION + 1))
+
+
+async def test_a_new_ledger_is_made_in_five_round_trips_whatever_the_number_of_migrations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A remote database's latency is paid per round trip, at every first start of a replica."""
+    url, sent = await fresh_url(), list[str]()
+    for method in ("execute", "fetchval"):
+        original = getattr(asyncpg.Connection, method)
+
+        async def counted(
+            self: asyncpg.Connection, query: str, *args: Any, _original: Any = original, **kwargs: Any
+        ) -> Any:
+            sent.append(query)
+            return await _original(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.Connection, method, counted)
+    assert await migrate(url) == SCHEMA_VERSION
+    # BEGIN; the lock and the version table; the version found; every migration; COMMIT
+    assert len(sent) == 5, sent
+
+
+# --- the tests' own ledgers (support/postgres.py) -------------------------------------------
+
+
+async def test_a_ledger_a_test_gives_back_comes_to_the_next_one_empty() -> None:
+    async with private_ledger() as ledger:
+        first = ledger.url
+        await new_op(ledger, "k1")
+    async with private_ledger() as ledger:
+        assert ledger.url == first  # the same schema, emptied: the same step is new again
+        operation = await new_op(ledger, "k1")
+        assert operation.fence == 1
+        history = await scalar(ledger.url, "SELECT array_agg(id ORDER BY id) FROM commitgate_audit")
+        assert history[0] == 1  # its sequences start again too
+        assert await scalar(ledger.url, SCHEMA_OBJECTS) == await scalar(
+            await _new_ledger_url(), SCHEMA_OBJECTS
+        )
+
+
+async def test_a_ledger_a_test_changed_is_not_given_to_the_next_one() -> None:
+    async with private_ledger() as ledger:
+        changed = ledger.url
+        await scalar(changed, "ALTER TABLE commitgate_operations DISABLE TRIGGER commitgate_attempt_started")
+    async with private_ledger() as ledger:
+        assert ledger.url != changed
+        async with private_ledger() as inner:  # nor later
+            assert inner.url != changed
+
+
+async def _new_ledger_url() -> str:
+    url = await fresh_url()
+    await migrate(url)
+    return url
 
 
 # --- claims and fencing across replicas ----------------------------------------------------

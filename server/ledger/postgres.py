@@ -900,17 +900,26 @@ def redact(url: str) -> str:
 async def _apply_migrations(conn: asyncpg.Connection) -> int:
     """Bring the schema up to date in one transaction; returns how many migrations this call applied."""
     async with conn.transaction():
-        await conn.execute(MIGRATION_LOCK)  # held to commit: concurrent starters queue here
-        await conn.execute(_VERSION_TABLE)
-        current = await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version")
+        # The lock is held to commit: concurrent starters queue here.
+        await conn.execute(f"{MIGRATION_LOCK};\n{_VERSION_TABLE}")
+        current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM commitgate_schema_version"))
         if current > SCHEMA_VERSION:
             raise LedgerUnavailable(
                 f"ledger schema version {current} is newer than this commitgate ({SCHEMA_VERSION}); upgrade commitgate"
             )
-        for version in range(current + 1, SCHEMA_VERSION + 1):
-            await conn.execute(MIGRATIONS[version - 1])
-            await conn.execute("INSERT INTO commitgate_schema_version (version) VALUES ($1)", version)
-        return int(SCHEMA_VERSION - current)
+        if current < SCHEMA_VERSION:
+            await conn.execute(_pending_migrations(current))
+        return SCHEMA_VERSION - current
+
+
+def _pending_migrations(current: int) -> str:
+    """The migrations after version `current`, each followed by its version row, as one script:
+    a new ledger is made in one round trip, not two per migration (a remote database's latency,
+    or a busy machine's wait for the next turn, is paid once)."""
+    return "\n".join(
+        f"{MIGRATIONS[version - 1]}\n;\nINSERT INTO commitgate_schema_version (version) VALUES ({version});"
+        for version in range(current + 1, SCHEMA_VERSION + 1)
+    )
 
 
 async def _schema_version(conn: asyncpg.Connection) -> int:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .node import require_npm_binary
+from .node import CONFORMANCE, require_npm_binary
 
-SUITE = "@modelcontextprotocol/conformance@0.1.16"
 SUITE_TIMEOUT = 240.0
 EVERYTHING_SERVER = Path(__file__).resolve().parent / "everything_server.py"
 
@@ -30,7 +29,7 @@ Check = tuple[str, str]  # (scenario, check id)
 
 def suite() -> list[str]:
     """The suite's command line (skips, or fails under CI, without npm)."""
-    return require_npm_binary(SUITE, "conformance")
+    return require_npm_binary(CONFORMANCE, "conformance")
 
 
 @dataclass

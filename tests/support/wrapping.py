@@ -3,18 +3,16 @@
 * `serve(policy, env)`: a real `commitgate serve` process over stdio behind an SDK `Client`, its stderr
   captured to a file (run at `--log-level debug`, so tests can look for secrets in it).
 * `memory_server()`: the npm reference server `@modelcontextprotocol/server-memory`, installed once
-  into a cache directory (`$COMMITGATE_TEST_CACHE`, default `~/.cache/commitgate-tests`).
+  with the tests' other npm packages into build/node22 (support/node.py).
 * small readers for results: the operation in `_meta`, the error code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -27,13 +25,12 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.types import CallToolResult
 
+from support.node import MEMORY_SERVER, NodeMissing, package
+
 TESTS_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "commitgate"
 SESSION_META = "commitgate/session"
 STEP_META = "commitgate/step"
-
-MEMORY_PACKAGE = "@modelcontextprotocol/server-memory"
-MEMORY_VERSION = "2026.8.31"  # pinned: the tests count entities in its JSONL store format
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -114,40 +111,12 @@ async def upstream_listed(client: Client, tool: str, within: float = 30.0) -> di
 # --- the third-party MCP server -----------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("COMMITGATE_TEST_CACHE") or Path.home() / ".cache" / "commitgate-tests")
-
-
 def memory_server() -> Path:
-    """The installed server's entry point; installs it on first use (idempotent, cached, locked)."""
-    target = cache_dir() / f"server-memory-{MEMORY_VERSION}"
-    index = target / "node_modules" / "@modelcontextprotocol" / "server-memory" / "dist" / "index.js"
-    done = target / ".installed"
-    if done.exists() and index.exists():
-        return index
-    npm, node = shutil.which("npm"), shutil.which("node")
-    if npm is None or node is None:
-        pytest.skip(f"node and npm are needed to install {MEMORY_PACKAGE} (the third-party upstream)")
-    target.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f".{target.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel runs install once
-        if not (done.exists() and index.exists()):
-            command = [npm, "install", "--prefix", str(target), "--no-audit", "--no-fund", "--loglevel=error"]
-            try:
-                run = subprocess.run(
-                    [*command, f"{MEMORY_PACKAGE}@{MEMORY_VERSION}"],
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-            except subprocess.TimeoutExpired:
-                pytest.skip(f"installing {MEMORY_PACKAGE} with npm took over 5 minutes")
-            if run.returncode != 0 or not index.exists():
-                pytest.skip(
-                    f"could not install {MEMORY_PACKAGE}@{MEMORY_VERSION} with npm: {run.stderr[-400:]}"
-                )
-            done.write_text(MEMORY_VERSION)
-    return index
+    """The installed server's entry point (installed on first use); skips without npm."""
+    try:
+        return package(MEMORY_SERVER) / "dist" / "index.js"
+    except (NodeMissing, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"{MEMORY_SERVER} (the third-party upstream) cannot be installed: {exc}")
 
 
 def memory_entities(store: Path, name: str | None = None) -> list[dict[str, Any]]:
