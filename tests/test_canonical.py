@@ -18,7 +18,7 @@ def _dumps(value: Any) -> str:
     "value",
     [
         {"n": 12345, "idempotency_key": "k-1"},
-        {"b": [1, 2.5, -0.0, 1e300, None, True, False], "a": {"z": "é\n\"\\", "y": "😀\u2028"}},
+        {"b": [1, 2.5, -0.0, 1e300, None, True, False], "a": {"z": 'é\n"\\', "y": "😀\u2028"}},
         {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")},
         "just a string with ü",
         [],

@@ -37,5 +37,7 @@ async def pack(
     return {"packed": len(RECEIVED[-1])}
 
 
-async def typed(when: datetime.datetime, amount: decimal.Decimal, id: uuid.UUID, tags: tuple[str, ...]) -> None:
+async def typed(
+    when: datetime.datetime, amount: decimal.Decimal, id: uuid.UUID, tags: tuple[str, ...]
+) -> None:
     """Values that JSON writes differently from how Python holds them."""
