@@ -61,3 +61,29 @@ async def test_the_constraints_of_an_annotated_parameter_are_schema_and_validati
     assert result.structured_content["error"]["code"] == "invalid_arguments"
     assert "boxes" in result.structured_content["error"]["message"]
     assert validated_tool.RECEIVED == []  # nothing ran
+
+
+def test_validated_arguments_are_the_models_json_dump() -> None:
+    """`validate` takes the model's validator and serializer directly: same values as model_dump(mode="json")."""
+    import datetime
+    import decimal
+    import uuid
+
+    from commitgate.server.policy.models import Policy, ToolPolicy
+    from commitgate.tools.base import Collaborators
+    from commitgate.tools.python import PythonTool
+
+    policy = ToolPolicy.model_validate({"class": "safe-retry", "python": "support.validated_tool:typed"})
+    tool = PythonTool("typed", policy, Policy(), Collaborators())
+    given = {"when": "2026-12-03T21:00:00Z", "amount": "1.50", "id": str(uuid.UUID(int=7)), "tags": ("a",)}
+    validated = tool.validate(given)
+    model = tool.signature.model.model_validate(given)
+    assert validated == model.model_dump(mode="json")
+    assert validated == {
+        "when": "2026-12-03T21:00:00Z",
+        "amount": "1.50",
+        "id": str(uuid.UUID(int=7)),
+        "tags": ["a"],
+    }
+    held = model.model_dump()  # the model holds Python values; only the validated arguments are JSON
+    assert isinstance(held["when"], datetime.datetime) and isinstance(held["amount"], decimal.Decimal)

@@ -96,6 +96,14 @@ class _Signature:
         self.model: type[BaseModel] = create_model(
             f"{fn.__name__}_arguments", __config__=ConfigDict(extra="forbid"), **fields
         )
+        # The model's own validator and serializer, taken once: `model_validate` and `model_dump`
+        # check their options on every call, which cost a guarded call several times the work itself.
+        self.parse: Callable[[Any], BaseModel] = self.model.__pydantic_validator__.validate_python
+        self._serialize = self.model.__pydantic_serializer__.to_python
+
+    def normalised(self, model: BaseModel) -> dict[str, Any]:
+        """`model.model_dump(mode="json")`: the arguments as JSON values."""
+        return typing.cast(dict[str, Any], self._serialize(model, mode="json"))
 
 
 class PythonTool:
@@ -134,17 +142,17 @@ class PythonTool:
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         try:
-            model = self.signature.model.model_validate(arguments)
+            model = self.signature.parse(arguments)
         except ValidationError as exc:
             raise InvalidArguments(describe(exc)) from None
-        return _Validated(model.model_dump(mode="json"), model)
+        return _Validated(self.signature.normalised(model), model)
 
     def _kwargs(
         self, arguments: dict[str, Any], ctx: OperationContext, context_param: str | None
     ) -> dict[str, Any]:
         model = arguments.take() if isinstance(arguments, _Validated) else None
         if model is None:
-            model = self.signature.model.model_validate(arguments)
+            model = self.signature.parse(arguments)
         kwargs = {name: getattr(model, name) for name in self.signature.names}
         if context_param is not None:
             kwargs[context_param] = ctx

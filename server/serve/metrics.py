@@ -166,6 +166,8 @@ class Metrics:
         self._spent_labels: dict[str, set[str]] = {}
         self._limits: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
+        # (tool, class, code) -> its calls counter and its call_seconds histogram: one lookup per call
+        self._answered: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def _event_counter(self, name: str, doc: str, extra: str | None = None) -> Counter:
         labels = [*_TC, extra] if extra else list(_TC)
@@ -199,9 +201,16 @@ class Metrics:
 
     def answered(self, event: CallAnswered) -> None:
         try:
-            tool, cls = event.tool, event.cls
-            self._child(self.calls, tool, cls, event.code).inc()
-            self._child(self.call_seconds, tool, cls).observe(event.seconds)
+            labels = (event.tool, event.cls, event.code)
+            children = self._answered.get(labels)
+            if children is None:
+                children = self._answered[labels] = (
+                    self._child(self.calls, *labels),
+                    self._child(self.call_seconds, *labels[:2]),
+                )
+            counted, timed = children
+            counted.inc()
+            timed.observe(event.seconds)
         except Exception:  # instrumentation must never break a call
             log.debug("metrics observer failed for a call to %s", event.tool, exc_info=True)
 

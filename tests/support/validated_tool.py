@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import uuid
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
@@ -32,3 +35,9 @@ async def pack(
         FAIL_FIRST[0] -= 1
         raise RetryableError("not yet")
     return {"packed": len(RECEIVED[-1])}
+
+
+async def typed(
+    when: datetime.datetime, amount: decimal.Decimal, id: uuid.UUID, tags: tuple[str, ...]
+) -> None:
+    """Values that JSON writes differently from how Python holds them."""
