@@ -52,7 +52,8 @@ from commitgate.server.policy.loading import loads_policy
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A table wide enough that no cell wraps: the assertions read a row's words on one line.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "1000"}
     env.pop("COMMITGATE_SANDBOX", None)
     command = [sys.executable, "-m", "commitgate.server.cli", "bench", "--quick", "--json", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)

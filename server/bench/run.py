@@ -96,7 +96,8 @@ class Options:
 
 async def run_bench(options: Options, console: Console | None = None) -> dict[str, Any]:
     """Run the chosen sections and return every figure (the same document `--json` writes)."""
-    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    # Into a pipe or a file the table is 150 columns wide, unless COLUMNS says how wide to make it.
+    console = console or Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 150)
     scale = QUICK if options.quick else FULL
     random.seed(options.seed)
     results: dict[str, Any] = {"meta": _meta(options, scale)}
