@@ -192,16 +192,13 @@ async def test_a_kept_chain_head_behind_the_file_is_read_again(tmp_path: Path) -
 def test_a_receipt_time_is_datetimes_text_at_the_microsecond() -> None:
     """`at_text` formats a second once for all its receipts: the text stays datetime's exactly,
     at the edges of rounding to the microsecond (into the next second, halves) and across days."""
-    import math
-    import random
     from datetime import UTC, datetime
+
+    from support.rounding_times import rounding_times
 
     from commitgate.server.model.receipts import at_text
 
-    rng = random.Random(11)
     edges = (0.0, 1_700_000_000.0000005, 1_700_000_000.9999996, 1_700_000_000.9999995, 1_764_604_800.123456)
-    spread = [rng.uniform(1.6e9, 2.0e9) for _ in range(20_000)]
-    steps = [1_764_604_800 + micros / 1e6 for micros in range(0, 2_000_000, 997)]
-    for ts in (*edges, *spread, *steps, *(math.nextafter(t, 0) for t in steps)):
+    for ts in rounding_times(edges, seed=11):
         expected = datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
         assert at_text(ts) == expected, ts

@@ -6,8 +6,6 @@ Every test counts the effects in the system of record and the claims that reache
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from typing import Any
 
@@ -182,14 +180,13 @@ def test_timestamps_are_formatted_once_and_exactly_as_before() -> None:
     """A replay shows the same timestamps of its operation each time: they are formatted once."""
     from datetime import UTC, datetime
 
+    from support.rounding_times import rounding_times
+
     from commitgate.server.model.records import iso
 
     # Edges of rounding to the microsecond (into the next second, halves) and many times of day.
-    rng = random.Random(7)
     edges = (0.0, 1_700_000_000.0005, 1_700_000_000.9999996, 1_764_604_800.123456, 1_700_000_000.9999995)
-    spread = [rng.uniform(1.6e9, 2.0e9) for _ in range(20_000)]
-    steps = [1_764_604_800 + micros / 1e6 for micros in range(0, 2_000_000, 997)]
-    for ts in (*edges, *spread, *steps, *(math.nextafter(t, 0) for t in steps)):
+    for ts in rounding_times(edges, seed=7):
         expected = datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         assert iso(ts) == expected, ts
     assert iso(None) is None
